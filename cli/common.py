@@ -1,0 +1,100 @@
+"""Arguments and helpers shared by CLI commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from ..engine.conditioning import TextCondition
+from ..engine.errors import InputError
+from ..engine.models.registry import all_presets
+from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from ..engine.sampling import SAMPLERS, SCHEDULES
+
+# The schedule each model preset is sampled with by default.
+DEFAULT_SCHEDULE = {"flux.1-dev": "flux.1-dev", "flux-tiny-guidance": "flux.1-dev"}
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1-schnell") -> None:
+    p.add_argument(
+        "--model",
+        default=default_model,
+        choices=sorted(all_presets()),
+        help="model preset (architecture for dummy weights, and the default schedule)",
+    )
+    p.add_argument("--weights", default="dummy", help="'dummy' (seeded random weights) or a checkpoint path")
+    p.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES), help="compute dtype")
+    p.add_argument(
+        "--weight-dtype",
+        default="default",
+        choices=[k for k, v in WEIGHT_DTYPES.items() if k == "default" or v],
+        help="storage dtype of linear weights",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash-attn"])
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--height", type=int, default=256, help="image height in pixels (multiple of 16)")
+    p.add_argument("--width", type=int, default=256, help="image width in pixels (multiple of 16)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None, help="default: the schedule's own step count")
+    p.add_argument(
+        "--schedule", default=None, choices=list(SCHEDULES) + ["custom"], help="default: the model's schedule"
+    )
+    p.add_argument("--sigmas", default="", help="with --schedule custom: comma separated sigmas")
+    p.add_argument("--sampler", default=None, choices=list(SAMPLERS), help="default: the schedule's sampler")
+    p.add_argument(
+        "--cfg", type=float, default=1.0, help="CFG scale (needs --negative-cond or --negative-seed)"
+    )
+    p.add_argument("--guidance", type=float, default=3.5, help="distilled guidance (FLUX-dev)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cond",
+        default=None,
+        help="safetensors with 'context' [B,L,4096] and 'pooled' [B,768] "
+        "(default: seeded synthetic embeddings; the engine has no text encoder)",
+    )
+    p.add_argument("--tokens", type=int, default=64, help="token count of synthetic embeddings")
+    p.add_argument(
+        "--negative-seed", type=int, default=None, help="synthetic negative embeddings (enables CFG)"
+    )
+
+
+def source_of(args) -> str:
+    return f"dummy:{args.model}" if args.weights == "dummy" else args.weights
+
+
+def synthetic_condition(params, tokens: int, seed: int, guidance: float) -> TextCondition:
+    gen = torch.Generator().manual_seed(seed)
+    return TextCondition(
+        torch.randn(1, tokens, params.context_in_dim, generator=gen),
+        torch.randn(1, params.vec_in_dim, generator=gen),
+        guidance,
+    )
+
+
+def load_condition(path: str, guidance: float) -> TextCondition:
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise InputError("--cond", f"file not found: {path}")
+    tensors = load_file(path)
+    if "context" not in tensors:
+        raise InputError("--cond", f"{path} has no 'context' tensor (found {sorted(tensors)})")
+    return TextCondition(tensors["context"], tensors.get("pooled"), guidance)
+
+
+def check_size(height: int, width: int) -> None:
+    for name, v in (("--height", height), ("--width", width)):
+        if v <= 0 or v % 16:
+            raise InputError(name, f"{v} is not a positive multiple of 16")
+
+
+def write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")

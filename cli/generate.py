@@ -1,0 +1,100 @@
+"""``python -m fewstep generate``: one sample, written as a raw latent with per-stage timings."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from ..engine.handle import open_model
+from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from ..engine.sampling import SCHEDULES
+from ..engine.text_to_image import sample_latent
+from .common import (
+    DEFAULT_SCHEDULE,
+    add_model_arguments,
+    add_sampling_arguments,
+    check_size,
+    load_condition,
+    source_of,
+    synthetic_condition,
+    write_json,
+)
+
+HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage timings"
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--out", default="out/generate", help="output folder")
+
+
+def run(args) -> int:
+    check_size(args.height, args.width)
+    timings = {}
+    t = time.perf_counter()
+    handle = open_model(
+        source_of(args),
+        weight_dtype=WEIGHT_DTYPES[args.weight_dtype],
+        dtype=COMPUTE_DTYPES[args.dtype],
+        device=args.device,
+        attention_backend=args.attention,
+        input_name="--weights",
+    )
+    timings["load_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    params = handle.params
+    if args.cond:
+        positive = load_condition(args.cond, args.guidance)
+    else:
+        positive = synthetic_condition(params, args.tokens, args.seed + 1, args.guidance)
+    negative = None
+    if args.negative_seed is not None:
+        negative = [synthetic_condition(params, args.tokens, args.negative_seed, args.guidance)]
+    schedule = args.schedule or DEFAULT_SCHEDULE.get(args.model, "flux.1-schnell")
+    sampler = args.sampler or (SCHEDULES[schedule].sampler if schedule in SCHEDULES else "euler")
+    latent = torch.zeros(args.batch, handle.family.latent_format.channels, args.height // 8, args.width // 8)
+    timings["prepare_s"] = time.perf_counter() - t
+
+    out, report = sample_latent(
+        handle,
+        [positive],
+        latent,
+        negative=negative,
+        seed=args.seed,
+        steps=args.steps,
+        schedule=schedule,
+        sampler=sampler,
+        cfg=args.cfg,
+        custom_sigmas=args.sigmas,
+    )
+    timings["sampling_s"] = report.seconds_total
+    timings["per_step_s"] = report.seconds_per_step
+
+    t = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    save_file({"latent": out.contiguous()}, os.path.join(args.out, "latent.safetensors"))
+    timings["save_s"] = time.perf_counter() - t
+    write_json(
+        os.path.join(args.out, "timings.json"),
+        {
+            "model": handle.describe(),
+            "schedule": schedule,
+            "sampler": sampler,
+            "sigmas": report.sigmas,
+            "dit_forwards": report.model_calls,
+            "latent_shape": list(out.shape),
+            "timings": timings,
+        },
+    )
+    print(handle.describe())
+    print(report.summary())
+    print(
+        f"wrote {os.path.join(args.out, 'latent.safetensors')} {list(out.shape)}; "
+        f"load {timings['load_s']:.2f} s, sampling {timings['sampling_s']:.2f} s"
+    )
+    return 0

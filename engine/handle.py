@@ -1,0 +1,87 @@
+"""``ModelHandle``: a loaded model plus how to run it (the ``FEWSTEP_MODEL`` that flows between nodes).
+
+The handle owns no run state. Speed features (a step-cache gate, compilation, parallelism) are recorded in
+``features`` and applied by the code that runs the model, so each one is composable and can be switched off
+on its own; ``with_feature`` returns a new handle and never mutates the shared model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import check_backend
+from .loader import default_compute_dtype, load_dit, preset_of, resolve_device
+from .models.registry import Family, family_of
+from .ops import weight_bytes
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    model: nn.Module
+    source: str
+    dtype: torch.dtype
+    attention_backend: str = "auto"
+    features: tuple[tuple[str, object], ...] = field(default=())
+    # Opaque to the engine: the host application's memory-manager object for this model (ComfyUI's
+    # ModelPatcher), shared by every handle derived from this one.
+    host: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.model)
+
+    @property
+    def params(self):
+        return self.model.params
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def preset(self) -> str | None:
+        return preset_of(self.model)
+
+    def feature(self, name: str, default=None):
+        return dict(self.features).get(name, default)
+
+    def with_feature(self, name: str, value) -> ModelHandle:
+        kept = tuple((k, v) for k, v in self.features if k != name)
+        return dataclasses.replace(self, features=kept + ((name, value),))
+
+    def replace(self, **changes) -> ModelHandle:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        p = self.params
+        name = self.preset or "custom"
+        mb = weight_bytes(self.model) / 2**20
+        wdt = {str(t.dtype).replace("torch.", "") for t in self.model.state_dict().values()}
+        return (
+            f"{self.family.name} [{name}] from {self.source}: hidden {p.hidden_size}, heads {p.num_heads}, "
+            f"{mb:.1f} MiB weights ({'/'.join(sorted(wdt))}), compute {str(self.dtype).replace('torch.', '')}, "
+            f"attention {self.attention_backend}, device {self.device}"
+        )
+
+
+def open_model(
+    source: str,
+    weight_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None,
+    device=None,
+    attention_backend: str = "auto",
+    seed: int = 0,
+    input_name: str = "weights",
+) -> ModelHandle:
+    """``load_dit`` plus the run settings, as one handle."""
+    check_backend(attention_backend, "attention")
+    dev = resolve_device(device)
+    dtype = dtype or default_compute_dtype(dev)
+    model = load_dit(
+        source, dtype=dtype, device=dev, weight_dtype=weight_dtype, seed=seed, input_name=input_name
+    )
+    return ModelHandle(model=model, source=str(source), dtype=dtype, attention_backend=attention_backend)

@@ -1,0 +1,1 @@
+"""Model architectures. Module attribute names are the official checkpoint key names."""

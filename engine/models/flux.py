@@ -1,0 +1,181 @@
+"""FLUX.1 (dev, schnell and their fine-tunes): a rectified-flow MMDiT over 2x2 patches of a 16-channel latent.
+
+``Flux.forward(img, img_ids, txt, txt_ids, timesteps, y, guidance=None)`` has the semantics of the
+black-forest-labs reference: ``img [B, L_img, 64]`` packed latent patches, ``txt [B, L_txt, 4096]`` T5 tokens,
+``y [B, 768]`` pooled CLIP vector, ``timesteps [B]`` flow time in [0, 1], ``guidance [B]`` distilled guidance
+(models with a guidance embedding only). It returns the velocity ``[B, L_img, 64]``; text tokens come first
+in the joint attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from ..ops import Linear
+from ..rope import rope_freqs
+from .flux_layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
+
+
+@dataclass(frozen=True)
+class FluxParams:
+    in_channels: int = 64
+    out_channels: int = 64
+    vec_in_dim: int = 768
+    context_in_dim: int = 4096
+    hidden_size: int = 3072
+    mlp_ratio: float = 4.0
+    num_heads: int = 24
+    depth: int = 19
+    depth_single_blocks: int = 38
+    axes_dim: tuple[int, ...] = (16, 56, 56)
+    theta: int = 10_000
+    qkv_bias: bool = True
+    guidance_embed: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the (unpacked) latent the model denoises: 64 packed = 16 x 2 x 2."""
+        return self.out_channels // 4
+
+
+# Official configurations (black-forest-labs/flux, src/flux/util.py) plus small ones of the same architecture.
+PRESETS: dict[str, FluxParams] = {
+    "flux.1-dev": FluxParams(guidance_embed=True),
+    "flux.1-schnell": FluxParams(guidance_embed=False),
+    # Tests: the real interface widths (T5 4096, CLIP 768, 16-channel latent) around a tiny trunk.
+    "flux-tiny": FluxParams(
+        hidden_size=64, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=(4, 14, 14)
+    ),
+    "flux-tiny-guidance": FluxParams(
+        hidden_size=64, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=(4, 14, 14), guidance_embed=True
+    ),
+    # Benchmarks on CPU: FLUX head size (128) and block mix at a width a CPU runs in a second.
+    "flux-mid": FluxParams(hidden_size=1024, num_heads=8, depth=2, depth_single_blocks=4),
+}
+
+
+def default_axes_dim(head_dim: int) -> tuple[int, ...] | None:
+    """The FLUX split of a head between (index, row, column): 1/8 then halves; 128 -> (16, 56, 56)."""
+    first = head_dim // 8
+    rest = (head_dim - first) // 2
+    axes = (first, rest, rest)
+    if sum(axes) != head_dim or any(a % 2 for a in axes) or first == 0:
+        return None
+    return axes
+
+
+class Flux(nn.Module):
+    family = "flux"
+
+    def __init__(self, params: FluxParams):
+        super().__init__()
+        if params.hidden_size % params.num_heads:
+            raise ValueError(f"hidden size {params.hidden_size} is not divisible by {params.num_heads} heads")
+        if sum(params.axes_dim) != params.head_dim:
+            raise ValueError(f"axes_dim {params.axes_dim} does not sum to the head size {params.head_dim}")
+        self.params = params
+        hidden = params.hidden_size
+        self.img_in = Linear(params.in_channels, hidden, bias=True)
+        self.time_in = MLPEmbedder(256, hidden)
+        self.vector_in = MLPEmbedder(params.vec_in_dim, hidden)
+        self.guidance_in = MLPEmbedder(256, hidden) if params.guidance_embed else nn.Identity()
+        self.txt_in = Linear(params.context_in_dim, hidden)
+        self.double_blocks = nn.ModuleList(
+            DoubleStreamBlock(hidden, params.num_heads, params.mlp_ratio, params.qkv_bias)
+            for _ in range(params.depth)
+        )
+        self.single_blocks = nn.ModuleList(
+            SingleStreamBlock(hidden, params.num_heads, params.mlp_ratio)
+            for _ in range(params.depth_single_blocks)
+        )
+        self.final_layer = LastLayer(hidden, 1, params.out_channels)
+
+    def forward(
+        self,
+        img: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt: torch.Tensor,
+        txt_ids: torch.Tensor,
+        timesteps: torch.Tensor,
+        y: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if img.ndim != 3 or txt.ndim != 3:
+            raise ValueError("img and txt must be [batch, tokens, channels]")
+        dtype = img.dtype
+        img = self.img_in(img)
+        vec = self.time_in(timestep_embedding(timesteps, 256).to(dtype))
+        if self.params.guidance_embed:
+            if guidance is None:
+                raise ValueError("this FLUX model has a guidance embedding: pass guidance")
+            vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+        vec = vec + self.vector_in(y.to(dtype))
+        txt = self.txt_in(txt.to(dtype))
+
+        freqs = rope_freqs(torch.cat((txt_ids, img_ids), dim=1), self.params.axes_dim, self.params.theta)
+        for block in self.double_blocks:
+            img, txt = block(img, txt, vec, freqs)
+        n_txt = txt.shape[1]
+        x = torch.cat((txt, img), dim=1)
+        for block in self.single_blocks:
+            x = block(x, vec, freqs)
+        return self.final_layer(x[:, n_txt:], vec)
+
+
+def pack_latent(x: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W]`` latent -> ``[B, (H/2)(W/2), 4C]`` tokens of 2x2 patches (reference order)."""
+    return rearrange(x, "b c (h ph) (w pw) -> b (h w) (c ph pw)", ph=2, pw=2)
+
+
+def unpack_latent(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latent` for a latent of ``height x width`` (latent pixels)."""
+    return rearrange(
+        tokens, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=height // 2, w=width // 2, ph=2, pw=2
+    )
+
+
+def image_ids(batch: int, height: int, width: int, device=None) -> torch.Tensor:
+    """Position ids ``[B, (H/2)(W/2), 3]``: axis 0 is 0 for the generated image, then row and column."""
+    ids = torch.zeros(height // 2, width // 2, 3, device=device)
+    ids[..., 1] = torch.arange(height // 2, device=device)[:, None]
+    ids[..., 2] = torch.arange(width // 2, device=device)[None, :]
+    return ids.reshape(1, -1, 3).expand(batch, -1, -1)
+
+
+def text_ids(batch: int, length: int, device=None) -> torch.Tensor:
+    return torch.zeros(batch, length, 3, device=device)
+
+
+def with_overrides(params: FluxParams, **changes) -> FluxParams:
+    return dataclasses.replace(params, **changes)
+
+
+DEFAULT_GUIDANCE = 3.5  # what ComfyUI's Flux model uses when the conditioning carries no "guidance"
+
+
+def flux_velocity(model: Flux, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+    """Velocity ``dx/dsigma`` for a latent ``x [B, 16, H, W]`` (model space) at noise level ``sigma [B]``."""
+    b, _, h, w = x.shape
+    guidance = None
+    if model.params.guidance_embed:
+        g = DEFAULT_GUIDANCE if cond.guidance is None else cond.guidance
+        guidance = torch.full((b,), float(g), device=x.device, dtype=torch.float32)
+    out = model(
+        img=pack_latent(x),
+        img_ids=image_ids(b, h, w, device=x.device),
+        txt=cond.context,
+        txt_ids=text_ids(b, cond.context.shape[1], device=x.device),
+        timesteps=sigma,
+        y=cond.pooled,
+        guidance=guidance,
+    )
+    return unpack_latent(out, h, w)

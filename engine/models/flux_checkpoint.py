@@ -1,0 +1,160 @@
+"""Recognising FLUX checkpoints: the official (BFL) layout, the diffusers layout, and config inference.
+
+The official layout is the model's own (``double_blocks.N.img_attn.qkv.weight``...). The diffusers
+``FluxTransformer2DModel`` layout splits fused projections (``to_q/to_k/to_v``, ``proj_mlp``) and swaps the
+final layer's (shift, scale) halves; :func:`diffusers_to_official` fuses and swaps them back.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import CheckpointError
+from .flux import PRESETS, FluxParams, default_axes_dim
+
+StateDict = dict[str, torch.Tensor]
+
+
+def is_official(keys) -> bool:
+    keys = set(keys)
+    return "img_in.weight" in keys and any(k.startswith("double_blocks.") for k in keys)
+
+
+def is_diffusers(keys) -> bool:
+    keys = set(keys)
+    return "x_embedder.weight" in keys and any(k.startswith("transformer_blocks.") for k in keys)
+
+
+def _block_indices(keys, prefix: str) -> list[int]:
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    first, second = t.chunk(2, dim=0)
+    return torch.cat((second, first), dim=0)
+
+
+_DOUBLE_RENAMES = {
+    "attn.to_out.0": "img_attn.proj",
+    "attn.to_add_out": "txt_attn.proj",
+    "norm1.linear": "img_mod.lin",
+    "norm1_context.linear": "txt_mod.lin",
+    "ff.net.0.proj": "img_mlp.0",
+    "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0",
+    "ff_context.net.2": "txt_mlp.2",
+}
+_DOUBLE_NORMS = {
+    "attn.norm_q.weight": "img_attn.norm.query_norm.scale",
+    "attn.norm_k.weight": "img_attn.norm.key_norm.scale",
+    "attn.norm_added_q.weight": "txt_attn.norm.query_norm.scale",
+    "attn.norm_added_k.weight": "txt_attn.norm.key_norm.scale",
+}
+_SINGLE_RENAMES = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
+_SINGLE_NORMS = {"attn.norm_q.weight": "norm.query_norm.scale", "attn.norm_k.weight": "norm.key_norm.scale"}
+_TOP_RENAMES = {
+    "x_embedder": "img_in",
+    "context_embedder": "txt_in",
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "proj_out": "final_layer.linear",
+}
+
+
+def diffusers_to_official(sd: StateDict) -> StateDict:
+    """Convert a diffusers ``FluxTransformer2DModel`` state dict to the official layout.
+
+    Every input key is consumed exactly once; keys this table does not know are passed through unchanged so
+    that the strict key check afterwards reports them as unexpected instead of dropping them silently.
+    """
+    src = dict(sd)
+    out: StateDict = {}
+
+    def take(key: str) -> torch.Tensor:
+        return src.pop(key)
+
+    def fuse(dst: str, parts: list[str]) -> None:
+        for end in ("weight", "bias"):
+            names = [f"{p}.{end}" for p in parts]
+            present = [n for n in names if n in src]
+            if present and len(present) != len(names):
+                missing = sorted(set(names) - set(present))
+                raise CheckpointError("weights", f"diffusers FLUX layout: {dst}.{end} needs {missing}")
+            if present:
+                out[f"{dst}.{end}"] = torch.cat([take(n) for n in names], dim=0)
+
+    for i in _block_indices(sd, "transformer_blocks."):
+        p, q = f"transformer_blocks.{i}.", f"double_blocks.{i}."
+        fuse(q + "img_attn.qkv", [p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"])
+        fuse(q + "txt_attn.qkv", [p + "attn.add_q_proj", p + "attn.add_k_proj", p + "attn.add_v_proj"])
+        for a, b in _DOUBLE_RENAMES.items():
+            for end in ("weight", "bias"):
+                if f"{p}{a}.{end}" in src:
+                    out[f"{q}{b}.{end}"] = take(f"{p}{a}.{end}")
+        for a, b in _DOUBLE_NORMS.items():
+            if p + a in src:
+                out[q + b] = take(p + a)
+    for i in _block_indices(sd, "single_transformer_blocks."):
+        p, q = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
+        fuse(q + "linear1", [p + "attn.to_q", p + "attn.to_k", p + "attn.to_v", p + "proj_mlp"])
+        for a, b in _SINGLE_RENAMES.items():
+            for end in ("weight", "bias"):
+                if f"{p}{a}.{end}" in src:
+                    out[f"{q}{b}.{end}"] = take(f"{p}{a}.{end}")
+        for a, b in _SINGLE_NORMS.items():
+            if p + a in src:
+                out[q + b] = take(p + a)
+    for a, b in _TOP_RENAMES.items():
+        for end in ("weight", "bias"):
+            if f"{a}.{end}" in src:
+                out[f"{b}.{end}"] = take(f"{a}.{end}")
+    for end in ("weight", "bias"):
+        # diffusers' AdaLayerNormContinuous emits (scale, shift); the official final layer (shift, scale).
+        if f"norm_out.linear.{end}" in src:
+            out[f"final_layer.adaLN_modulation.1.{end}"] = _swap_halves(take(f"norm_out.linear.{end}"))
+    out.update(src)
+    return out
+
+
+def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> FluxParams:
+    """Infer the configuration from tensor names and shapes (official layout)."""
+    try:
+        hidden, in_channels = sd["img_in.weight"].shape
+        out_channels = sd["final_layer.linear.weight"].shape[0]
+        head_dim = sd["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
+        mlp_hidden = sd["double_blocks.0.img_mlp.0.weight"].shape[0]
+        vec_in_dim = sd["vector_in.in_layer.weight"].shape[1]
+        context_in_dim = sd["txt_in.weight"].shape[1]
+    except KeyError as exc:
+        raise CheckpointError("weights", f"{source}: FLUX layout without {exc.args[0]!r}") from exc
+    axes = default_axes_dim(head_dim)
+    if axes is None:
+        raise CheckpointError(
+            "weights",
+            f"{source}: head size {head_dim} has no known RoPE axis split (FLUX uses 128 = 16+56+56)",
+        )
+    return FluxParams(
+        in_channels=in_channels,
+        out_channels=out_channels,
+        vec_in_dim=vec_in_dim,
+        context_in_dim=context_in_dim,
+        hidden_size=hidden,
+        mlp_ratio=mlp_hidden / hidden,
+        num_heads=hidden // head_dim,
+        depth=len(_block_indices(sd, "double_blocks.")),
+        depth_single_blocks=len(_block_indices(sd, "single_blocks.")),
+        axes_dim=axes,
+        qkv_bias="double_blocks.0.img_attn.qkv.bias" in sd,
+        guidance_embed="guidance_in.in_layer.weight" in sd,
+    )
+
+
+def preset_name(params: FluxParams) -> str | None:
+    return next((name for name, p in PRESETS.items() if p == params), None)

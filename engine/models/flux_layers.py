@@ -1,0 +1,189 @@
+"""Building blocks of the FLUX.1 transformer.
+
+Attribute names are the official checkpoint's key names (``img_attn.qkv``, ``norm.query_norm.scale``,
+``adaLN_modulation.1``...), so a BFL ``flux1-*.safetensors`` file loads with no renaming.
+Tensors are ``[batch, tokens, heads, head_dim]`` around attention (see ``engine.attention``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import attention
+from ..ops import Linear
+from ..rope import RopeFreqs, apply_rope
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000, time_factor: float = 1000.0):
+    """Sinusoidal embedding ``[N, dim]`` (cos half first) of ``time_factor * t``, computed in float32."""
+    t = time_factor * t.float()
+    half = dim // 2
+    freqs = torch.exp(
+        -math.log(max_period) * torch.arange(0, half, dtype=torch.float32, device=t.device) / half
+    )
+    args = t[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+    return emb
+
+
+class MLPEmbedder(nn.Module):
+    def __init__(self, in_dim: int, hidden_dim: int):
+        super().__init__()
+        self.in_layer = Linear(in_dim, hidden_dim, bias=True)
+        self.silu = nn.SiLU()
+        self.out_layer = Linear(hidden_dim, hidden_dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(self.silu(self.in_layer(x)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rrms = torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + 1e-6)
+        return (xf * rrms).to(x.dtype) * self.scale.to(x.dtype)
+
+
+class QKNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.query_norm = RMSNorm(dim)
+        self.key_norm = RMSNorm(dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query_norm(q), self.key_norm(k)
+
+
+class SelfAttention(nn.Module):
+    """Holds the projections of one stream; the joint attention itself runs in the block."""
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.norm = QKNorm(dim // num_heads)
+        self.proj = Linear(dim, dim)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
+        q, k = self.norm(q, k)
+        return q, k, v
+
+
+class Modulation(nn.Module):
+    """adaLN parameters (shift, scale, gate) x (1 or 2) from the conditioning vector."""
+
+    def __init__(self, dim: int, double: bool):
+        super().__init__()
+        self.multiplier = 6 if double else 3
+        self.lin = Linear(dim, self.multiplier * dim, bias=True)
+
+    def forward(self, vec: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.lin(F.silu(vec))[:, None, :].chunk(self.multiplier, dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (1 + scale) * x + shift
+
+
+def _mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
+    return nn.Sequential(
+        Linear(hidden_size, mlp_hidden_dim, bias=True),
+        nn.GELU(approximate="tanh"),
+        Linear(mlp_hidden_dim, hidden_size, bias=True),
+    )
+
+
+def rope_attention(q, k, v, freqs: RopeFreqs) -> torch.Tensor:
+    """RoPE on q and k, attention, heads merged: ``[B, L, H, D]`` -> ``[B, L, H * D]``."""
+    return attention(apply_rope(q, freqs), apply_rope(k, freqs), v).flatten(2)
+
+
+class DoubleStreamBlock(nn.Module):
+    """Separate weights for the image and text streams, one joint attention over ``[txt, img]``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, qkv_bias: bool = False):
+        super().__init__()
+        mlp_hidden_dim = int(hidden_size * mlp_ratio)
+        self.num_heads = num_heads
+        self.hidden_size = hidden_size
+        self.img_mod = Modulation(hidden_size, double=True)
+        self.img_norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.img_attn = SelfAttention(hidden_size, num_heads, qkv_bias=qkv_bias)
+        self.img_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.img_mlp = _mlp(hidden_size, mlp_hidden_dim)
+
+        self.txt_mod = Modulation(hidden_size, double=True)
+        self.txt_norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.txt_attn = SelfAttention(hidden_size, num_heads, qkv_bias=qkv_bias)
+        self.txt_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.txt_mlp = _mlp(hidden_size, mlp_hidden_dim)
+
+    def forward(self, img, txt, vec, freqs: RopeFreqs):
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
+
+        img_q, img_k, img_v = self.img_attn.project(modulate(self.img_norm1(img), i_shift1, i_scale1))
+        txt_q, txt_k, txt_v = self.txt_attn.project(modulate(self.txt_norm1(txt), t_shift1, t_scale1))
+
+        q = torch.cat((txt_q, img_q), dim=1)
+        k = torch.cat((txt_k, img_k), dim=1)
+        v = torch.cat((txt_v, img_v), dim=1)
+        attn = rope_attention(q, k, v, freqs)
+        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
+
+        img = img + i_gate1 * self.img_attn.proj(img_attn)
+        img = img + i_gate2 * self.img_mlp(modulate(self.img_norm2(img), i_shift2, i_scale2))
+        txt = txt + t_gate1 * self.txt_attn.proj(txt_attn)
+        txt = txt + t_gate2 * self.txt_mlp(modulate(self.txt_norm2(txt), t_shift2, t_scale2))
+        return img, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """One stream over ``[txt, img]``: fused qkv + MLP-in projection, fused attention-out + MLP-out."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.mlp_hidden_dim = int(hidden_size * mlp_ratio)
+        self.linear1 = Linear(hidden_size, hidden_size * 3 + self.mlp_hidden_dim)
+        self.linear2 = Linear(hidden_size + self.mlp_hidden_dim, hidden_size)
+        self.norm = QKNorm(hidden_size // num_heads)
+        self.pre_norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp_act = nn.GELU(approximate="tanh")
+        self.modulation = Modulation(hidden_size, double=False)
+
+    def forward(self, x, vec, freqs: RopeFreqs):
+        shift, scale, gate = self.modulation(vec)
+        qkv, mlp = torch.split(
+            self.linear1(modulate(self.pre_norm(x), shift, scale)),
+            [3 * self.hidden_size, self.mlp_hidden_dim],
+            -1,
+        )
+        q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(2)
+        q, k = self.norm(q, k)
+        attn = rope_attention(q, k, v, freqs)
+        return x + gate * self.linear2(torch.cat((attn, self.mlp_act(mlp)), dim=2))
+
+
+class LastLayer(nn.Module):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift[:, None, :], scale[:, None, :]))

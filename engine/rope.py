@@ -1,0 +1,50 @@
+"""Multi-axis rotary position embedding (RoPE).
+
+Each token carries integer positions along several axes (FLUX: text-or-image index, row, column; Wan: frame,
+row, column). The head dimension is split between the axes (``axes_dim``, each even); every axis rotates its
+share of the head in adjacent pairs ``(x[2i], x[2i+1])`` by ``position * theta ** (-2i / axis_dim)``.
+
+Frequencies are computed in float32 and the rotation is applied in float32, as the reference implementations
+do, then cast back to the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeFreqs:
+    """Rotation of every token: ``cos``/``sin`` of shape ``[B, L, 1, head_dim // 2]`` (float32)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def axis_angles(pos: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    """Angles ``[..., dim // 2]`` for positions ``pos [...]`` along one axis."""
+    if dim % 2:
+        raise ValueError(f"RoPE axis dimension must be even, got {dim}")
+    scale = torch.arange(0, dim, 2, dtype=pos.dtype, device=pos.device) / dim
+    omega = 1.0 / (theta**scale)
+    return pos[..., None] * omega
+
+
+def rope_freqs(ids: torch.Tensor, axes_dim: tuple[int, ...], theta: float) -> RopeFreqs:
+    """``ids [B, L, n_axes]`` (float positions) -> rotations for a ``sum(axes_dim)``-wide head."""
+    if ids.shape[-1] != len(axes_dim):
+        raise ValueError(f"position ids have {ids.shape[-1]} axes, RoPE is configured for {len(axes_dim)}")
+    angles = torch.cat([axis_angles(ids[..., i], d, theta) for i, d in enumerate(axes_dim)], dim=-1)
+    angles = angles.float().unsqueeze(2)
+    return RopeFreqs(torch.cos(angles), torch.sin(angles))
+
+
+def apply_rope(x: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
+    """Rotate ``x [B, L, H, D]`` by ``freqs`` (broadcast over heads)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out0 = freqs.cos * x0 - freqs.sin * x1
+    out1 = freqs.sin * x0 + freqs.cos * x1
+    return torch.stack((out0, out1), dim=-1).flatten(-2).to(x.dtype)

@@ -1,0 +1,165 @@
+"""Noise schedules: functions returning a decreasing ``sigmas`` tensor (float32) that ends in 0.
+
+``sigma`` is the flow-matching noise level (``x = (1 - sigma) x0 + sigma noise``); the model timestep is
+``1000 * sigma`` for every family here. Each preset reproduces its model's reference sampler:
+
+==================  =====  =============================================================================
+preset              steps  sigmas
+==================  =====  =============================================================================
+flux.1-schnell      4      ``linspace(1, 0, N + 1)`` -- unshifted (BFL ``get_schedule(shift=False)``)
+flux.1-dev          28     ``linspace(1, 0, N + 1)`` through ``time_shift(mu)``, ``mu`` linear in the
+                           image token count from 0.5 at 256 tokens to 1.15 at 4096 (BFL ``get_schedule``)
+sd3-turbo           4      ``shift_3(linspace(1, shift_3(0.001), N))`` then 0 -- diffusers
+                           ``FlowMatchEulerDiscreteScheduler(shift=3)`` and the SD3.5 reference, which both
+                           apply the shift to an already-shifted ``sigma_min``: [1, .8577, .6022, .0089, 0]
+z-image-turbo       9      ``shift_3(linspace(1, 1/N, N))`` then 0 (Tongyi-MAI/Z-Image scheduler, and diffusers
+                           since May 2026); no CFG. The README's "9 steps = 8 DiT forwards" of the first
+                           diffusers pipeline is exactly this preset at 8 steps.
+wan-dmd-4step       4      Self-Forcing's ``denoising_step_list`` [1000, 750, 500, 250] warped through the
+                           shift-5 flow table: ``shift_5(1 - k/N)`` then 0 = [1, .9375, .8333, .625, 0]
+==================  =====  =============================================================================
+
+``shift_s(u) = s u / (1 + (s - 1) u)``. ``denoise < 1`` follows ComfyUI: build the schedule for
+``int(steps / denoise)`` steps and keep its last ``steps + 1`` sigmas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+
+def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """Static flow shift ``s u / (1 + (s - 1) u)`` (SD3, Wan, Z-Image)."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def time_shift(mu: float, sigmas: torch.Tensor) -> torch.Tensor:
+    """FLUX's exponential time shift ``e^mu / (e^mu + 1/t - 1)``; maps 1 -> 1 and 0 -> 0."""
+    return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
+
+
+def flux_mu(image_seq_len: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """Resolution dependence of FLUX.1-dev's shift: linear in tokens, 256 -> base, 4096 -> max."""
+    m = (max_shift - base_shift) / (4096 - 256)
+    return m * image_seq_len + (base_shift - m * 256)
+
+
+def _with_zero(sigmas: torch.Tensor) -> torch.Tensor:
+    return torch.cat([sigmas.float(), sigmas.new_zeros(1)])
+
+
+def flux_schnell_sigmas(steps: int, image_seq_len: int | None = None) -> torch.Tensor:
+    return torch.linspace(1, 0, steps + 1)
+
+
+def flux_dev_sigmas(steps: int, image_seq_len: int) -> torch.Tensor:
+    return time_shift(flux_mu(image_seq_len), torch.linspace(1, 0, steps + 1))
+
+
+def sd3_turbo_sigmas(steps: int, image_seq_len: int | None = None, shift: float = 3.0) -> torch.Tensor:
+    sigma_min = shift_sigmas(torch.tensor(1 / 1000), shift)
+    return _with_zero(shift_sigmas(torch.linspace(1.0, float(sigma_min), steps), shift))
+
+
+def z_image_turbo_sigmas(steps: int, image_seq_len: int | None = None, shift: float = 3.0) -> torch.Tensor:
+    return _with_zero(shift_sigmas(torch.linspace(1.0, 1.0 / steps, steps), shift))
+
+
+def wan_dmd_sigmas(steps: int, image_seq_len: int | None = None, shift: float = 5.0) -> torch.Tensor:
+    timesteps = torch.linspace(1000, 0, steps + 1)[:-1]
+    return _with_zero(shift_sigmas(timesteps / 1000, shift))
+
+
+def explicit_sigmas(values: Sequence[float] | str, input_name: str = "sigmas") -> torch.Tensor:
+    """A user's list, e.g. ``"1, 0.75, 0.5, 0.25"``; a final 0 is appended when missing."""
+    if isinstance(values, str):
+        try:
+            values = [float(v) for v in values.replace(",", " ").split()]
+        except ValueError as exc:
+            raise InputError(input_name, f"expected numbers separated by commas, got {values!r}") from exc
+    sig = torch.tensor(list(values), dtype=torch.float32)
+    if sig.numel() == 0:
+        raise InputError(input_name, "the sigma list is empty")
+    if sig[-1] != 0:
+        sig = _with_zero(sig)
+    if sig.numel() < 2 or bool((sig[1:] >= sig[:-1]).any()) or bool(sig[0] > 1) or bool((sig < 0).any()):
+        raise InputError(
+            input_name, f"sigmas must be strictly decreasing within [0, 1] and end in 0, got {sig.tolist()}"
+        )
+    return sig
+
+
+@dataclass(frozen=True)
+class SchedulePreset:
+    name: str
+    steps: int
+    sigmas: Callable[[int, int], torch.Tensor]
+    sampler: str
+    cfg: float
+    description: str
+
+
+SCHEDULES: dict[str, SchedulePreset] = {
+    p.name: p
+    for p in (
+        SchedulePreset(
+            "flux.1-schnell", 4, flux_schnell_sigmas, "euler", 1.0, "FLUX.1-schnell: 4 steps, unshifted"
+        ),
+        SchedulePreset(
+            "flux.1-dev",
+            28,
+            flux_dev_sigmas,
+            "euler",
+            1.0,
+            "FLUX.1-dev: 28 steps, shift grows with resolution (guidance is embedded, not CFG)",
+        ),
+        SchedulePreset("sd3-turbo", 4, sd3_turbo_sigmas, "euler", 1.0, "SD3.5-Large-Turbo: 4 steps, shift 3"),
+        SchedulePreset(
+            "z-image-turbo", 9, z_image_turbo_sigmas, "euler", 1.0, "Z-Image-Turbo: 9 steps, shift 3, no CFG"
+        ),
+        SchedulePreset(
+            "wan-dmd-4step",
+            4,
+            wan_dmd_sigmas,
+            "dmd",
+            1.0,
+            "Self-Forcing / CausVid DMD students: [1000, 750, 500, 250] warped by shift 5",
+        ),
+    )
+}
+
+
+def schedule_sigmas(
+    preset: str,
+    steps: int | None = None,
+    image_seq_len: int = 4096,
+    denoise: float = 1.0,
+    input_name: str = "schedule",
+) -> torch.Tensor:
+    """Sigmas of a preset for ``steps`` steps (the preset's own count when None) and a denoise strength."""
+    if preset not in SCHEDULES:
+        raise InputError(input_name, f"unknown schedule {preset!r}; known: {', '.join(SCHEDULES)}")
+    p = SCHEDULES[preset]
+    steps = p.steps if steps is None else int(steps)
+    if steps < 1:
+        raise InputError("steps", f"expected at least 1 step, got {steps}")
+    if not 0.0 < denoise <= 1.0:
+        raise InputError("denoise", f"expected a value in (0, 1], got {denoise}")
+    if denoise < 1.0:
+        total = int(steps / denoise)
+        return p.sigmas(total, image_seq_len)[-(steps + 1) :].float()
+    return p.sigmas(steps, image_seq_len).float()
+
+
+def trim_for_denoise(sigmas: torch.Tensor, denoise: float) -> torch.Tensor:
+    """For an explicit list: keep the tail whose first sigma is at most ``denoise`` (at least one step)."""
+    if denoise >= 1.0:
+        return sigmas
+    keep = int((sigmas[:-1] <= denoise + 1e-6).sum())
+    return sigmas[-(max(keep, 1) + 1) :]

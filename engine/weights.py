@@ -1,0 +1,162 @@
+"""Reading weight files and seeded dummy weights.
+
+Files: ``.safetensors`` and PyTorch ``.pt/.pth/.ckpt/.bin`` state dicts. PyTorch files are always read with
+``weights_only=True``, so no pickled code runs. Containers found in the wild (``{"state_dict": ...}``,
+``{"model": ...}``, ``{"module": ...}``) are unwrapped, and key prefixes of full checkpoints are stripped.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError, InputError
+
+StateDict = dict[str, torch.Tensor]
+
+SAFETENSORS_SUFFIXES = (".safetensors", ".sft")
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
+# Wrappers around the real state dict, in the order they are tried.
+CONTAINER_KEYS = ("state_dict", "model", "module", "generator_ema", "generator", "ema")
+# Prefixes of full checkpoints (ComfyUI / SD-style single files); the diffusion model's keys sit under them.
+KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
+
+
+def read_state_dict(path: str | os.PathLike, input_name: str = "weights") -> StateDict:
+    """Load every tensor of a weights file onto the CPU, exactly as stored (no dtype conversion)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise InputError(input_name, f"weights file not found: {path}")
+    lower = path.lower()
+    if lower.endswith(SAFETENSORS_SUFFIXES):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path, device="cpu")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(input_name, f"{path} is not a readable safetensors file ({exc})") from exc
+    if lower.endswith(TORCH_SUFFIXES):
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            # mmap needs the zip format; old-style files load without it.
+            obj = _torch_load_plain(path, input_name)
+        except Exception as exc:  # noqa: BLE001 - the unpickler raises many types
+            raise CheckpointError(
+                input_name,
+                f"{path} is not a plain PyTorch state dict (weights_only loading refused it: {exc})",
+            ) from exc
+        return _unwrap(obj, path, input_name)
+    raise InputError(
+        input_name,
+        f"unsupported weights file type {os.path.splitext(path)[1]!r}; "
+        f"expected one of {', '.join(SAFETENSORS_SUFFIXES + TORCH_SUFFIXES)}",
+    )
+
+
+def _torch_load_plain(path: str, input_name: str):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(
+            input_name, f"{path} is not a plain PyTorch state dict (weights_only loading refused it: {exc})"
+        ) from exc
+
+
+def _is_tensor_dict(obj) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def _unwrap(obj, path: str, input_name: str) -> StateDict:
+    for _ in range(3):
+        if _is_tensor_dict(obj):
+            return obj
+        if not isinstance(obj, dict):
+            break
+        inner = next((obj[k] for k in CONTAINER_KEYS if isinstance(obj.get(k), dict)), None)
+        if inner is None:
+            break
+        obj = inner
+    what = type(obj).__name__
+    if isinstance(obj, dict):
+        what = f"a dict whose entries are {sorted({type(v).__name__ for v in obj.values()})}"
+    raise CheckpointError(input_name, f"{path} does not hold a state dict of tensors (found {what})")
+
+
+def strip_known_prefix(sd: StateDict) -> StateDict:
+    """Keep the diffusion model's keys of a full checkpoint and drop its prefix.
+
+    ``model.diffusion_model.`` selects the diffusion model inside a full checkpoint (which also holds the VAE
+    and text encoders); ``diffusion_model.`` and ``model.`` are stripped when every key carries them.
+    """
+    full = "model.diffusion_model."
+    if any(k.startswith(full) for k in sd):
+        return {k[len(full) :]: v for k, v in sd.items() if k.startswith(full)}
+    for prefix in KNOWN_PREFIXES[1:]:
+        if all(k.startswith(prefix) for k in sd):
+            return {k[len(prefix) :]: v for k, v in sd.items()}
+    return sd
+
+
+def top_level_summary(keys: Iterable[str], limit: int = 12) -> str:
+    counts = Counter(k.split(".", 1)[0] for k in keys)
+    parts = [f"{name} ({n})" for name, n in counts.most_common(limit)]
+    if len(counts) > limit:
+        parts.append(f"... {len(counts) - limit} more")
+    return ", ".join(parts)
+
+
+def check_keys(model: nn.Module, sd: StateDict, source: str, input_name: str = "weights") -> None:
+    """Raise a :class:`CheckpointError` listing missing and unexpected keys (never load non-strictly)."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    wrong_shape = sorted(
+        f"{k} {tuple(sd[k].shape)} (model expects {tuple(expected[k].shape)})"
+        for k in set(expected) & set(sd)
+        if tuple(sd[k].shape) != tuple(expected[k].shape)
+    )
+    if not (missing or unexpected or wrong_shape):
+        return
+    lines = [f"{source} does not match the {type(model).__name__} architecture inferred from it:"]
+    for label, items in (
+        ("missing keys", missing),
+        ("unexpected keys", unexpected),
+        ("wrong shapes", wrong_shape),
+    ):
+        if items:
+            shown = ", ".join(items[:20]) + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
+            lines.append(f"  {len(items)} {label}: {shown}")
+    raise CheckpointError(input_name, "\n".join(lines))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def dummy_init_(model: nn.Module, seed: int = 0) -> None:
+    """Seeded random weights, like vLLM's ``dummy`` load format, reproducible per parameter name.
+
+    Matrices get ``N(0, 1/fan_in)`` (activations keep their scale through the network), 1-D norm scales
+    ``1 + N(0, 0.1^2)`` and biases ``N(0, 0.02^2)``. Each parameter's generator is seeded from ``seed`` and its
+    name, so a parameter's values do not depend on which other parameters exist. Numbers are drawn on the
+    parameter's device: the same seed gives the same weights on every CPU, and on every GPU of one kind.
+    """
+    for name, param in model.named_parameters():
+        gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
+        values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        if param.ndim >= 2:
+            fan_in = param[0].numel()
+            values.normal_(0.0, fan_in**-0.5, generator=gen)
+        elif name.endswith("scale") or name.endswith("norm.weight"):
+            values.normal_(0.0, 0.1, generator=gen).add_(1.0)
+        else:
+            values.normal_(0.0, 0.02, generator=gen)
+        param.copy_(values)

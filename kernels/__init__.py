@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its PyTorch reference (the engine calls them through a dispatcher)."""

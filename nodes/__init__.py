@@ -1,0 +1,40 @@
+"""ComfyUI node adapters: thin classes that turn widget values into engine calls.
+
+Each module is registered separately: a node module whose optional dependency is missing is skipped with one
+logged line and the rest of the pack still loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+log = logging.getLogger(__name__)
+
+# module -> node classes it defines (display names follow)
+NODE_MODULES = {
+    "loaders": ["FewStepDiTLoader"],
+    "sampling": ["FewStepSampler", "FewStepSchedule", "FewStepSamplerSelect", "FewStepSyntheticConditioning"],
+}
+DISPLAY_NAMES = {
+    "FewStepDiTLoader": "FewStep DiT Loader",
+    "FewStepSampler": "FewStep Sampler",
+    "FewStepSchedule": "FewStep Schedule (SIGMAS)",
+    "FewStepSamplerSelect": "FewStep Sampler Select (SAMPLER)",
+    "FewStepSyntheticConditioning": "FewStep Synthetic Conditioning (testing)",
+}
+
+NODE_CLASS_MAPPINGS: dict[str, type] = {}
+NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {}
+SKIPPED_MODULES: dict[str, str] = {}
+
+for _module, _names in NODE_MODULES.items():
+    try:
+        _mod = importlib.import_module(f".{_module}", __name__)
+    except ImportError as _exc:
+        SKIPPED_MODULES[_module] = str(_exc)
+        log.warning("fewstep: skipped nodes %s (missing dependency: %s)", ", ".join(_names), _exc)
+        continue
+    for _name in _names:
+        NODE_CLASS_MAPPINGS[_name] = getattr(_mod, _name)
+        NODE_DISPLAY_NAME_MAPPINGS[_name] = DISPLAY_NAMES[_name]

@@ -1,0 +1,28 @@
+"""Shared pieces of the node adapters: the category prefix, type names and error attribution."""
+
+from __future__ import annotations
+
+import functools
+
+from ..engine.errors import InputError
+
+CATEGORY = "FewStep"
+FEWSTEP_MODEL = "FEWSTEP_MODEL"
+
+
+def reports_input_errors(node_name: str, renames: dict[str, str] | None = None):
+    """Decorate a node's FUNCTION so engine input errors name this node and its own input names."""
+    renames = renames or {}
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except InputError as err:
+                err.input_name = renames.get(err.input_name, err.input_name)
+                raise err.located(node_name) from None
+
+        return run
+
+    return wrap

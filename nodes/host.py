@@ -1,0 +1,91 @@
+"""The pack's only contact with ComfyUI's runtime, used lazily.
+
+Inside a running ComfyUI server its modules (``folder_paths``, ``comfy.model_management``, ``comfy.utils``)
+are already imported before custom nodes load, so this module *looks them up* in ``sys.modules`` and never
+imports them itself: outside ComfyUI (tests, CLI, scripts) every helper falls back to a plain behaviour
+(file paths as given, a tqdm progress bar, no interrupt, no memory manager).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def comfy_module(name: str):
+    """A ComfyUI module if this process is a ComfyUI server, else None."""
+    return sys.modules.get(name)
+
+
+def in_comfyui() -> bool:
+    return comfy_module("comfy.model_management") is not None
+
+
+def list_model_files(folder: str) -> list[str]:
+    fp = comfy_module("folder_paths")
+    if fp is None:
+        return []
+    try:
+        return list(fp.get_filename_list(folder))
+    except Exception:  # noqa: BLE001 - an unknown folder name must not break node registration
+        return []
+
+
+def model_file_path(folder: str, name: str) -> str:
+    """Full path of ``name`` in a ComfyUI model folder; outside ComfyUI the name is a path."""
+    fp = comfy_module("folder_paths")
+    if fp is not None:
+        path = fp.get_full_path(folder, name)
+        if path is not None:
+            return path
+    return os.path.expanduser(name)
+
+
+def check_interrupt() -> None:
+    """Raise ComfyUI's interrupt exception when the user pressed Cancel (no-op outside ComfyUI)."""
+    mm = comfy_module("comfy.model_management")
+    if mm is not None:
+        mm.throw_exception_if_processing_interrupted()
+
+
+def torch_device() -> torch.device:
+    mm = comfy_module("comfy.model_management")
+    if mm is not None:
+        return mm.get_torch_device()
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def offload_device() -> torch.device:
+    mm = comfy_module("comfy.model_management")
+    if mm is not None:
+        return mm.unet_offload_device()
+    return torch_device()
+
+
+class Progress:
+    """ComfyUI's progress bar (with optional preview images) or a tqdm bar outside ComfyUI."""
+
+    def __init__(self, total: int, desc: str = "fewstep"):
+        self.total = total
+        utils = comfy_module("comfy.utils")
+        self._bar = utils.ProgressBar(total) if utils is not None else None
+        self._tqdm = None
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._tqdm = tqdm(total=total, desc=desc, disable=None, leave=False)
+
+    def update(self, done: int, preview=None) -> None:
+        if self._bar is not None:
+            self._bar.update_absolute(done, self.total, preview)
+        elif self._tqdm is not None:
+            self._tqdm.update(done - self._tqdm.n)
+
+    def close(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.close()

@@ -1,0 +1,88 @@
+"""FewStepDiTLoader: a diffusion transformer from ComfyUI's diffusion_models folder, or dummy weights."""
+
+from __future__ import annotations
+
+from ..engine.attention import BACKENDS
+from ..engine.handle import open_model
+from ..engine.loader import DUMMY_PREFIX
+from ..engine.models.registry import all_presets
+from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .host import list_model_files, model_file_path, torch_device
+from .memory import make_patcher
+
+
+def dummy_choices() -> list[str]:
+    return [DUMMY_PREFIX + name for name in sorted(all_presets())]
+
+
+class FewStepDiTLoader:
+    DESCRIPTION = (
+        "Loads a FLUX-family diffusion transformer (official BFL or diffusers layout; safetensors or .pt) for the "
+        "FewStep samplers. The architecture is read from the tensors. 'dummy:<preset>' builds seeded random "
+        "weights of that preset, for trying workflows without model files."
+    )
+    CATEGORY = f"{CATEGORY}/loaders"
+    RETURN_TYPES = (FEWSTEP_MODEL,)
+    RETURN_NAMES = ("model",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model_name": (
+                    list_model_files("diffusion_models") + dummy_choices(),
+                    {
+                        "tooltip": "A file in models/diffusion_models (flux1-schnell.safetensors, flux1-dev-fp8...), "
+                        "or dummy:<preset> for random weights."
+                    },
+                ),
+                "weight_dtype": (
+                    [k for k, v in WEIGHT_DTYPES.items() if k == "default" or v is not None],
+                    {
+                        "default": "default",
+                        "tooltip": "How linear-layer weights are stored. default: fp8 files "
+                        "stay fp8, others use the compute dtype. fp8 halves memory versus bf16; layers are upcast "
+                        "one at a time when they run.",
+                    },
+                ),
+                "compute_dtype": (
+                    list(COMPUTE_DTYPES),
+                    {
+                        "default": "auto",
+                        "tooltip": "Activation dtype. auto: bf16 on GPUs that support it, "
+                        "fp16 on older GPUs, fp32 on the CPU.",
+                    },
+                ),
+                "attention": (
+                    list(BACKENDS),
+                    {
+                        "default": "auto",
+                        "tooltip": "Attention backend. auto uses flash-attn when installed and "
+                        "the GPU and dtype allow it, else PyTorch SDPA.",
+                    },
+                ),
+            }
+        }
+
+    @reports_input_errors("FewStepDiTLoader", {"weights": "model_name", "attention": "attention"})
+    def load(self, model_name, weight_dtype="default", compute_dtype="auto", attention="auto"):
+        source = (
+            model_name
+            if model_name.startswith(DUMMY_PREFIX)
+            else model_file_path("diffusion_models", model_name)
+        )
+        device = torch_device()
+        handle = open_model(
+            source,
+            weight_dtype=WEIGHT_DTYPES[weight_dtype],
+            dtype=COMPUTE_DTYPES[compute_dtype],
+            device=device,
+            attention_backend=attention,
+            input_name="weights",
+        )
+        patcher = make_patcher(handle.model)
+        if patcher is not None:
+            handle = handle.replace(host=patcher)
+        return (handle,)

@@ -356,6 +356,7 @@ class FewStepSyntheticConditioning:
             }
         }
 
+    @reports_input_errors("FewStepSyntheticConditioning")
     def make(self, tokens, width, pooled_width, guidance, seed):
         gen = torch.Generator().manual_seed(seed)
         context = torch.randn(1, tokens, width, generator=gen)

@@ -1,0 +1,40 @@
+# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the test suite).
+# Both create ./.venv first. TORCH_SPEC pins the torch build (on the project's CI machines
+# torch==2.13.0 resolves to a local CPU wheel; elsewhere set TORCH_SPEC to the build you want).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fewstep-installed
+
+.PHONY: venv demo test lint format bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/python -m fewstep demo --out out/demo
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: venv
+	$(BIN)/python bench/dit_mfu.py
+	$(BIN)/python bench/sampler_overhead.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,66 @@
+"""Shared fixtures. Tests use tiny presets of the real architectures and run on the CPU in fp32."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+
+
+# ComfyUI names a custom-node package after its folder path with "." replaced by "_x_" (nodes.load_custom_node)
+COMFY_MODULE_NAME = str(ROOT.parent / "custom_nodes" / "ComfyUI-FewStep").replace(".", "_x_")
+
+
+def load_pack_as_comfyui(module_name: str = COMFY_MODULE_NAME):
+    """Import the repository the way ComfyUI imports a custom-node folder (a module named after its path)."""
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(
+        module_name, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def pack():
+    return load_pack_as_comfyui()
+
+
+@pytest.fixture(autouse=True)
+def _no_grad_deterministic():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_handle():
+    from fewstep.engine import open_model
+
+    return open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_guidance_handle():
+    from fewstep.engine import open_model
+
+    return open_model("dummy:flux-tiny-guidance", device="cpu", dtype=torch.float32)
+
+
+def make_cond(params, tokens: int = 8, seed: int = 0, batch: int = 1, guidance: float | None = 3.5):
+    from fewstep.engine import TextCondition
+
+    g = torch.Generator().manual_seed(seed)
+    return TextCondition(
+        torch.randn(batch, tokens, params.context_in_dim, generator=g),
+        torch.randn(batch, params.vec_in_dim, generator=g),
+        guidance,
+    )

@@ -1,0 +1,231 @@
+"""Node contracts, with the pack loaded exactly as ComfyUI loads a custom-node folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from conftest import COMFY_MODULE_NAME, ROOT
+
+PRIMITIVES = {"INT", "FLOAT", "STRING", "BOOLEAN"}
+
+
+def _inputs(cls):
+    spec = cls.INPUT_TYPES()
+    assert set(spec) <= {"required", "optional", "hidden"}, cls
+    for section in ("required", "optional"):
+        for name, entry in spec.get(section, {}).items():
+            yield section, name, entry
+
+
+def test_pack_loads_under_a_dashed_module_name(pack):
+    assert pack.__name__ == COMFY_MODULE_NAME and "-" in pack.__name__
+    assert sys.modules[f"{COMFY_MODULE_NAME}.nodes"].SKIPPED_MODULES == {}
+    assert set(pack.NODE_CLASS_MAPPINGS) == set(pack.NODE_DISPLAY_NAME_MAPPINGS)
+    assert {"FewStepDiTLoader", "FewStepSampler", "FewStepSchedule", "FewStepSamplerSelect"} <= set(
+        pack.NODE_CLASS_MAPPINGS
+    )
+
+
+def test_every_node_follows_the_contract(pack):
+    for node_id, cls in pack.NODE_CLASS_MAPPINGS.items():
+        assert node_id.startswith("FewStep"), node_id
+        assert cls.CATEGORY.startswith("FewStep/"), node_id
+        assert isinstance(cls.DESCRIPTION, str) and len(cls.DESCRIPTION) > 20, node_id
+        assert callable(getattr(cls, cls.FUNCTION)), node_id
+        assert len(cls.RETURN_TYPES) == len(cls.RETURN_NAMES), node_id
+        for _section, name, entry in _inputs(cls):
+            assert isinstance(entry, tuple) and 1 <= len(entry) <= 2, (node_id, name)
+            kind = entry[0]
+            opts = entry[1] if len(entry) == 2 else {}
+            assert isinstance(opts.get("tooltip"), str) and opts["tooltip"], (
+                f"{node_id}.{name} has no tooltip"
+            )
+            if isinstance(kind, list):
+                assert kind, f"{node_id}.{name}: empty combo"
+                if "default" in opts:
+                    assert opts["default"] in kind, (node_id, name)
+            elif kind in ("INT", "FLOAT"):
+                assert opts["min"] <= opts["default"] <= opts["max"], (node_id, name)
+            else:
+                assert isinstance(kind, str) and kind.isupper(), (node_id, name)
+
+
+def _default_args(cls, **links):
+    args = {}
+    for section, name, entry in _inputs(cls):
+        if name in links:
+            args[name] = links[name]
+        elif section == "required":
+            kind, opts = entry[0], (entry[1] if len(entry) == 2 else {})
+            args[name] = opts.get("default", kind[0] if isinstance(kind, list) else None)
+    return args
+
+
+def test_each_function_returns_its_return_types(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"])
+    latent = {"samples": torch.zeros(1, 16, 8, 8)}
+    outputs = {
+        "FewStepDiTLoader": (model,),
+        "FewStepSyntheticConditioning": (cond,),
+        "FewStepSampler": _run(m["FewStepSampler"], model=model, positive=cond, latent_image=latent),
+        "FewStepSchedule": _run(m["FewStepSchedule"]),
+        "FewStepSamplerSelect": _run(m["FewStepSamplerSelect"]),
+    }
+    assert set(outputs) == set(m), "a new node needs a case here"
+    for node_id, out in outputs.items():
+        assert isinstance(out, tuple) and len(out) == len(m[node_id].RETURN_TYPES), node_id
+    samples, report = outputs["FewStepSampler"]
+    assert samples["samples"].shape == (1, 16, 8, 8) and "4 DiT forwards" in report
+    assert outputs["FewStepSchedule"][0].tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert cond[0][0].shape == (1, 16, 4096) and cond[0][1]["pooled_output"].shape == (1, 768)
+
+
+def _run(cls, **links):
+    return getattr(cls(), cls.FUNCTION)(**_default_args(cls, **links))
+
+
+def test_node_errors_name_the_node_and_its_input(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"])
+    sampler = m["FewStepSampler"]
+    with pytest.raises(
+        ValueError, match=r"^FewStepSampler: input 'latent_image': expected an image latent \[batch, 16"
+    ):
+        _run(sampler, model=model, positive=cond, latent_image={"samples": torch.zeros(1, 4, 8, 8)})
+    with pytest.raises(ValueError, match=r"^FewStepSampler: input 'latent_image': image size 64x72 px"):
+        _run(sampler, model=model, positive=cond, latent_image={"samples": torch.zeros(1, 16, 9, 8)})
+    (narrow,) = _run(m["FewStepSyntheticConditioning"], width=2048)
+    with pytest.raises(
+        ValueError, match=r"^FewStepSampler: input 'positive': conditioning tokens are \[1, 16, 2048\]"
+    ):
+        _run(sampler, model=model, positive=narrow, latent_image={"samples": torch.zeros(1, 16, 8, 8)})
+    with pytest.raises(ValueError, match=r"^FewStepSampler: input 'positive': entry 0 carries a ControlNet"):
+        _run(
+            sampler,
+            model=model,
+            positive=[[cond[0][0], {**cond[0][1], "control": object()}]],
+            latent_image={"samples": torch.zeros(1, 16, 8, 8)},
+        )
+    with pytest.raises(ValueError, match=r"^FewStepSampler: input 'latent_image': carries a noise mask"):
+        _run(
+            sampler,
+            model=model,
+            positive=cond,
+            latent_image={"samples": torch.zeros(1, 16, 8, 8), "noise_mask": torch.ones(1, 1, 8, 8)},
+        )
+    with pytest.raises(
+        ValueError, match=r"^FewStepDiTLoader: input 'model_name': weights file not found: .*missing"
+    ):
+        _run(m["FewStepDiTLoader"], model_name="missing.safetensors")
+    with pytest.raises(
+        ValueError, match=r"^FewStepSchedule: input 'width': 1000x1024 is not a multiple of 16"
+    ):
+        _run(m["FewStepSchedule"], width=1000)
+
+
+def test_sampler_keeps_other_latent_keys(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"])
+    (out, _) = _run(
+        m["FewStepSampler"],
+        model=model,
+        positive=cond,
+        latent_image={"samples": torch.zeros(2, 16, 8, 8), "batch_index": [4, 7]},
+    )
+    assert out["batch_index"] == [4, 7]
+
+
+def test_native_sampler_adapts_to_the_model_parametrisation(pack, monkeypatch):
+    """Inside ComfyUI the SAMPLER reads model_sampling: CONST (flow) re-noises as (1-s) x0 + s n, else x0 + s n."""
+    from fewstep.engine.sampling import FLOW, VE
+    from fewstep.nodes.sampling import sigma_space_of
+
+    fake = types.ModuleType("comfy.model_sampling")
+
+    class CONST:  # stands for comfy.model_sampling.CONST
+        pass
+
+    fake.CONST = CONST
+    monkeypatch.setitem(sys.modules, "comfy.model_sampling", fake)
+
+    def model_k(sampling):
+        return types.SimpleNamespace(
+            inner_model=types.SimpleNamespace(inner_model=types.SimpleNamespace(model_sampling=sampling))
+        )
+
+    assert sigma_space_of(model_k(CONST())) is FLOW
+    assert sigma_space_of(model_k(object())) is VE
+
+    (spec,) = _run(pack.NODE_CLASS_MAPPINGS["FewStepSamplerSelect"], sampler="dmd")
+    seen = []
+
+    class Denoiser:
+        inner_model = model_k(object()).inner_model
+
+        def __call__(self, x, sigma, **kw):
+            seen.append(float(sigma[0]))
+            return torch.zeros_like(x)
+
+    out = spec.sampler_function(
+        Denoiser(), torch.ones(1, 2), torch.tensor([2.0, 1.0, 0.0]), extra_args={"seed": 0}, disable=True
+    )
+    assert seen == [2.0, 1.0] and out.abs().max() == 0
+
+
+def test_loader_registers_with_comfyui_memory_manager(pack, monkeypatch):
+    calls = {}
+
+    class ModelPatcher:
+        def __init__(self, model, load_device, offload_device):
+            calls["patched"] = type(model).__name__
+            self.model = model
+
+    mm = types.SimpleNamespace(
+        get_torch_device=lambda: torch.device("cpu"),
+        unet_offload_device=lambda: torch.device("cpu"),
+        load_models_gpu=lambda models, force_full_load=False: calls.update(
+            loaded=models, full=force_full_load
+        ),
+        throw_exception_if_processing_interrupted=lambda: None,
+    )
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=ModelPatcher))
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    assert calls["patched"] == "ManagedDiT" and model.host.model.diffusion_model is model.model
+    assert not hasattr(model.model, "model_loaded_weight_memory")  # the engine model stays clean
+    (cond,) = _run(m["FewStepSyntheticConditioning"])
+    _run(m["FewStepSampler"], model=model, positive=cond, latent_image={"samples": torch.zeros(1, 16, 8, 8)})
+    assert calls["loaded"] == [model.host] and calls["full"] is True
+
+
+def test_importing_the_pack_changes_nothing_global():
+    code = f"""
+import importlib.util, json, logging, sys, torch
+before = dict(
+    handlers=len(logging.getLogger().handlers), level=logging.getLogger().level,
+    sdpa=id(torch.nn.functional.scaled_dot_product_attention), linear=id(torch.nn.Linear.forward),
+    rng=torch.get_rng_state().sum().item(), threads=torch.get_num_threads(), grad=torch.is_grad_enabled(),
+    dtype=str(torch.get_default_dtype()))
+spec = importlib.util.spec_from_file_location({COMFY_MODULE_NAME!r}, {str(ROOT / "__init__.py")!r},
+                                              submodule_search_locations=[{str(ROOT)!r}])
+mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+after = dict(
+    handlers=len(logging.getLogger().handlers), level=logging.getLogger().level,
+    sdpa=id(torch.nn.functional.scaled_dot_product_attention), linear=id(torch.nn.Linear.forward),
+    rng=torch.get_rng_state().sum().item(), threads=torch.get_num_threads(), grad=torch.is_grad_enabled(),
+    dtype=str(torch.get_default_dtype()))
+print(json.dumps([before == after, sorted(k for k in sys.modules if k.split('.')[0] in ('comfy', 'folder_paths'))]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    same, comfy_modules = json.loads(out.stdout.strip().splitlines()[-1])
+    assert same and comfy_modules == []

@@ -1,0 +1,161 @@
+"""Sampling a DiT end to end: CFG call counts, noise, latent format, conditioning batch, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_cond
+
+from fewstep.engine import FLUX1, InputError, TextCondition, noise_for, sample_latent
+
+
+class ForwardCounter:
+    def __init__(self, model):
+        self.calls, self.rows = 0, []
+        self.handle = model.register_forward_hook(self.hook)
+
+    def hook(self, module, args, output):
+        self.calls += 1
+        self.rows.append(output.shape[0])
+
+    def close(self):
+        self.handle.remove()
+
+
+def _latent(h=16, w=16, b=1):
+    return torch.zeros(b, 16, h, w)
+
+
+def test_cfg_one_makes_exactly_one_forward_per_step(tiny_handle):
+    p = tiny_handle.params
+    counter = ForwardCounter(tiny_handle.model)
+    try:
+        _, r1 = sample_latent(tiny_handle, [make_cond(p)], _latent(), steps=4)
+        _, r2 = sample_latent(
+            tiny_handle, [make_cond(p)], _latent(), negative=[make_cond(p, seed=9)], steps=4, cfg=1.0
+        )
+        assert counter.calls == 8 and counter.rows == [1] * 8
+        counter.calls, counter.rows = 0, []
+        _, r3 = sample_latent(
+            tiny_handle, [make_cond(p)], _latent(), negative=[make_cond(p, seed=9)], steps=4, cfg=4.0
+        )
+        assert counter.calls == 4 and counter.rows == [2] * 4  # positive and negative batched
+        counter.calls, counter.rows = 0, []
+        neg_other_len = make_cond(p, tokens=5, seed=9)
+        sample_latent(tiny_handle, [make_cond(p)], _latent(), negative=[neg_other_len], steps=4, cfg=4.0)
+        assert counter.calls == 8 and counter.rows == [1] * 8  # token counts differ: two forwards
+    finally:
+        counter.close()
+    assert (r1.model_calls, r2.model_calls, r3.model_calls) == (4, 4, 4)
+    assert (r1.cfg_used, r2.cfg_used, r3.cfg_used) == (False, False, True)
+
+
+def test_cfg_combines_velocities(tiny_handle):
+    p = tiny_handle.params
+    pos, neg = make_cond(p), make_cond(p, seed=9)
+    sigmas = torch.tensor([1.0, 0.0])  # one Euler step from pure noise to sigma 0: x0 = noise - v
+    out_pos, _ = sample_latent(tiny_handle, [pos], _latent(), sigmas=sigmas, seed=3)
+    out_neg, _ = sample_latent(tiny_handle, [neg], _latent(), sigmas=sigmas, seed=3)
+    out_cfg, _ = sample_latent(tiny_handle, [pos], _latent(), negative=[neg], sigmas=sigmas, seed=3, cfg=3.0)
+    x0_pos, x0_neg = FLUX1.process_in(out_pos), FLUX1.process_in(out_neg)
+    expected = FLUX1.process_out(x0_neg + 3.0 * (x0_pos - x0_neg))
+    assert torch.allclose(out_cfg, expected, atol=1e-4)
+
+
+def test_noise_is_comfyui_prepare_noise_without_touching_global_rng():
+    latent = torch.zeros(2, 16, 8, 8)
+    state = torch.get_rng_state()
+    noise = noise_for(latent, 1234)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(1234)  # what comfy.sample.prepare_noise does
+    assert torch.equal(noise, torch.randn(latent.size(), dtype=torch.float32, device="cpu"))
+    # batch_index picks the rows the full batch would have had
+    full = noise_for(torch.zeros(4, 16, 8, 8), 5)
+    picked = noise_for(torch.zeros(2, 16, 8, 8), 5, batch_index=[3, 1])
+    assert torch.equal(picked, full[[3, 1]])
+
+
+def test_sigma_one_start_ignores_latent_and_output_is_raw_vae_space(tiny_handle):
+    p = tiny_handle.params
+    a, _ = sample_latent(tiny_handle, [make_cond(p)], torch.zeros(1, 16, 8, 8), steps=2, seed=1)
+    b, _ = sample_latent(tiny_handle, [make_cond(p)], torch.randn(1, 16, 8, 8), steps=2, seed=1)
+    assert torch.equal(a, b)  # sigma 1: the start latent gets weight 0
+    # a single step to sigma 0 returns process_out(noise - v); process_in/out are the FLUX affine map
+    raw = torch.randn(1, 16, 4, 4)
+    assert torch.allclose(FLUX1.process_in(raw), (raw - 0.1159) * 0.3611)
+    assert torch.allclose(FLUX1.process_out(FLUX1.process_in(raw)), raw, atol=1e-6)
+
+
+def test_img2img_denoise_uses_the_latent(tiny_handle):
+    p = tiny_handle.params
+    lat = torch.randn(1, 16, 8, 8)
+    a, rep = sample_latent(tiny_handle, [make_cond(p)], lat, steps=2, denoise=0.5, seed=1)
+    b, _ = sample_latent(tiny_handle, [make_cond(p)], torch.zeros_like(lat), steps=2, denoise=0.5, seed=1)
+    assert rep.sigmas == [0.5, 0.25, 0.0]
+    assert not torch.allclose(a, b)
+
+
+def test_prompt_batch_tiles_over_latent_batch(tiny_handle):
+    p = tiny_handle.params
+    c0, c1 = make_cond(p, seed=1), make_cond(p, seed=2)
+    both = TextCondition(torch.cat([c0.context, c1.context]), torch.cat([c0.pooled, c1.pooled]), 3.5)
+    out4, _ = sample_latent(tiny_handle, [both], _latent(8, 8, 4), steps=2, seed=0)
+    single, _ = sample_latent(tiny_handle, [c1], _latent(8, 8, 4), steps=2, seed=0)
+    assert torch.allclose(out4[3], single[3], atol=1e-5)  # rows go c0, c1, c0, c1 as in ComfyUI
+
+
+def test_guidance_comes_from_the_conditioning(tiny_guidance_handle):
+    p = tiny_guidance_handle.params
+    a, _ = sample_latent(tiny_guidance_handle, [make_cond(p, guidance=1.0)], _latent(8, 8), steps=2)
+    b, _ = sample_latent(tiny_guidance_handle, [make_cond(p, guidance=6.0)], _latent(8, 8), steps=2)
+    c, _ = sample_latent(tiny_guidance_handle, [make_cond(p, guidance=None)], _latent(8, 8), steps=2)
+    d, _ = sample_latent(tiny_guidance_handle, [make_cond(p, guidance=3.5)], _latent(8, 8), steps=2)
+    assert not torch.allclose(a, b)
+    assert torch.equal(c, d)  # ComfyUI's default distilled guidance is 3.5
+
+
+def test_runs_are_deterministic(tiny_handle):
+    p = tiny_handle.params
+    for sampler in ("euler", "dmd", "lcm", "tcd"):
+        a, _ = sample_latent(tiny_handle, [make_cond(p)], _latent(8, 8), steps=3, sampler=sampler, seed=11)
+        b, _ = sample_latent(tiny_handle, [make_cond(p)], _latent(8, 8), steps=3, sampler=sampler, seed=11)
+        assert torch.equal(a, b), sampler
+
+
+@pytest.mark.parametrize(
+    "latent,pattern",
+    [
+        (
+            torch.zeros(1, 4, 16, 16),
+            r"input 'latent': expected an image latent \[batch, 16, height/8, width/8\]",
+        ),
+        (torch.zeros(1, 16, 16, 16, 1), r"input 'latent': expected an image latent"),
+        (torch.zeros(1, 16, 15, 16), r"input 'latent': image size 128x120 px is not a multiple of 16"),
+    ],
+)
+def test_bad_latents(tiny_handle, latent, pattern):
+    with pytest.raises(InputError, match=pattern):
+        sample_latent(tiny_handle, [make_cond(tiny_handle.params)], latent)
+
+
+def test_bad_conditioning(tiny_handle):
+    p = tiny_handle.params
+    wrong = TextCondition(torch.zeros(1, 8, 768), torch.zeros(1, 768))
+    with pytest.raises(
+        InputError,
+        match=r"input 'positive': conditioning tokens are \[1, 8, 768\]; .* \[batch, tokens, 4096\]",
+    ):
+        sample_latent(tiny_handle, [wrong], _latent())
+    no_pooled = TextCondition(torch.zeros(1, 8, 4096), None)
+    with pytest.raises(InputError, match="input 'positive': conditioning has no pooled_output"):
+        sample_latent(tiny_handle, [no_pooled], _latent())
+    with pytest.raises(InputError, match=r"input 'negative': pooled_output is \[1, 512\]"):
+        sample_latent(
+            tiny_handle,
+            [make_cond(p)],
+            _latent(),
+            negative=[TextCondition(torch.zeros(1, 8, 4096), torch.zeros(1, 512))],
+            cfg=2,
+        )
+    with pytest.raises(InputError, match="input 'sampler': unknown sampler 'ddim'"):
+        sample_latent(tiny_handle, [make_cond(p)], _latent(), sampler="ddim")

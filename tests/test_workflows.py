@@ -1,0 +1,301 @@
+"""The shipped workflows (workflows/*.json) against the pack's node definitions and ComfyUI's core nodes.
+
+Set FEWSTEP_COMFY_URL (e.g. http://127.0.0.1:8231) to also compare the node table with a running server's
+/object_info.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workflow_check as wc  # noqa: E402
+
+WORKFLOWS = wc.ROOT / "workflows"
+FILES = sorted(WORKFLOWS.glob("*.json"))
+UI_FILES = [p for p in FILES if not p.name.endswith(".api.json")]
+SHIPPED = {
+    "flux_schnell_fewstep",
+    "flux_schnell_fewstep_dummy",
+    "native_fewstep_schedule",
+    "fewstep_schedule_dummy",
+}
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return wc.node_specs()
+
+
+def load(name: str) -> dict:
+    return json.loads((WORKFLOWS / name).read_text())
+
+
+def node_id(api: dict, class_type: str) -> str:
+    return next(i for i, n in api.items() if n["class_type"] == class_type)
+
+
+def ui_node(ui: dict, class_type: str) -> dict:
+    return next(n for n in ui["nodes"] if n["type"] == class_type)
+
+
+def assert_error(errors: list[str], *parts: str) -> None:
+    assert any(all(p in e for p in parts) for e in errors), f"no error naming {parts} in {errors}"
+
+
+def test_pack_is_loaded_as_comfyui_loads_it():
+    pack = wc.load_pack()
+    assert sys.modules[wc.PACK_MODULE] is pack
+    assert pack.__spec__.submodule_search_locations == [str(wc.ROOT)]
+    assert {"FewStepDiTLoader", "FewStepSampler", "FewStepSchedule"} <= set(pack.NODE_CLASS_MAPPINGS)
+
+
+def test_shipped_workflows_exist_in_both_formats():
+    names = {p.name.removesuffix(".api.json").removesuffix(".json") for p in FILES}
+    assert not SHIPPED - names
+    for name in names:
+        assert (WORKFLOWS / f"{name}.json").exists() and (WORKFLOWS / f"{name}.api.json").exists(), name
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_workflow_is_valid(path, specs):
+    workflow = json.loads(path.read_text())
+    assert wc.is_ui_format(workflow) == (not path.name.endswith(".api.json"))
+    assert wc.validate(workflow, specs) == []
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.name)
+def test_ui_workflow_matches_its_api_twin(path, specs):
+    api = json.loads(path.with_name(path.name.replace(".json", ".api.json")).read_text())
+    assert wc.compare_twins(json.loads(path.read_text()), api, specs) == []
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.name)
+def test_ui_workflow_explains_itself_in_a_note(path):
+    notes = [n for n in json.loads(path.read_text())["nodes"] if n["type"] == "Note"]
+    assert len(notes) == 1 and len(notes[0]["widgets_values"][0]) > 100
+
+
+def test_files_match_their_definitions():
+    run = subprocess.run(
+        [sys.executable, "workflows/build_workflows.py", "--check"],
+        cwd=wc.ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# ---- the validator must catch broken workflows ----
+
+
+def test_missing_required_value(specs):
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    sampler = node_id(api, "FewStepSampler")
+    del api[sampler]["inputs"]["steps"]
+    assert_error(
+        wc.validate(api, specs), f"node {sampler} ", "FewStepSampler", "'steps'", "required input missing"
+    )
+
+
+def test_missing_required_link(specs):
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    sampler = node_id(api, "FewStepSampler")
+    del api[sampler]["inputs"]["model"]
+    assert_error(
+        wc.validate(api, specs), f"node {sampler} ", "FewStepSampler", "'model'", "FEWSTEP_MODEL link"
+    )
+
+
+def test_wrong_link_type(specs):
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    sampler, latent = node_id(api, "FewStepSampler"), node_id(api, "EmptySD3LatentImage")
+    api[sampler]["inputs"]["model"] = [latent, 0]
+    assert_error(
+        wc.validate(api, specs), f"node {sampler} ", "FewStepSampler", "'model'", "FEWSTEP_MODEL", "LATENT"
+    )
+
+
+def test_link_to_missing_node_or_slot(specs):
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    sampler, loader = node_id(api, "FewStepSampler"), node_id(api, "FewStepDiTLoader")
+    api[sampler]["inputs"]["model"] = ["99", 0]
+    api[sampler]["inputs"]["positive"] = [loader, 3]
+    errors = wc.validate(api, specs)
+    assert_error(errors, f"node {sampler} ", "'model'", "node 99")
+    assert_error(errors, f"node {sampler} ", "'positive'", "no output slot 3")
+
+
+@pytest.mark.parametrize(
+    ("class_type", "input_name", "value", "why"),
+    [
+        ("FewStepSampler", "steps", 0, "below the minimum 1"),
+        ("FewStepSampler", "cfg", 31.0, "above the maximum 30.0"),
+        ("FewStepSampler", "steps", 4.5, "not an INT"),
+        ("EmptySD3LatentImage", "width", 8, "below the minimum 16"),
+        ("FewStepSampler", "schedule", "flux.2", "not one of"),
+        ("SaveLatent", "filename_prefix", 3, "not a STRING"),
+    ],
+)
+def test_bad_widget_value(specs, class_type, input_name, value, why):
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    nid = node_id(api, class_type)
+    api[nid]["inputs"][input_name] = value
+    assert_error(wc.validate(api, specs), f"node {nid} ", class_type, f"'{input_name}'", why)
+
+
+def test_unknown_class(specs):
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    nid = node_id(api, "FewStepSampler")
+    api[nid]["class_type"] = "FewStepSamplerXL"
+    assert_error(wc.validate(api, specs), f"node {nid} ", "FewStepSamplerXL", "unknown node class")
+
+
+def test_unknown_input_name(specs):
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    nid = node_id(api, "FewStepSampler")
+    api[nid]["inputs"]["sampler_name"] = "euler"
+    assert_error(wc.validate(api, specs), f"node {nid} ", "FewStepSampler", "'sampler_name'", "no such input")
+
+
+def test_model_file_combos(specs):
+    """Model files need not exist on this machine; dummy presets and other values must be real."""
+    api = load("flux_schnell_fewstep_dummy.api.json")
+    loader = node_id(api, "FewStepDiTLoader")
+    for ok in ("flux1-dev-fp8.safetensors", "sub/dir/model.pt", "dummy:flux-mid"):
+        api[loader]["inputs"]["model_name"] = ok
+        assert wc.validate(api, specs) == [], ok
+    api[loader]["inputs"]["model_name"] = "dummy:flux-huge"
+    assert_error(
+        wc.validate(api, specs), f"node {loader} ", "FewStepDiTLoader", "'model_name'", "unknown dummy preset"
+    )
+    api[loader]["inputs"]["model_name"] = "readme.txt"
+    assert_error(wc.validate(api, specs), f"node {loader} ", "'model_name'", "a model file name or one of")
+    api[loader]["inputs"]["model_name"] = "dummy:flux-tiny"
+    api[loader]["inputs"]["weight_dtype"] = "int4.safetensors"  # not a file combo: files are not accepted
+    assert_error(wc.validate(api, specs), f"node {loader} ", "'weight_dtype'", "not one of")
+
+
+def test_ui_widgets_values_count(specs):
+    ui = load("flux_schnell_fewstep_dummy.json")
+    sampler = ui_node(ui, "FewStepSampler")
+    sampler["widgets_values"].remove("fixed")  # the seed's control_after_generate value
+    assert_error(
+        wc.validate(ui, specs), f"node {sampler['id']} ", "FewStepSampler", "widgets_values has 7 values"
+    )
+
+
+def test_ui_bad_value_and_control(specs):
+    ui = load("flux_schnell_fewstep_dummy.json")
+    sampler = ui_node(ui, "FewStepSampler")
+    sampler["widgets_values"][1] = "sometimes"
+    sampler["widgets_values"][2] = 500  # steps
+    errors = wc.validate(ui, specs)
+    assert_error(errors, f"node {sampler['id']} ", "'seed'", "control_after_generate 'sometimes'")
+    assert_error(errors, f"node {sampler['id']} ", "'steps'", "above the maximum 200")
+
+
+def test_ui_link_table_must_agree(specs):
+    ui = load("flux_schnell_fewstep_dummy.json")
+    sampler = ui_node(ui, "FewStepSampler")
+    link = next(lk for lk in ui["links"] if lk[3] == sampler["id"] and lk[4] == 0)
+    link[5] = "MODEL"
+    assert_error(wc.validate(ui, specs), f"node {sampler['id']} ", "'model'", "type 'MODEL'", "FEWSTEP_MODEL")
+    ui = load("flux_schnell_fewstep_dummy.json")
+    ui["links"].append([99, 1, 0, ui_node(ui, "SaveLatent")["id"], 0, "LATENT"])
+    assert_error(wc.validate(ui, specs), "link 99", "does not list it")
+
+
+def test_ui_wrong_link_type_across_nodes(specs):
+    ui = load("flux_schnell_fewstep_dummy.json")
+    save = ui_node(ui, "SaveLatent")
+    link = next(lk for lk in ui["links"] if lk[3] == save["id"])
+    link[2] = 1  # from the sampler's STRING report instead of its LATENT
+    link[5] = "LATENT"
+    assert_error(wc.validate(ui, specs), f"node {save['id']} ", "SaveLatent", "'samples'", "expects LATENT")
+
+
+def test_twins_must_agree(specs):
+    ui, api = load("native_fewstep_schedule.json"), load("native_fewstep_schedule.api.json")
+    changed = copy.deepcopy(api)
+    nid = node_id(changed, "FewStepSchedule")
+    changed[nid]["inputs"]["steps"] = 8
+    assert_error(wc.compare_twins(ui, changed, specs), f"node {nid} ", "FewStepSchedule", "widgets")
+    changed = copy.deepcopy(api)
+    del changed[node_id(changed, "RandomNoise")]
+    assert_error(wc.compare_twins(ui, changed, specs), "node ids differ")
+
+
+def test_object_info_comparison_finds_differences(specs):
+    """compare_object_info against an /object_info entry built the way ComfyUI builds it."""
+    cls = wc.load_pack().NODE_CLASS_MAPPINGS["FewStepSampler"]
+    info = {
+        "input": cls.INPUT_TYPES(),
+        "output": list(cls.RETURN_TYPES),
+        "output_name": list(cls.RETURN_NAMES),
+    }
+    assert wc.compare_object_info(specs["FewStepSampler"], info) == []
+    info["input"]["required"]["steps"][1]["max"] = 100
+    info["output"][1] = "TEXT"
+    errors = wc.compare_object_info(specs["FewStepSampler"], info)
+    assert_error(errors, "FewStepSampler.steps", "max 200, server 100")
+    assert_error(errors, "FewStepSampler: outputs")
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FEWSTEP_COMFY_URL"), reason="set FEWSTEP_COMFY_URL to a running ComfyUI"
+)
+def test_node_table_matches_server(specs):
+    url = os.environ["FEWSTEP_COMFY_URL"].rstrip("/")
+    with urllib.request.urlopen(f"{url}/object_info", timeout=60) as r:
+        object_info = json.load(r)
+    used = {
+        n["class_type"]
+        for p in FILES
+        if p.name.endswith(".api.json")
+        for n in json.loads(p.read_text()).values()
+    }
+    errors = [e for name in sorted(used) for e in wc.compare_object_info(specs[name], object_info[name])]
+    assert errors == []
+
+
+def test_builder_writes_a_linked_widget_consistently(specs):
+    """A widget fed by a link gets a widget socket in the UI file and a link in the API file."""
+    spec = importlib.util.spec_from_file_location("build_workflows", WORKFLOWS / "build_workflows.py")
+    build = sys.modules["build_workflows"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(build)
+    g = build.Graph("linked", specs)
+    model = g.add("FewStepDiTLoader", "model", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "cond", 1)
+    latent = g.add("EmptySD3LatentImage", "latent", 1)
+    first = g.add("FewStepSampler", "first", 2, model=model[0], positive=cond[0], latent_image=latent[0])
+    # custom_sigmas (a STRING widget) driven by the first sampler's report: type-valid, if not useful
+    second = g.add(
+        "FewStepSampler",
+        "second",
+        3,
+        model=model[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        custom_sigmas=first[1],
+    )
+    ui, api = build.to_ui(g), build.to_api(g)
+    assert wc.validate(ui, specs) == wc.validate(api, specs) == wc.compare_twins(ui, api, specs) == []
+    ui_second = next(n for n in ui["nodes"] if n["id"] == second.id)
+    socket = ui_second["inputs"][-1]  # after model, positive, latent_image, negative
+    assert socket["name"] == "custom_sigmas" and socket["widget"] == {"name": "custom_sigmas"}
+    assert [first.id, 1, second.id, 4, "STRING"] in [
+        link[1:] for link in ui["links"] if link[0] == socket["link"]
+    ]
+    assert len(ui_second["widgets_values"]) == specs["FewStepSampler"].widget_value_count
+    assert api[str(second.id)]["inputs"]["custom_sigmas"] == [str(first.id), 1]

@@ -1,0 +1,494 @@
+"""Offline validation of ComfyUI workflow files against node definitions.
+
+Both formats ComfyUI uses are understood: the API format (``{"<id>": {"class_type", "inputs"}}``, what the
+server's /prompt takes) and the UI format (``nodes`` + ``links``, what the frontend's Load opens). Each file
+is read into one common graph and checked the way the server would check a prompt: the node classes exist,
+required inputs are given, link types match, widget values are in range or in their combo list. UI files
+get structural checks on top (widgets_values count, link table consistency).
+
+Node definitions come from the pack, loaded exactly as ComfyUI loads a custom-node folder, and from
+``CORE_NODES``, a hand-written table of the core nodes the shipped workflows use (checked against a real
+server's /object_info by ``compare_object_info``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACK_MODULE = "ComfyUI-FewStep-test"
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+SEED_NAMES = {"seed", "noise_seed"}  # the frontend adds a control widget to these even without the flag
+CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
+DUMMY_PREFIX = "dummy:"
+# Frontend-only nodes: they have no backend class and are left out of the API format.
+VIRTUAL_NODES = {"Note", "MarkdownNote"}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    type: str  # "INT", "COMBO", "MODEL", "*", ...
+    required: bool
+    options: tuple = ()  # COMBO choices
+    opts: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def is_widget(self) -> bool:
+        return self.type in WIDGET_TYPES and not self.opts.get("forceInput")
+
+    @property
+    def has_control(self) -> bool:
+        """Whether the frontend follows this widget with a 'control after generate' value."""
+        return bool(self.opts.get("control_after_generate")) or (
+            self.type == "INT" and self.name in SEED_NAMES
+        )
+
+    @property
+    def is_file_combo(self) -> bool:
+        """A combo listing model files: its list depends on the machine's models/ folders."""
+        return self.type == "COMBO" and (
+            "model_files" in self.opts or any(str(o).startswith(DUMMY_PREFIX) for o in self.options)
+        )
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[tuple[str, str], ...]  # (name, type) per slot
+
+    def input(self, name: str) -> InputSpec | None:
+        return next((i for i in self.inputs if i.name == name), None)
+
+    @property
+    def widgets(self) -> list[InputSpec]:
+        return [i for i in self.inputs if i.is_widget]
+
+    @property
+    def widget_value_count(self) -> int:
+        return sum(1 + w.has_control for w in self.widgets)
+
+
+def parse_input(name: str, decl, required: bool) -> InputSpec:
+    typ = decl[0]
+    opts = dict(decl[1]) if len(decl) > 1 and decl[1] else {}
+    if isinstance(typ, (list, tuple)):
+        return InputSpec(name, "COMBO", required, tuple(typ), opts)
+    if typ == "COMBO":  # V3 schema form
+        return InputSpec(name, "COMBO", required, tuple(opts.get("options", ())), opts)
+    return InputSpec(name, typ, required, (), opts)
+
+
+def spec_from_input_types(name: str, input_types: dict, outputs) -> NodeSpec:
+    inputs = [
+        parse_input(n, decl, section == "required")
+        for section in ("required", "optional")
+        for n, decl in input_types.get(section, {}).items()
+    ]
+    return NodeSpec(name, tuple(inputs), tuple(outputs))
+
+
+def spec_from_class(name: str, cls) -> NodeSpec:
+    types = tuple(cls.RETURN_TYPES)
+    names = tuple(getattr(cls, "RETURN_NAMES", None) or types)
+    return spec_from_input_types(name, cls.INPUT_TYPES(), zip(names, types))
+
+
+def core(required: dict, optional: dict | None = None, outputs: dict | None = None) -> dict:
+    return {"required": required, "optional": optional or {}, "outputs": outputs or {}}
+
+
+def files(folder: str, *extra: str) -> tuple:
+    """A combo of the model files in ``folder`` (plus fixed extra entries)."""
+    return (list(extra), {"model_files": folder})
+
+
+def seed_int() -> tuple:
+    return ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True})
+
+
+# The core nodes the shipped workflows use, as ComfyUI 0.3.64 declares them (nodes.py, comfy_extras/).
+CORE_NODES = {
+    "DualCLIPLoader": core(
+        {
+            "clip_name1": files("text_encoders"),
+            "clip_name2": files("text_encoders"),
+            "type": (["sdxl", "sd3", "flux", "hunyuan_video", "hidream", "hunyuan_image"],),
+        },
+        {"device": (["default", "cpu"], {"advanced": True})},
+        outputs={"CLIP": "CLIP"},
+    ),
+    "CLIPTextEncodeFlux": core(
+        {
+            "clip": ("CLIP",),
+            "clip_l": ("STRING", {"multiline": True, "dynamicPrompts": True}),
+            "t5xxl": ("STRING", {"multiline": True, "dynamicPrompts": True}),
+            "guidance": ("FLOAT", {"default": 3.5, "min": 0.0, "max": 100.0, "step": 0.1}),
+        },
+        outputs={"CONDITIONING": "CONDITIONING"},
+    ),
+    "EmptySD3LatentImage": core(
+        {
+            "width": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
+            "height": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
+            "batch_size": ("INT", {"default": 1, "min": 1, "max": 4096}),
+        },
+        outputs={"LATENT": "LATENT"},
+    ),
+    "UNETLoader": core(
+        {
+            "unet_name": files("diffusion_models"),
+            "weight_dtype": (["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"],),
+        },
+        outputs={"MODEL": "MODEL"},
+    ),
+    "VAELoader": core({"vae_name": files("vae", "pixel_space")}, outputs={"VAE": "VAE"}),
+    "VAEDecode": core({"samples": ("LATENT",), "vae": ("VAE",)}, outputs={"IMAGE": "IMAGE"}),
+    "SaveImage": core({"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "ComfyUI"})}),
+    "SaveLatent": core(
+        {"samples": ("LATENT",), "filename_prefix": ("STRING", {"default": "latents/ComfyUI"})}
+    ),
+    "PreviewAny": core({"source": ("*", {})}),
+    "BasicGuider": core(
+        {"model": ("MODEL",), "conditioning": ("CONDITIONING",)}, outputs={"GUIDER": "GUIDER"}
+    ),
+    "RandomNoise": core({"noise_seed": seed_int()}, outputs={"NOISE": "NOISE"}),
+    "SamplerCustomAdvanced": core(
+        {
+            "noise": ("NOISE",),
+            "guider": ("GUIDER",),
+            "sampler": ("SAMPLER",),
+            "sigmas": ("SIGMAS",),
+            "latent_image": ("LATENT",),
+        },
+        outputs={"output": "LATENT", "denoised_output": "LATENT"},
+    ),
+}
+
+
+def load_pack(root: Path = ROOT):
+    """Import the pack the way ComfyUI imports a custom-node folder (a module named after the folder)."""
+    if PACK_MODULE in sys.modules:
+        return sys.modules[PACK_MODULE]
+    spec = importlib.util.spec_from_file_location(
+        PACK_MODULE, root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_MODULE] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[PACK_MODULE]
+        raise
+    return module
+
+
+def node_specs() -> dict[str, NodeSpec]:
+    specs = {name: spec_from_class(name, cls) for name, cls in load_pack().NODE_CLASS_MAPPINGS.items()}
+    for name, d in CORE_NODES.items():  # core wins: ComfyUI drops a pack node that collides with one
+        specs[name] = spec_from_input_types(name, d, d["outputs"].items())
+    return specs
+
+
+# ---- the common graph both formats are read into ----
+
+
+@dataclass
+class GraphNode:
+    id: str
+    class_type: str
+    title: str | None = None
+    widgets: dict = field(default_factory=dict)  # input name -> value
+    links: dict = field(default_factory=dict)  # input name -> (source node id, output slot)
+
+
+def where(node: GraphNode, input_name: str | None = None) -> str:
+    at = f"node {node.id} ({node.class_type})"
+    return f"{at} input '{input_name}'" if input_name else at
+
+
+def is_ui_format(workflow: dict) -> bool:
+    return isinstance(workflow.get("nodes"), list) and "links" in workflow
+
+
+def read_api(workflow: dict) -> tuple[dict[str, GraphNode], list[str]]:
+    graph, errors = {}, []
+    for node_id, entry in workflow.items():
+        if not isinstance(entry, dict) or "class_type" not in entry:
+            errors.append(f"node {node_id}: not an API-format node (no class_type)")
+            continue
+        node = GraphNode(str(node_id), entry["class_type"], entry.get("_meta", {}).get("title"))
+        for name, value in entry.get("inputs", {}).items():
+            # As in ComfyUI's executor: a [str, int] pair is a link, anything else a value.
+            if (
+                isinstance(value, list)
+                and len(value) == 2
+                and isinstance(value[0], str)
+                and type(value[1]) is int
+            ):
+                node.links[name] = (value[0], value[1])
+            else:
+                node.widgets[name] = value
+        graph[node.id] = node
+    return graph, errors
+
+
+def read_ui(workflow: dict, specs: dict[str, NodeSpec]) -> tuple[dict[str, GraphNode], list[str]]:
+    graph, errors = {}, []
+    links = {}
+    for entry in workflow.get("links", []):
+        if not (isinstance(entry, list) and len(entry) == 6):
+            errors.append(f"links: {entry!r} is not [id, from_node, from_slot, to_node, to_slot, type]")
+            continue
+        if entry[0] in links:
+            errors.append(f"links: duplicate link id {entry[0]}")
+        links[entry[0]] = entry
+    nodes = workflow["nodes"]
+    ids = [n.get("id") for n in nodes]
+    if len(set(ids)) != len(ids):
+        errors.append(f"nodes: duplicate node ids in {ids}")
+    if ids and workflow.get("last_node_id", -1) < max(ids):
+        errors.append(f"last_node_id {workflow.get('last_node_id')} is below the largest node id {max(ids)}")
+    if links and workflow.get("last_link_id", -1) < max(links):
+        errors.append(
+            f"last_link_id {workflow.get('last_link_id')} is below the largest link id {max(links)}"
+        )
+    if "version" not in workflow:
+        errors.append("no 'version' key (the frontend rejects the file)")
+
+    for n in nodes:
+        node = GraphNode(str(n["id"]), n["type"], n.get("title"))
+        values = n.get("widgets_values", [])
+        if node.class_type in VIRTUAL_NODES:
+            if not (isinstance(values, list) and len(values) == 1 and isinstance(values[0], str)):
+                errors.append(f"{where(node)}: widgets_values must be [text]")
+            continue
+        graph[node.id] = node
+        spec = specs.get(node.class_type)
+        if spec is None:
+            continue  # reported by check_graph
+        errors += read_ui_widgets(node, spec, values)
+        for slot, inp in enumerate(n.get("inputs", [])):
+            errors += read_ui_input(node, spec, slot, inp, links)
+        errors += check_ui_outputs(node, spec, n.get("outputs", []), links)
+    by_id = {str(n["id"]): n for n in nodes}
+    for link_id, (_, _, _, dst, dst_slot, _) in links.items():
+        inputs = by_id.get(str(dst), {}).get("inputs", [])
+        if not (0 <= dst_slot < len(inputs) and inputs[dst_slot].get("link") == link_id):
+            errors.append(f"links: link {link_id} ends at node {dst} slot {dst_slot}, which does not list it")
+    return graph, errors
+
+
+def read_ui_widgets(node: GraphNode, spec: NodeSpec, values) -> list[str]:
+    widgets = spec.widgets
+    if not isinstance(values, list) or len(values) != spec.widget_value_count:
+        count = len(values) if isinstance(values, list) else values
+        names = [w.name + (" + control_after_generate" if w.has_control else "") for w in widgets]
+        return [
+            f"{where(node)}: widgets_values has {count} values, expected {spec.widget_value_count}: {names}"
+        ]
+    errors, values = [], iter(values)
+    for w in widgets:
+        node.widgets[w.name] = next(values)
+        if w.has_control:
+            control = next(values)
+            if control not in CONTROL_VALUES:
+                errors.append(
+                    f"{where(node, w.name)}: control_after_generate {control!r} not in {CONTROL_VALUES}"
+                )
+    return errors
+
+
+def read_ui_input(node: GraphNode, spec: NodeSpec, slot: int, inp: dict, links: dict) -> list[str]:
+    name = inp.get("name")
+    declared = spec.input(name)
+    if declared is None:
+        return [f"{where(node, name)}: no such input on {node.class_type}"]
+    errors = []
+    if inp.get("type") != declared.type:
+        errors.append(
+            f"{where(node, name)}: slot type {inp.get('type')!r}, the node declares {declared.type!r}"
+        )
+    if declared.is_widget and inp.get("widget", {}).get("name") != name:
+        errors.append(f'{where(node, name)}: a widget input slot needs "widget": {{"name": {name!r}}}')
+    link_id = inp.get("link")
+    if link_id is None:
+        return errors
+    link = links.get(link_id)
+    if link is None:
+        return errors + [f"{where(node, name)}: link {link_id} is not in the links table"]
+    _, src, src_slot, dst, dst_slot, link_type = link
+    if (str(dst), dst_slot) != (node.id, slot):
+        errors.append(f"{where(node, name)}: link {link_id} ends at node {dst} slot {dst_slot}, not here")
+    if not types_match(link_type, declared.type):
+        errors.append(
+            f"{where(node, name)}: link {link_id} has type {link_type!r}, input is {declared.type!r}"
+        )
+    node.links[name] = (str(src), src_slot)
+    node.widgets.pop(name, None)  # a linked widget's stored value is not used
+    return errors
+
+
+def check_ui_outputs(node: GraphNode, spec: NodeSpec, outputs: list, links: dict) -> list[str]:
+    errors = []
+    if [o.get("type") for o in outputs] != [t for _, t in spec.outputs]:
+        errors.append(
+            f"{where(node)}: outputs {[o.get('type') for o in outputs]}, the node returns "
+            f"{[t for _, t in spec.outputs]}"
+        )
+    for slot, out in enumerate(outputs):
+        for link_id in out.get("links") or []:
+            link = links.get(link_id)
+            if link is None or (str(link[1]), link[2]) != (node.id, slot):
+                errors.append(f"{where(node)}: output {slot} lists link {link_id}, which does not start here")
+    return errors
+
+
+# ---- checks on the common graph ----
+
+
+def types_match(received: str, expected: str) -> bool:
+    """ComfyUI's rule: '*' matches anything, else the comma-separated type sets must overlap."""
+    if received == expected or "*" in (received, expected):
+        return True
+    return bool({t.strip() for t in str(received).split(",")} & {t.strip() for t in str(expected).split(",")})
+
+
+def check_value(inp: InputSpec, value) -> str | None:
+    """Why ``value`` is not valid for widget ``inp``, or None."""
+    if inp.type in ("INT", "FLOAT"):
+        number_types = (int,) if inp.type == "INT" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number_types):
+            return f"{value!r} is not an {inp.type}"
+        lo, hi = inp.opts.get("min"), inp.opts.get("max")
+        if lo is not None and value < lo:
+            return f"{value} is below the minimum {lo}"
+        if hi is not None and value > hi:
+            return f"{value} is above the maximum {hi}"
+    elif inp.type == "STRING" and not isinstance(value, str):
+        return f"{value!r} is not a STRING"
+    elif inp.type == "BOOLEAN" and not isinstance(value, bool):
+        return f"{value!r} is not a BOOLEAN"
+    elif inp.type == "COMBO" and value not in inp.options:
+        if not isinstance(value, str):
+            return f"{value!r} is not one of {list(inp.options)}"
+        if value.startswith(DUMMY_PREFIX):
+            presets = [o for o in inp.options if str(o).startswith(DUMMY_PREFIX)]
+            return f"unknown dummy preset {value!r}; presets: {presets}"
+        # Model files are only listed when present on the machine: accept any model file name.
+        if not (inp.is_file_combo and value.endswith(MODEL_FILE_SUFFIXES)):
+            expected = "a model file name or one of" if inp.is_file_combo else "not one of"
+            return f"{value!r}: {expected} {list(inp.options)}"
+    return None
+
+
+def check_graph(graph: dict[str, GraphNode], specs: dict[str, NodeSpec]) -> list[str]:
+    errors = []
+    for node in graph.values():
+        spec = specs.get(node.class_type)
+        if spec is None:
+            errors.append(
+                f"{where(node)}: unknown node class {node.class_type!r} (not in the pack or CORE_NODES)"
+            )
+            continue
+        for name, value in node.widgets.items():
+            inp = spec.input(name)
+            if inp is None:
+                errors.append(f"{where(node, name)}: no such input on {node.class_type}")
+            elif not inp.is_widget:
+                errors.append(
+                    f"{where(node, name)}: a {inp.type} input must be a link, got the value {value!r}"
+                )
+            elif (why := check_value(inp, value)) is not None:
+                errors.append(f"{where(node, name)}: {why}")
+        for name, (src_id, slot) in node.links.items():
+            inp = spec.input(name)
+            src = graph.get(src_id)
+            if inp is None:
+                errors.append(f"{where(node, name)}: no such input on {node.class_type}")
+            elif src is None:
+                errors.append(f"{where(node, name)}: links to node {src_id}, which does not exist")
+            elif (src_spec := specs.get(src.class_type)) is None:
+                continue  # the source is reported as unknown itself
+            elif not 0 <= slot < len(src_spec.outputs):
+                errors.append(f"{where(node, name)}: {where(src)} has no output slot {slot}")
+            elif not types_match(src_spec.outputs[slot][1], inp.type):
+                errors.append(
+                    f"{where(node, name)}: expects {inp.type}, linked to {src_spec.outputs[slot][1]} "
+                    f"output {slot} of {where(src)}"
+                )
+        for inp in spec.inputs:
+            if inp.required and inp.name not in node.widgets and inp.name not in node.links:
+                kind = "value" if inp.is_widget else f"{inp.type} link"
+                errors.append(f"{where(node, inp.name)}: required input missing (needs a {kind})")
+    return errors
+
+
+def read_workflow(workflow: dict, specs: dict[str, NodeSpec]) -> tuple[dict[str, GraphNode], list[str]]:
+    return read_ui(workflow, specs) if is_ui_format(workflow) else read_api(workflow)
+
+
+def validate(workflow: dict, specs: dict[str, NodeSpec]) -> list[str]:
+    """Every problem found in a UI- or API-format workflow, each naming its node id, class and input."""
+    graph, errors = read_workflow(workflow, specs)
+    return errors + check_graph(graph, specs)
+
+
+def compare_twins(ui: dict, api: dict, specs: dict[str, NodeSpec]) -> list[str]:
+    """Differences between a UI workflow and its API export (the same nodes, values and links)."""
+    ui_graph, _ = read_ui(ui, specs)
+    api_graph, _ = read_api(api)
+    errors = []
+    if set(ui_graph) != set(api_graph):
+        errors.append(f"node ids differ: UI {sorted(ui_graph)}, API {sorted(api_graph)}")
+    for node_id in sorted(set(ui_graph) & set(api_graph)):
+        a, b = ui_graph[node_id], api_graph[node_id]
+        for what in ("class_type", "title", "widgets", "links"):
+            if getattr(a, what) != getattr(b, what):
+                errors.append(f"{where(a)}: {what} differ: UI {getattr(a, what)!r}, API {getattr(b, what)!r}")
+    return errors
+
+
+# ---- comparison with a running server ----
+
+
+def spec_from_object_info(name: str, info: dict) -> NodeSpec:
+    order = info.get("input_order") or {s: list(info["input"].get(s, {})) for s in ("required", "optional")}
+    ordered = {s: {n: info["input"][s][n] for n in order.get(s, [])} for s in ("required", "optional")}
+    return spec_from_input_types(name, ordered, zip(info.get("output_name", []), info.get("output", [])))
+
+
+def compare_object_info(spec: NodeSpec, info: dict) -> list[str]:
+    """How ``spec`` disagrees with a server's /object_info entry for the same node."""
+    server = spec_from_object_info(spec.name, info)
+    errors = []
+    ours = [(i.name, i.type, i.required) for i in spec.inputs]
+    theirs = [(i.name, i.type, i.required) for i in server.inputs]
+    if ours != theirs:
+        errors.append(f"{spec.name}: inputs (name, type, required) {ours}, server {theirs}")
+    for mine in spec.inputs:
+        other = server.input(mine.name)
+        if other is None or other.type != mine.type:
+            continue
+        for key in ("default", "min", "max", "control_after_generate", "forceInput"):
+            if mine.opts.get(key) != other.opts.get(key):
+                errors.append(
+                    f"{spec.name}.{mine.name}: {key} {mine.opts.get(key)!r}, server {other.opts.get(key)!r}"
+                )
+        # File combos list what the machine has; only the fixed entries must agree.
+        if mine.is_file_combo:
+            if not set(mine.options) <= set(other.options):
+                errors.append(
+                    f"{spec.name}.{mine.name}: options {mine.options} not all on server {other.options}"
+                )
+        elif mine.options != other.options:
+            errors.append(f"{spec.name}.{mine.name}: options {mine.options}, server {other.options}")
+    if spec.outputs != server.outputs:
+        errors.append(f"{spec.name}: outputs {spec.outputs}, server {server.outputs}")
+    return errors

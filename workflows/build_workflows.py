@@ -1,0 +1,443 @@
+"""Build the shipped workflows: each graph is defined once below and written in both ComfyUI formats.
+
+    python workflows/build_workflows.py          # (re)write workflows/<name>.json and <name>.api.json
+    python workflows/build_workflows.py --check  # exit 1 if the files on disk differ from what it would write
+
+<name>.json is the canvas (UI) format the frontend's Load opens; <name>.api.json is the API format that
+POST /prompt takes. Widget values are given by input name; the UI's positional widgets_values are laid out
+from the node definitions (the pack's INPUT_TYPES and tests/workflow_check.py's CORE_NODES), and every
+file is validated against them before it is written.
+
+To add a workflow: write a function that fills a Graph and decorate it with @workflow("<name>").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import workflow_check as wc  # noqa: E402
+
+COL_WIDTH, GAP, NODE_WIDTH = 380, 40, 340
+SLOT_H, WIDGET_H, TEXT_H, TITLE_H = 22, 26, 110, 36
+
+# Download locations as ComfyUI's own workflow templates give them (the frontend offers them when missing).
+MODELS = {
+    "flux1-schnell.safetensors": (
+        "diffusion_models",
+        "https://huggingface.co/Comfy-Org/flux1-schnell/resolve/main/flux1-schnell.safetensors",
+    ),
+    "ae.safetensors": (
+        "vae",
+        "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors",
+    ),
+    "clip_l.safetensors": (
+        "text_encoders",
+        "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
+    ),
+    "t5xxl_fp16.safetensors": (
+        "text_encoders",
+        "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Out:
+    node: Node
+    slot: int
+
+
+@dataclass
+class Node:
+    id: int
+    spec: wc.NodeSpec
+    title: str
+    col: int
+    values: dict  # input name -> widget value or Out
+    size: tuple[int, int]
+    pos: tuple[int, int] = (0, 0)
+
+    def __getitem__(self, slot: int) -> Out:
+        return Out(self, slot)
+
+    @property
+    def class_type(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class Graph:
+    name: str
+    specs: dict[str, wc.NodeSpec]
+    nodes: list[Node] = field(default_factory=list)
+    note: str = ""
+
+    def add(self, class_type: str, title: str, col: int, /, ui_height: int | None = None, **inputs) -> Node:
+        """A node in layout column ``col`` (1 = leftmost), stacked below the column's earlier nodes."""
+        spec = self.specs[class_type]
+        unknown = set(inputs) - {i.name for i in spec.inputs}
+        if unknown:
+            raise ValueError(f"{self.name}: {class_type} has no inputs {sorted(unknown)}")
+        values = {}
+        for inp in spec.inputs:
+            if inp.name in inputs:
+                values[inp.name] = inputs[inp.name]
+            elif inp.is_widget:
+                values[inp.name] = widget_default(inp, f"{self.name}: {class_type}")
+        node = Node(
+            len(self.nodes) + 1, spec, title, col, values, (NODE_WIDTH, ui_height or node_height(spec))
+        )
+        below = [n for n in self.nodes if n.col == col]
+        y = below[-1].pos[1] + below[-1].size[1] + GAP + TITLE_H if below else 0
+        node.pos = ((col - 1) * COL_WIDTH, y)
+        self.nodes.append(node)
+        return node
+
+    def links(self) -> list[tuple[int, Out, Node, str]]:
+        """(link id, source, target node, target input) in a stable order."""
+        found = [(out, n, name) for n in self.nodes for name, out in n.values.items() if isinstance(out, Out)]
+        return [(i + 1, *link) for i, link in enumerate(found)]
+
+
+def widget_default(inp: wc.InputSpec, where: str):
+    if "default" in inp.opts:
+        return inp.opts["default"]
+    if inp.type == "COMBO" and inp.options and not inp.is_file_combo:
+        return inp.options[0]  # what the frontend shows for a combo without a default
+    raise ValueError(f"{where}: no value given for {inp.name}")
+
+
+def node_height(spec: wc.NodeSpec) -> int:
+    slots = max(len([i for i in spec.inputs if not i.is_widget]), len(spec.outputs))
+    widgets = sum(TEXT_H if w.opts.get("multiline") else WIDGET_H * (1 + w.has_control) for w in spec.widgets)
+    return slots * SLOT_H + widgets + 10
+
+
+def execution_order(graph: Graph) -> dict[int, int]:
+    """Topological order of the nodes (the UI format's 'order'), ties broken by id."""
+    deps = {n.id: {v.node.id for v in n.values.values() if isinstance(v, Out)} for n in graph.nodes}
+    order: dict[int, int] = {}
+    while len(order) < len(deps):
+        ready = min(i for i, d in deps.items() if i not in order and d <= set(order))
+        order[ready] = len(order)
+    return order
+
+
+def models_of(node: Node) -> list[dict]:
+    names = [v for v in node.values.values() if isinstance(v, str) and v in MODELS]
+    return [{"name": n, "url": MODELS[n][1], "directory": MODELS[n][0]} for n in names]
+
+
+def to_api(graph: Graph) -> dict:
+    api = {}
+    for n in graph.nodes:
+        inputs = {name: [str(v.node.id), v.slot] if isinstance(v, Out) else v for name, v in n.values.items()}
+        api[str(n.id)] = {"inputs": inputs, "class_type": n.class_type, "_meta": {"title": n.title}}
+    return api
+
+
+def to_ui(graph: Graph) -> dict:
+    links = graph.links()
+    order = execution_order(graph)
+    nodes = []
+    for n in graph.nodes:
+        in_links = {name: lid for lid, _, dst, name in links if dst is n}
+        inputs = []
+        for i in sockets(n):
+            slot = {"name": i.name, "type": i.type, "link": in_links.get(i.name)}
+            if i.is_widget:
+                slot["widget"] = {"name": i.name}
+            inputs.append(slot)
+        outputs = [
+            {
+                "name": name,
+                "type": typ,
+                "links": [lid for lid, out, _, _ in links if out.node is n and out.slot == slot] or None,
+                "slot_index": slot,
+            }
+            for slot, (name, typ) in enumerate(n.spec.outputs)
+        ]
+        widgets_values = []
+        for w in n.spec.widgets:
+            value = n.values[w.name]
+            widgets_values.append(value if not isinstance(value, Out) else widget_default(w, n.title))
+            if w.has_control:
+                widgets_values.append("fixed")
+        properties = {"Node name for S&R": n.class_type}
+        if models := models_of(n):
+            properties["models"] = models
+        nodes.append(
+            {
+                "id": n.id,
+                "type": n.class_type,
+                "pos": list(n.pos),
+                "size": list(n.size),
+                "flags": {},
+                "order": order[n.id],
+                "mode": 0,
+                "title": n.title,
+                "inputs": inputs,
+                "outputs": outputs,
+                "properties": properties,
+                "widgets_values": widgets_values,
+            }
+        )
+    note_id = len(graph.nodes) + 1
+    nodes.append(
+        {
+            "id": note_id,
+            "type": "Note",
+            "pos": [-COL_WIDTH, 0],
+            "size": [NODE_WIDTH, 20 * graph.note.strip().count("\n") + 60],
+            "flags": {},
+            "order": len(graph.nodes),
+            "mode": 0,
+            "title": "About this workflow",
+            "inputs": [],
+            "outputs": [],
+            "properties": {},
+            "widgets_values": [graph.note.strip()],
+            "color": "#432",
+            "bgcolor": "#653",
+        }
+    )
+    return {
+        "last_node_id": note_id,
+        "last_link_id": len(links),
+        "nodes": nodes,
+        "links": [
+            [lid, out.node.id, out.slot, dst.id, input_slot(dst, name), out_type(out)]
+            for lid, out, dst, name in links
+        ],
+        "groups": [],
+        "config": {},
+        "extra": {"ds": {"scale": 0.8, "offset": [COL_WIDTH + 40, 80]}},
+        "version": 0.4,
+    }
+
+
+def sockets(node: Node) -> list[wc.InputSpec]:
+    """The node's UI input slots: link inputs, then widgets driven by a link (which keep their widget)."""
+    linked_widgets = [w for w in node.spec.widgets if isinstance(node.values[w.name], Out)]
+    return [i for i in node.spec.inputs if not i.is_widget] + linked_widgets
+
+
+def input_slot(node: Node, name: str) -> int:
+    return [i.name for i in sockets(node)].index(name)
+
+
+def out_type(out: Out) -> str:
+    return out.node.spec.outputs[out.slot][1]
+
+
+# ---- the workflows ----
+
+WORKFLOWS: dict[str, Callable[[Graph], None]] = {}
+
+
+def workflow(name: str):
+    def register(fn: Callable[[Graph], None]):
+        WORKFLOWS[name] = fn
+        return fn
+
+    return register
+
+
+PROMPT = "a red fox sitting in fresh snow at sunrise, soft golden light, detailed fur, shallow depth of field"
+FLUX_SIDE_FILES = """- text_encoders/t5xxl_fp16.safetensors and text_encoders/clip_l.safetensors
+  (huggingface.co/comfyanonymous/flux_text_encoders)
+- vae/ae.safetensors (the FLUX VAE)"""
+
+
+def flux_text(g: Graph, col: int) -> Node:
+    clip = g.add(
+        "DualCLIPLoader",
+        "Load text encoders (T5-XXL + CLIP-L)",
+        col,
+        clip_name1="t5xxl_fp16.safetensors",
+        clip_name2="clip_l.safetensors",
+        type="flux",
+    )
+    return g.add(
+        "CLIPTextEncodeFlux", "Prompt", col + 1, clip=clip[0], clip_l=PROMPT, t5xxl=PROMPT, guidance=3.5
+    )
+
+
+def decode_and_save(g: Graph, latent: Out, col: int, prefix: str) -> None:
+    vae = g.add("VAELoader", "Load VAE", col, vae_name="ae.safetensors")
+    image = g.add("VAEDecode", "Decode", col, samples=latent, vae=vae[0])
+    g.add("SaveImage", "Save image", col + 1, ui_height=420, images=image[0], filename_prefix=prefix)
+
+
+@workflow("flux_schnell_fewstep")
+def flux_schnell_fewstep(g: Graph) -> None:
+    g.note = f"""FLUX.1-schnell in 4 steps with the FewStep engine.
+
+FewStep DiT Loader loads the diffusion transformer into the pack's own engine; ComfyUI's text encoders
+and VAE do the rest. FewStep Sampler runs the schnell schedule (4 steps, euler, no CFG: one DiT forward
+per step) and its 'report' output lists the sigmas and the time of each step.
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-schnell.safetensors (huggingface.co/Comfy-Org/flux1-schnell), or an fp8 file
+{FLUX_SIDE_FILES}
+
+No files? Open flux_schnell_fewstep_dummy.json: the same sampler with random weights."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+    )
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (4 steps)",
+        3,
+        model=model[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=4,
+        schedule="flux.1-schnell",
+        sampler="euler",
+        cfg=1.0,
+    )
+    g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
+    decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell")
+
+
+@workflow("flux_schnell_fewstep_dummy")
+def flux_schnell_fewstep_dummy(g: Graph) -> None:
+    g.note = """FewStep sampling with no model files at all (runs on a CPU in seconds).
+
+'dummy:flux-tiny' builds a tiny FLUX-shaped transformer with seeded random weights, and FewStep
+Synthetic Conditioning stands in for the text encoders (random T5/CLIP-shaped embeddings). The output
+is noise-like, not a picture: the workflow is for checking an install and trying the sampler settings.
+The latent is written to output/fewstep/ by SaveLatent; the report shows sigmas and step times.
+
+Needs no files. For real images open flux_schnell_fewstep.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (4 steps)",
+        2,
+        model=model[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=4,
+        schedule="flux.1-schnell",
+        sampler="euler",
+        cfg=1.0,
+    )
+    g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/flux_schnell_dummy")
+    g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
+
+
+@workflow("native_fewstep_schedule")
+def native_fewstep_schedule(g: Graph) -> None:
+    g.note = f"""FLUX.1-schnell on ComfyUI's own model path, with FewStep's schedule and sampler.
+
+ComfyUI loads and runs the model (Load Diffusion Model, SamplerCustomAdvanced), so LoRAs and other
+MODEL patches apply as usual; FewStep Schedule supplies the SIGMAS and FewStep Sampler Select the
+SAMPLER. Keep the schedule's width/height equal to the image size (flux.1-dev's shift depends on it).
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-schnell.safetensors (huggingface.co/Comfy-Org/flux1-schnell)
+{FLUX_SIDE_FILES}"""
+    model = g.add(
+        "UNETLoader", "Load Diffusion Model (FLUX.1-schnell)", 1, unet_name="flux1-schnell.safetensors"
+    )
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
+    guider = g.add("BasicGuider", "Guider (no CFG)", 3, model=model[0], conditioning=cond[0])
+    noise = g.add("RandomNoise", "Noise", 3, noise_seed=42)
+    sigmas = g.add(
+        "FewStepSchedule", "FewStep Schedule", 3, schedule="flux.1-schnell", steps=4, width=1024, height=1024
+    )
+    sampler = g.add("FewStepSamplerSelect", "FewStep Sampler Select", 3, sampler="euler")
+    out = g.add(
+        "SamplerCustomAdvanced",
+        "SamplerCustomAdvanced",
+        4,
+        noise=noise[0],
+        guider=guider[0],
+        sampler=sampler[0],
+        sigmas=sigmas[0],
+        latent_image=latent[0],
+    )
+    decode_and_save(g, out[0], 5, "fewstep/native_schnell")
+
+
+@workflow("fewstep_schedule_dummy")
+def fewstep_schedule_dummy(g: Graph) -> None:
+    g.note = """The SIGMAS that FewStep Schedule hands to ComfyUI's samplers, shown without any model.
+
+ComfyUI's native sampling needs a MODEL, which core nodes cannot make without a model file, so this
+workflow only builds two schedules and previews them: FLUX.1-schnell (4 steps, unshifted) and FLUX.1-dev
+(28 steps, shifted by resolution; change width/height to see the shift move).
+
+Needs no files. native_fewstep_schedule.json uses these schedules with a real model."""
+    schnell = g.add("FewStepSchedule", "Schedule: FLUX.1-schnell", 1, schedule="flux.1-schnell", steps=4)
+    dev = g.add("FewStepSchedule", "Schedule: FLUX.1-dev", 1, schedule="flux.1-dev", steps=28)
+    g.add("PreviewAny", "Sigmas (schnell)", 2, ui_height=140, source=schnell[0])
+    g.add("PreviewAny", "Sigmas (dev)", 2, ui_height=240, source=dev[0])
+
+
+# ---- writing ----
+
+
+def render(name: str, specs: dict[str, wc.NodeSpec]) -> dict[str, str]:
+    """File name -> text for one workflow, validated."""
+    g = Graph(name, specs)
+    WORKFLOWS[name](g)
+    ui, api = to_ui(g), to_api(g)
+    errors = wc.validate(ui, specs) + wc.validate(api, specs) + wc.compare_twins(ui, api, specs)
+    if errors:
+        raise SystemExit(f"{name}: invalid workflow:\n  " + "\n  ".join(errors))
+    return {f"{name}.json": dump(ui), f"{name}.api.json": dump(api)}
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
+    args = ap.parse_args(argv)
+    specs = wc.node_specs()
+    files = {}
+    for name in WORKFLOWS:
+        files.update(render(name, specs))
+    if not args.check:
+        for fname, text in files.items():
+            (HERE / fname).write_text(text)
+        print(f"wrote {len(files)} files to {HERE}")
+        return 0
+    problems = [f"{f}: missing" for f in files if not (HERE / f).exists()]
+    problems += [
+        f"{f}: differs" for f, t in files.items() if (HERE / f).exists() and (HERE / f).read_text() != t
+    ]
+    problems += [
+        f"{p.name}: stale (not built by this script)"
+        for p in sorted(HERE.glob("*.json"))
+        if p.name not in files
+    ]
+    for p in problems:
+        print(p)
+    if problems:
+        print("run: python workflows/build_workflows.py")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -37,6 +37,8 @@ class FlowDenoiser:
         self.dtype = dtype
         self.model_calls = 0
         self.rows_evaluated = 0
+        self._cache_key = None
+        self._cache: list[TextCondition] = []
 
     @property
     def uses_cfg(self) -> bool:
@@ -48,12 +50,13 @@ class FlowDenoiser:
         return self.family.velocity(self.model, x, sigma, cond)
 
     def _mean_velocity(self, x, sigma, conds) -> list[torch.Tensor]:
-        """Velocity per prompt group; groups whose token counts agree share one batched forward."""
+        """Velocity per prompt; prompts whose token counts agree share one batched forward."""
+        if len(conds) == 1:
+            return [self._velocity(x, sigma, conds[0])]
         b = x.shape[0]
         groups: dict[tuple, list[int]] = {}
         for idx, c in enumerate(conds):
-            key = (c.context.shape[1], c.guidance)
-            groups.setdefault(key, []).append(idx)
+            groups.setdefault((c.context.shape[1], c.guidance), []).append(idx)
         out: list[torch.Tensor | None] = [None] * len(conds)
         for idxs in groups.values():
             batch = _cat_conds([conds[i] for i in idxs])
@@ -62,14 +65,21 @@ class FlowDenoiser:
                 out[i] = v[j * b : (j + 1) * b]
         return out
 
+    def _prepared(self, batch: int, device, dtype) -> list[TextCondition]:
+        """Conditions tiled to the batch and moved once per run, not once per step."""
+        key = (batch, device, dtype)
+        if self._cache_key != key:
+            conds = self.positive + (self.negative if self.uses_cfg else [])
+            self._cache = [c.repeat_to(batch).to(device, dtype) for c in conds]
+            self._cache_key = key
+        return self._cache
+
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **_: object) -> torch.Tensor:
         dtype = self.dtype or x.dtype
         xin = x.to(dtype)
         sig = sigma.to(torch.float32)
         n_pos = len(self.positive)
-        conds = self.positive + (self.negative if self.uses_cfg else [])
-        conds = [c.repeat_to(x.shape[0]).to(x.device, dtype) for c in conds]
-        vs = self._mean_velocity(xin, sig, conds)
+        vs = self._mean_velocity(xin, sig, self._prepared(x.shape[0], x.device, dtype))
         v_pos = torch.stack(vs[:n_pos]).mean(0) if n_pos > 1 else vs[0]
         v = v_pos
         if self.uses_cfg:

@@ -22,6 +22,7 @@ from .common import (
     synthetic_condition,
     write_json,
 )
+from .images import decode_raw, save_png
 
 HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage timings"
 
@@ -30,6 +31,18 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.add_argument("--out", default="out/generate", help="output folder")
+    p.add_argument(
+        "--decode",
+        default="none",
+        choices=["none", "tiny", "full"],
+        help="also write image.png: tiny (TAEF1) or full (FLUX.1 autoencoder)",
+    )
+    p.add_argument(
+        "--tiny-vae", default="dummy:taef1", help="with --decode tiny: taef1_decoder.pth or dummy:taef1"
+    )
+    p.add_argument(
+        "--ae", default="dummy:flux1-ae", help="with --decode full: ae.safetensors or dummy:flux1-ae"
+    )
 
 
 def run(args) -> int:
@@ -79,6 +92,12 @@ def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     save_file({"latent": out.contiguous()}, os.path.join(args.out, "latent.safetensors"))
     timings["save_s"] = time.perf_counter() - t
+    images = []
+    if args.decode != "none":
+        t = time.perf_counter()
+        pixels = decode_raw(out, args.decode, args.tiny_vae, args.ae, device=handle.device)
+        timings["decode_s"] = time.perf_counter() - t
+        images = save_png(pixels, args.out, "image")
     write_json(
         os.path.join(args.out, "timings.json"),
         {
@@ -89,6 +108,7 @@ def run(args) -> int:
             "dit_forwards": report.model_calls,
             "latent_shape": list(out.shape),
             "timings": timings,
+            "images": images,
         },
     )
     print(handle.describe())

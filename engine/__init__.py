@@ -17,6 +17,7 @@ from .latent_formats import FLUX1, LatentFormat
 from .loader import DUMMY_PREFIX, load_dit, preset_of
 from .models.registry import FAMILIES, all_presets
 from .text_to_image import SampleReport, noise_for, sample_latent
+from .vae import TINY_VARIANTS, TinyVAE, load_tiny_vae
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -29,10 +30,13 @@ __all__ = [
     "LatentFormat",
     "ModelHandle",
     "SampleReport",
+    "TINY_VARIANTS",
+    "TinyVAE",
     "TextCondition",
     "all_presets",
     "attention",
     "load_dit",
+    "load_tiny_vae",
     "noise_for",
     "open_model",
     "preset_of",

@@ -14,11 +14,13 @@ import torch
 
 @dataclass(frozen=True)
 class LatentFormat:
+    """``model = (raw - shift) * scale / std``; ``shift`` and ``std`` may be per channel (dim 1)."""
+
     name: str
     channels: int
-    scale: float | tuple[float, ...]
-    shift: float | tuple[float, ...]
-    spatial_factor: int = 8
+    scale: float = 1.0
+    shift: float | tuple[float, ...] = 0.0
+    std: tuple[float, ...] | None = None
 
     def _param(self, value, x: torch.Tensor) -> torch.Tensor | float:
         if isinstance(value, tuple):
@@ -27,12 +29,51 @@ class LatentFormat:
         return value
 
     def process_in(self, raw: torch.Tensor) -> torch.Tensor:
-        return (raw - self._param(self.shift, raw)) * self._param(self.scale, raw)
+        out = (raw - self._param(self.shift, raw)) * self.scale
+        return out if self.std is None else out / self._param(self.std, raw)
 
     def process_out(self, latent: torch.Tensor) -> torch.Tensor:
-        return latent / self._param(self.scale, latent) + self._param(self.shift, latent)
+        out = latent if self.std is None else latent * self._param(self.std, latent)
+        return out / self.scale + self._param(self.shift, latent)
 
 
 # FLUX.1 autoencoder: black-forest-labs/flux util.py (scale_factor 0.3611, shift_factor 0.1159), the same
 # numbers as ComfyUI's comfy.latent_formats.Flux.
 FLUX1 = LatentFormat("flux1", channels=16, scale=0.3611, shift=0.1159)
+
+# Image autoencoders, as ComfyUI's comfy.latent_formats and the models' own configs give them.
+SD15 = LatentFormat("sd15", channels=4, scale=0.18215)
+SDXL = LatentFormat("sdxl", channels=4, scale=0.13025)
+SD3 = LatentFormat("sd3", channels=16, scale=1.5305, shift=0.0609)
+# FLUX.2: its 32-channel VAE latent as the VAE emits it (before the 2x2 patching and batch-norm the FLUX.2
+# transformer applies); TAEF2 works directly on it.
+FLUX2_RAW = LatentFormat("flux2-raw", channels=32)
+# Sana's DC-AE f32c32 (mit-han-lab dc-ae-f32c32-sana-1.0: scaling_factor 0.41407).
+SANA_DCAE = LatentFormat("sana-dcae", channels=32, scale=0.41407)
+
+# Video autoencoders (ComfyUI comfy.latent_formats.Wan21 / Wan22 / HunyuanVideo).
+WAN21 = LatentFormat(
+    "wan2.1",
+    channels=16,
+    shift=(-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+           0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921),
+    std=(2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+         3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160),
+)  # fmt: skip
+WAN22 = LatentFormat(
+    "wan2.2",
+    channels=48,
+    shift=(-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+           -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+           -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+           -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+           -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+           0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667),
+    std=(0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+         0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+         0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+         0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+         0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+         0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744),
+)  # fmt: skip
+HUNYUAN_VIDEO = LatentFormat("hunyuan-video", channels=16, scale=0.476986)

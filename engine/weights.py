@@ -144,8 +144,8 @@ def _param_seed(seed: int, name: str) -> int:
 def dummy_init_(model: nn.Module, seed: int = 0) -> None:
     """Seeded random weights, like vLLM's ``dummy`` load format, reproducible per parameter name.
 
-    Matrices get ``N(0, 1/fan_in)`` (activations keep their scale through the network), 1-D norm scales
-    ``1 + N(0, 0.1^2)`` and biases ``N(0, 0.02^2)``. Each parameter's generator is seeded from ``seed`` and its
+    Matrices and convolution kernels get ``N(0, 1/fan_in)`` (activations keep their scale through the
+    network), 1-D norm scales and weights ``1 + N(0, 0.1^2)`` and biases ``N(0, 0.02^2)``. Each parameter's generator is seeded from ``seed`` and its
     name, so a parameter's values do not depend on which other parameters exist. Numbers are drawn on the
     parameter's device: the same seed gives the same weights on every CPU, and on every GPU of one kind.
     """
@@ -155,7 +155,7 @@ def dummy_init_(model: nn.Module, seed: int = 0) -> None:
         if param.ndim >= 2:
             fan_in = param[0].numel()
             values.normal_(0.0, fan_in**-0.5, generator=gen)
-        elif name.endswith("scale") or name.endswith("norm.weight"):
+        elif name.endswith(("scale", "weight")):
             values.normal_(0.0, 0.1, generator=gen).add_(1.0)
         else:
             values.normal_(0.0, 0.02, generator=gen)

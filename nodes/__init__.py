@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 NODE_MODULES = {
     "loaders": ["FewStepDiTLoader"],
     "sampling": ["FewStepSampler", "FewStepSchedule", "FewStepSamplerSelect", "FewStepSyntheticConditioning"],
+    "vae": ["FewStepTinyVAELoader", "FewStepTinyVAEDecode", "FewStepTinyVAEEncode"],
 }
 DISPLAY_NAMES = {
     "FewStepDiTLoader": "FewStep DiT Loader",
@@ -22,6 +23,9 @@ DISPLAY_NAMES = {
     "FewStepSchedule": "FewStep Schedule (SIGMAS)",
     "FewStepSamplerSelect": "FewStep Sampler Select (SAMPLER)",
     "FewStepSyntheticConditioning": "FewStep Synthetic Conditioning (testing)",
+    "FewStepTinyVAELoader": "FewStep Tiny VAE Loader",
+    "FewStepTinyVAEDecode": "FewStep Tiny VAE Decode",
+    "FewStepTinyVAEEncode": "FewStep Tiny VAE Encode",
 }
 
 NODE_CLASS_MAPPINGS: dict[str, type] = {}

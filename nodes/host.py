@@ -89,3 +89,13 @@ class Progress:
     def close(self) -> None:
         if self._tqdm is not None:
             self._tqdm.close()
+
+
+def preview_payload(image: torch.Tensor):
+    """ComfyUI's progress-bar preview for an image ``[H, W, 3]`` in [0, 1]: ``("JPEG", PIL image, max size)``."""
+    from PIL import Image
+
+    args = getattr(comfy_module("comfy.cli_args"), "args", None)
+    max_size = getattr(args, "preview_size", 512)
+    array = (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
+    return ("JPEG", Image.fromarray(array), max_size)

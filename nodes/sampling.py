@@ -12,7 +12,7 @@ from ..engine.sampling import FLOW, SAMPLERS, SCHEDULES, VE
 from ..engine.text_to_image import build_sigmas, sample_latent
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
 from .conditioning import from_comfy, to_comfy
-from .host import Progress, check_interrupt, comfy_module
+from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
 
 SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]
@@ -111,6 +111,18 @@ class FewStepSampler:
                         "in [0, 1], comma separated; a final 0 is added if missing.",
                     },
                 ),
+                "preview_vae": (
+                    "FEWSTEP_TINY_VAE",
+                    {"tooltip": "Tiny VAE for per-step previews (taef1 for FLUX)."},
+                ),
+                "preview": (
+                    "BOOLEAN",
+                    {
+                        "default": False,
+                        "tooltip": "Send a tiny-VAE preview of each step's x0 to the progress bar "
+                        "(needs preview_vae).",
+                    },
+                ),
             },
         }
 
@@ -128,6 +140,8 @@ class FewStepSampler:
         denoise,
         negative=None,
         custom_sigmas="",
+        preview_vae=None,
+        preview=False,
     ):
         pos = from_comfy(positive, "positive")
         neg = from_comfy(negative, "negative") if negative is not None else None
@@ -138,13 +152,14 @@ class FewStepSampler:
                 "carries a noise mask (inpainting); FewStepSampler does not apply "
                 "masks: use ComfyUI's samplers with FewStepSchedule / FewStepSamplerSelect",
             )
+        previewer = step_previewer(model, preview_vae) if preview else None
         load_for_run(model)
         sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
         progress = Progress(len(sigmas) - 1, desc="FewStepSampler")
 
         def on_step(info):
             check_interrupt()
-            progress.update(info["i"] + 1)
+            progress.update(info["i"] + 1, previewer(info["denoised"]) if previewer else None)
 
         try:
             out, report = sample_latent(
@@ -163,6 +178,26 @@ class FewStepSampler:
             progress.close()
         result = {**latent_image, "samples": out}
         return (result, report.summary())
+
+
+def step_previewer(model, preview_vae):
+    """x0 in the model's latent space -> a progress-bar preview of the first image of the batch."""
+    if preview_vae is None:
+        raise InputError("preview_vae", "preview is on but no tiny VAE is connected (FewStepTinyVAELoader)")
+    fmt = model.family.latent_format
+    if preview_vae.variant.kind != "image" or preview_vae.variant.channels != fmt.channels:
+        raise InputError(
+            "preview_vae",
+            f"{preview_vae.variant.name} decodes {preview_vae.variant.channels}-channel "
+            f"{preview_vae.variant.kind} latents; this {model.family.name} model makes "
+            f"{fmt.channels}-channel latents ({fmt.name}: use taef1)",
+        )
+
+    def preview(denoised):
+        latent = preview_vae.raw_to_latent(fmt.process_out(denoised[:1].float()))
+        return preview_payload(preview_vae.decode(latent)[0].permute(1, 2, 0))
+
+    return preview
 
 
 class FewStepSchedule:

@@ -78,6 +78,15 @@ def test_each_function_returns_its_return_types(pack):
         "FewStepSchedule": _run(m["FewStepSchedule"]),
         "FewStepSamplerSelect": _run(m["FewStepSamplerSelect"]),
     }
+    (tiny,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef1")
+    (image,) = _run(m["FewStepTinyVAEDecode"], tiny_vae=tiny, samples=latent)
+    outputs.update(
+        FewStepTinyVAELoader=(tiny,),
+        FewStepTinyVAEDecode=(image,),
+        FewStepTinyVAEEncode=_run(m["FewStepTinyVAEEncode"], tiny_vae=tiny, pixels=image),
+    )
+    assert image.shape == (1, 64, 64, 3) and float(image.min()) >= 0 and float(image.max()) <= 1
+    assert outputs["FewStepTinyVAEEncode"][0]["samples"].shape == (1, 16, 8, 8)
     assert set(outputs) == set(m), "a new node needs a case here"
     for node_id, out in outputs.items():
         assert isinstance(out, tuple) and len(out) == len(m[node_id].RETURN_TYPES), node_id
@@ -229,3 +238,72 @@ print(json.dumps([before == after, sorted(k for k in sys.modules if k.split('.')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     same, comfy_modules = json.loads(out.stdout.strip().splitlines()[-1])
     assert same and comfy_modules == []
+
+
+def test_step_previews_reach_the_progress_bar(pack, monkeypatch):
+    previews = []
+
+    class ProgressBar:
+        def __init__(self, total):
+            self.total = total
+
+        def update_absolute(self, value, total=None, preview=None):
+            previews.append((value, preview))
+
+    monkeypatch.setitem(sys.modules, "comfy.utils", types.SimpleNamespace(ProgressBar=ProgressBar))
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"])
+    (tiny,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef1")
+    latent = {"samples": torch.zeros(1, 16, 8, 12)}
+    _run(m["FewStepSampler"], model=model, positive=cond, latent_image=latent, preview_vae=tiny, preview=True)
+    assert [v for v, _ in previews] == [1, 2, 3, 4]
+    kind, image, size = previews[0][1]
+    assert kind == "JPEG" and image.size == (96, 64) and size == 512
+    previews.clear()
+    _run(m["FewStepSampler"], model=model, positive=cond, latent_image=latent)  # off by default
+    assert [p for _, p in previews] == [None] * 4
+    (video_vae,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef2")
+    with pytest.raises(ValueError, match=r"^FewStepSampler: input 'preview_vae': taef2 decodes 32-channel"):
+        _run(
+            m["FewStepSampler"],
+            model=model,
+            positive=cond,
+            latent_image=latent,
+            preview_vae=video_vae,
+            preview=True,
+        )
+    with pytest.raises(
+        ValueError, match=r"^FewStepSampler: input 'preview_vae': preview is on but no tiny VAE"
+    ):
+        _run(m["FewStepSampler"], model=model, positive=cond, latent_image=latent, preview=True)
+
+
+def test_tiny_vae_node_errors(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (tiny,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef1")
+    with pytest.raises(
+        ValueError, match=r"^FewStepTinyVAEDecode: input 'samples': taef1 .* decodes 16-channel"
+    ):
+        _run(m["FewStepTinyVAEDecode"], tiny_vae=tiny, samples={"samples": torch.zeros(1, 4, 8, 8)})
+    with pytest.raises(
+        ValueError, match=r"^FewStepTinyVAEEncode: input 'pixels': image values must be in \[0, 1\]"
+    ):
+        _run(m["FewStepTinyVAEEncode"], tiny_vae=tiny, pixels=torch.full((1, 16, 16, 3), 2.0))
+    with pytest.raises(ValueError, match=r"^FewStepTinyVAELoader: input 'vae_name': weights file not found"):
+        _run(m["FewStepTinyVAELoader"], vae_name="taef1_decoder.pth")
+
+
+def test_video_latents_decode_to_stacked_frames(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (tiny,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taew2_1")
+    latent = {"samples": torch.randn(1, 16, 2, 4, 6)}
+    (frames,) = _run(m["FewStepTinyVAEDecode"], tiny_vae=tiny, samples=latent)
+    assert frames.shape == (5, 32, 48, 3)  # 4T - 3 frames along the batch
+    expected = tiny.decode(tiny.raw_to_latent(latent["samples"]))[0].permute(0, 2, 3, 1)
+    assert torch.allclose(frames, expected, atol=1e-6)
+    (encoded,) = _run(m["FewStepTinyVAEEncode"], tiny_vae=tiny, pixels=frames)
+    assert encoded["samples"].shape == (1, 16, 2, 4, 6)  # 5 frames, padded to 8, 4 per latent frame
+    (image_vae,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef1")
+    with pytest.raises(ValueError, match="video latent .* image-only tiny AE taef1"):
+        _run(m["FewStepTinyVAEDecode"], tiny_vae=image_vae, samples={"samples": torch.randn(1, 16, 2, 4, 4)})

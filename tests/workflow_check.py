@@ -25,6 +25,7 @@ WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_NAMES = {"seed", "noise_seed"}  # the frontend adds a control widget to these even without the flag
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
+IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DUMMY_PREFIX = "dummy:"
 # Frontend-only nodes: they have no backend class and are left out of the API format.
 VIRTUAL_NODES = {"Note", "MarkdownNote"}
@@ -50,6 +51,15 @@ class InputSpec:
         )
 
     @property
+    def companion(self) -> tuple[str, frozenset, str] | None:
+        """The extra widget the frontend puts after this one: (what, allowed values, value to write)."""
+        if self.has_control:
+            return ("control_after_generate", frozenset(CONTROL_VALUES), "fixed")
+        if self.opts.get("image_upload"):
+            return ("upload", frozenset({"image"}), "image")
+        return None
+
+    @property
     def is_file_combo(self) -> bool:
         """A combo listing model files: its list depends on the machine's models/ folders."""
         return self.type == "COMBO" and (
@@ -72,7 +82,7 @@ class NodeSpec:
 
     @property
     def widget_value_count(self) -> int:
-        return sum(1 + w.has_control for w in self.widgets)
+        return sum(1 + (w.companion is not None) for w in self.widgets)
 
 
 def parse_input(name: str, decl, required: bool) -> InputSpec:
@@ -151,6 +161,20 @@ CORE_NODES = {
     "VAELoader": core({"vae_name": files("vae", "pixel_space")}, outputs={"VAE": "VAE"}),
     "VAEDecode": core({"samples": ("LATENT",), "vae": ("VAE",)}, outputs={"IMAGE": "IMAGE"}),
     "SaveImage": core({"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "ComfyUI"})}),
+    "PreviewImage": core({"images": ("IMAGE",)}),
+    "LoadImage": core(
+        {"image": ([], {"model_files": "input", "image_upload": True})},
+        outputs={"IMAGE": "IMAGE", "MASK": "MASK"},
+    ),
+    "EmptyImage": core(
+        {
+            "width": ("INT", {"default": 512, "min": 1, "max": 16384, "step": 1}),
+            "height": ("INT", {"default": 512, "min": 1, "max": 16384, "step": 1}),
+            "batch_size": ("INT", {"default": 1, "min": 1, "max": 4096}),
+            "color": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFF, "step": 1, "display": "color"}),
+        },
+        outputs={"IMAGE": "IMAGE"},
+    ),
     "SaveLatent": core(
         {"samples": ("LATENT",), "filename_prefix": ("STRING", {"default": "latents/ComfyUI"})}
     ),
@@ -289,19 +313,18 @@ def read_ui_widgets(node: GraphNode, spec: NodeSpec, values) -> list[str]:
     widgets = spec.widgets
     if not isinstance(values, list) or len(values) != spec.widget_value_count:
         count = len(values) if isinstance(values, list) else values
-        names = [w.name + (" + control_after_generate" if w.has_control else "") for w in widgets]
+        names = [w.name + (f" + {w.companion[0]}" if w.companion else "") for w in widgets]
         return [
             f"{where(node)}: widgets_values has {count} values, expected {spec.widget_value_count}: {names}"
         ]
     errors, values = [], iter(values)
     for w in widgets:
         node.widgets[w.name] = next(values)
-        if w.has_control:
-            control = next(values)
-            if control not in CONTROL_VALUES:
-                errors.append(
-                    f"{where(node, w.name)}: control_after_generate {control!r} not in {CONTROL_VALUES}"
-                )
+        if w.companion:
+            what, allowed, _ = w.companion
+            extra = next(values)
+            if extra not in allowed:
+                errors.append(f"{where(node, w.name)}: {what} {extra!r} not in {sorted(allowed)}")
     return errors
 
 
@@ -381,8 +404,9 @@ def check_value(inp: InputSpec, value) -> str | None:
         if value.startswith(DUMMY_PREFIX):
             presets = [o for o in inp.options if str(o).startswith(DUMMY_PREFIX)]
             return f"unknown dummy preset {value!r}; presets: {presets}"
-        # Model files are only listed when present on the machine: accept any model file name.
-        if not (inp.is_file_combo and value.endswith(MODEL_FILE_SUFFIXES)):
+        # Files are only listed when present on the machine: accept any model (or, for input/, image) file name.
+        suffixes = IMAGE_FILE_SUFFIXES if inp.opts.get("model_files") == "input" else MODEL_FILE_SUFFIXES
+        if not (inp.is_file_combo and value.lower().endswith(suffixes)):
             expected = "a model file name or one of" if inp.is_file_combo else "not one of"
             return f"{value!r}: {expected} {list(inp.options)}"
     return None

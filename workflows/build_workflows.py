@@ -42,6 +42,8 @@ MODELS = {
         "text_encoders",
         "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
     ),
+    "taef1_decoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_decoder.pth"),
+    "taef1_encoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_encoder.pth"),
     "t5xxl_fp16.safetensors": (
         "text_encoders",
         "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
@@ -169,8 +171,8 @@ def to_ui(graph: Graph) -> dict:
         for w in n.spec.widgets:
             value = n.values[w.name]
             widgets_values.append(value if not isinstance(value, Out) else widget_default(w, n.title))
-            if w.has_control:
-                widgets_values.append("fixed")
+            if w.companion:
+                widgets_values.append(w.companion[2])
         properties = {"Node name for S&R": n.class_type}
         if models := models_of(n):
             properties["models"] = models
@@ -390,6 +392,133 @@ Needs no files. native_fewstep_schedule.json uses these schedules with a real mo
     dev = g.add("FewStepSchedule", "Schedule: FLUX.1-dev", 1, schedule="flux.1-dev", steps=28)
     g.add("PreviewAny", "Sigmas (schnell)", 2, ui_height=140, source=schnell[0])
     g.add("PreviewAny", "Sigmas (dev)", 2, ui_height=240, source=dev[0])
+
+
+@workflow("flux_schnell_tiny_decode")
+def flux_schnell_tiny_decode(g: Graph) -> None:
+    g.note = f"""FLUX.1-schnell in 4 steps, decoded with the tiny autoencoder TAEF1.
+
+With a 4-step model the full VAE becomes a large share of the time; TAEF1 (a few MB) decodes in
+milliseconds at slightly lower detail. The sampler also sends a TAEF1 preview of each step's x0 to the
+progress bar (preview = true).
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-schnell.safetensors
+- vae_approx/taef1_decoder.pth and taef1_encoder.pth (github.com/madebyollin/taesd)
+{FLUX_SIDE_FILES.splitlines()[0]}
+{FLUX_SIDE_FILES.splitlines()[1]}
+
+No files? Open flux_schnell_tiny_decode_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+    )
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 3, vae_name="taef1_decoder.pth")
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (4 steps, previews)",
+        3,
+        model=model[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=4,
+        schedule="flux.1-schnell",
+        sampler="euler",
+        cfg=1.0,
+        preview_vae=tiny[0],
+        preview=True,
+    )
+    image = g.add("FewStepTinyVAEDecode", "Tiny decode", 4, tiny_vae=tiny[0], samples=sampler[0])
+    g.add("PreviewAny", "Sampler report", 4, ui_height=200, source=sampler[1])
+    g.add(
+        "SaveImage", "Save image", 5, ui_height=420, images=image[0], filename_prefix="fewstep/schnell_tiny"
+    )
+
+
+@workflow("flux_schnell_tiny_decode_dummy")
+def flux_schnell_tiny_decode_dummy(g: Graph) -> None:
+    g.note = """Few-step sampling plus tiny-VAE decode with no model files (random weights, CPU, seconds).
+
+dummy:flux-tiny and dummy:taef1 have seeded random weights, so the saved image is noise; the workflow checks
+the install and shows the path latent -> tiny decode -> image, with per-step previews.
+
+Needs no files. For real images open flux_schnell_tiny_decode.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEF1)", 2, vae_name="dummy:taef1")
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (4 steps, previews)",
+        2,
+        model=model[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=4,
+        schedule="flux.1-schnell",
+        sampler="euler",
+        cfg=1.0,
+        preview_vae=tiny[0],
+        preview=True,
+    )
+    image = g.add("FewStepTinyVAEDecode", "Tiny decode", 3, tiny_vae=tiny[0], samples=sampler[0])
+    g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
+    g.add(
+        "SaveImage",
+        "Save image",
+        4,
+        ui_height=300,
+        images=image[0],
+        filename_prefix="fewstep/schnell_tiny_dummy",
+    )
+
+
+@workflow("tiny_vae_round_trip")
+def tiny_vae_round_trip(g: Graph) -> None:
+    g.note = """Encode an image with a tiny VAE and decode it again (TAEF1 here).
+
+Shows what the tiny autoencoder keeps: compare the saved image with the input. Swap the loader's file for
+taesd / taesdxl / taesd3 / taef2 to try other latent spaces; the LATENT in between is ComfyUI's raw VAE
+latent, so ComfyUI's own VAEDecode with ae.safetensors decodes it too.
+
+Files: vae_approx/taef1_encoder.pth and taef1_decoder.pth (github.com/madebyollin/taesd); an image in
+ComfyUI/input (height and width divisible by 8)."""
+    picture = g.add("LoadImage", "Image", 1, image="example.png")
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 1, vae_name="taef1_encoder.pth")
+    latent = g.add("FewStepTinyVAEEncode", "Tiny encode", 2, tiny_vae=tiny[0], pixels=picture[0])
+    image = g.add("FewStepTinyVAEDecode", "Tiny decode", 2, tiny_vae=tiny[0], samples=latent[0])
+    g.add(
+        "SaveImage",
+        "Save round trip",
+        3,
+        ui_height=420,
+        images=image[0],
+        filename_prefix="fewstep/round_trip",
+    )
+
+
+@workflow("tiny_vae_round_trip_dummy")
+def tiny_vae_round_trip_dummy(g: Graph) -> None:
+    g.note = """Tiny-VAE encode then decode with no files: a plain-colour image through dummy:taef1.
+
+Random weights, so the output is not the input; the workflow checks shapes and the IMAGE <-> LATENT path.
+
+Needs no files. tiny_vae_round_trip.json does this with real TAEF1 weights and your image."""
+    picture = g.add("EmptyImage", "Plain image", 1, width=256, height=256, batch_size=1, color=0x3366CC)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEF1)", 1, vae_name="dummy:taef1")
+    latent = g.add("FewStepTinyVAEEncode", "Tiny encode", 2, tiny_vae=tiny[0], pixels=picture[0])
+    image = g.add("FewStepTinyVAEDecode", "Tiny decode", 2, tiny_vae=tiny[0], samples=latent[0])
+    g.add(
+        "SaveImage",
+        "Save round trip",
+        3,
+        ui_height=300,
+        images=image[0],
+        filename_prefix="fewstep/round_trip_dummy",
+    )
 
 
 # ---- writing ----

@@ -1,0 +1,294 @@
+"""TAEHV: tiny temporal autoencoders for Wan 2.1, Wan 2.2 5B and HunyuanVideo latents (madebyollin/taehv).
+
+Both halves are stacks of 2-D layers applied to every frame, with three exceptions along time: a
+:class:`MemBlock` also reads its own input at the previous frame (zeros before the first frame), a
+:class:`TPool` merges consecutive frames into one (encoder) and a :class:`TGrow` splits each frame into
+several (decoder). Nothing reads a later frame, so a video can be run through a stack chunk by chunk, all frames
+of a chunk at once, if every MemBlock's last input frame is carried over: that is :class:`TAEHVStreamDecoder`.
+
+``encoder`` and ``decoder`` are ``nn.Sequential`` stacks laid out as in the original, so the published files
+(``encoder.0.weight``, ``decoder.3.conv.0.weight``, ...) load strictly without renaming. Frames are RGB in [0, 1],
+``[N, T, 3, H, W]``; latents are ``[N, T, C, h, w]`` in the video model's latent space.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import InputError
+
+IMAGE_CHANNELS = 3
+ENCODER_WIDTH = 64
+DECODER_WIDTHS = (256, 128, 64, 64)  # per decoder stage, then the width before the output conv
+
+
+@dataclass(frozen=True)
+class TAEHVConfig:
+    name: str
+    latent_channels: int
+    patch_size: int  # frames are pixel-unshuffled by this before the encoder (and shuffled after the decoder)
+    encoder_time_downscale: tuple[bool, bool, bool] = (True, True, False)
+    decoder_time_upscale: tuple[bool, bool, bool] = (False, True, True)
+
+    @property
+    def spatial_scale(self) -> int:
+        return 8 * self.patch_size
+
+
+TAEHV_CONFIGS: dict[str, TAEHVConfig] = {
+    c.name: c
+    for c in (
+        TAEHVConfig("taew2_1", latent_channels=16, patch_size=1),
+        TAEHVConfig("taew2_2", latent_channels=48, patch_size=2),
+        TAEHVConfig("taehv", latent_channels=16, patch_size=1),
+    )
+}
+
+
+def _conv3x3(n_in: int, n_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:
+    return nn.Conv2d(n_in, n_out, 3, stride=stride, padding=1, bias=bias)
+
+
+class SoftClamp(nn.Module):
+    """Squashes decoder inputs smoothly into (-3, 3), so outlier latents cannot blow up the decode."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x / 3) * 3
+
+
+class MemBlock(nn.Module):
+    """Residual block whose convs see the frame and the block's input at the previous frame."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Sequential(
+            _conv3x3(2 * channels, channels), nn.ReLU(inplace=True),
+            _conv3x3(channels, channels), nn.ReLU(inplace=True),
+            _conv3x3(channels, channels),
+        )  # fmt: skip
+
+    def forward(self, x: Tensor, previous: Tensor) -> Tensor:
+        return (self.conv(torch.cat((x, previous), 1)) + x).relu_()
+
+
+class TPool(nn.Module):
+    """Merges every ``stride`` consecutive frames into one (a 1x1 conv over their stacked channels)."""
+
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv2d(channels * stride, channels, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _, channels, height, width = x.shape
+        return self.conv(x.reshape(-1, self.stride * channels, height, width))
+
+
+class TGrow(nn.Module):
+    """Splits every frame into ``stride`` consecutive frames (a 1x1 conv to ``stride`` times the channels)."""
+
+    def __init__(self, channels: int, stride: int):
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv2d(channels, channels * stride, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        _, channels, height, width = x.shape
+        return self.conv(x).reshape(-1, channels, height, width)
+
+
+Memory = list[Tensor]  # per MemBlock of a stack, in order: its input at the last frame seen, [N, C, H, W]
+
+
+def run_frames(blocks: nn.Sequential, x: Tensor, memory: Memory | None) -> tuple[Tensor, Memory]:
+    """Apply ``blocks`` to the frames ``x`` [N, T, C, H, W], all frames at once, one block after the other.
+
+    ``memory`` continues a video after its earlier frames (None starts one). Returns the output frames and the
+    memory after ``x``. Each TPool needs the frame count at its input to be a multiple of its stride.
+    """
+    batch = x.shape[0]
+    h = x.flatten(0, 1)
+    new_memory: Memory = []
+    for block in blocks:
+        if isinstance(block, MemBlock):
+            frames = h.unflatten(0, (batch, -1))
+            before = torch.zeros_like(frames[:, 0]) if memory is None else memory[len(new_memory)]
+            previous = torch.cat((before.unsqueeze(1), frames[:, :-1]), 1).flatten(0, 1)
+            # a copy, so the state holds one frame per block instead of keeping the whole chunk alive
+            new_memory.append(frames[:, -1].clone())
+            h = block(h, previous)
+        else:
+            h = block(h)
+    return h.unflatten(0, (batch, -1)), new_memory
+
+
+class TAEHV(nn.Module):
+    def __init__(self, config: TAEHVConfig):
+        super().__init__()
+        self.config = config
+        self.latent_channels = config.latent_channels
+        self.patch_size = config.patch_size
+        pixel_channels = IMAGE_CHANNELS * config.patch_size**2
+
+        encoder: list[nn.Module] = [_conv3x3(pixel_channels, ENCODER_WIDTH), nn.ReLU(inplace=True)]
+        for downscale in config.encoder_time_downscale:
+            encoder += [
+                TPool(ENCODER_WIDTH, 2 if downscale else 1),
+                _conv3x3(ENCODER_WIDTH, ENCODER_WIDTH, stride=2, bias=False),
+                *(MemBlock(ENCODER_WIDTH) for _ in range(3)),
+            ]
+        encoder.append(_conv3x3(ENCODER_WIDTH, config.latent_channels))
+        self.encoder = nn.Sequential(*encoder)
+
+        decoder: list[nn.Module] = [
+            SoftClamp(),
+            _conv3x3(config.latent_channels, DECODER_WIDTHS[0]),
+            nn.ReLU(inplace=True),
+        ]
+        stages = zip(DECODER_WIDTHS, DECODER_WIDTHS[1:], config.decoder_time_upscale)
+        for width, next_width, upscale in stages:
+            decoder += [
+                *(MemBlock(width) for _ in range(3)),
+                nn.Upsample(scale_factor=2),
+                TGrow(width, 2 if upscale else 1),
+                _conv3x3(width, next_width, bias=False),
+            ]
+        decoder += [nn.ReLU(inplace=True), _conv3x3(DECODER_WIDTHS[-1], pixel_channels)]
+        self.decoder = nn.Sequential(*decoder)
+
+        self.t_downscale = 2 ** sum(config.encoder_time_downscale)
+        self.t_upscale = 2 ** sum(config.decoder_time_upscale)
+        # The decoder emits t_upscale frames for the first latent, which stands for one frame only.
+        self.frames_to_trim = self.t_upscale - 1
+
+    @property
+    def spatial_scale(self) -> int:
+        return self.config.spatial_scale
+
+    def _to_weights(self, x: Tensor) -> Tensor:
+        weight = self.decoder[1].weight
+        return x.to(device=weight.device, dtype=weight.dtype)
+
+    def check_latents(self, latents: Tensor, input_name: str = "latents") -> None:
+        if latents.ndim != 5 or latents.shape[2] != self.latent_channels:
+            raise InputError(
+                input_name,
+                f"{self.config.name} decodes {self.latent_channels}-channel latent videos "
+                f"[batch, frames, {self.latent_channels}, height, width]; got shape {list(latents.shape)}",
+            )
+
+    def check_frames(self, frames: Tensor, input_name: str = "frames") -> None:
+        if frames.ndim != 5 or frames.shape[2] != IMAGE_CHANNELS:
+            raise InputError(
+                input_name,
+                f"{self.config.name} encodes RGB videos [batch, frames, 3, height, width]; "
+                f"got shape {list(frames.shape)}",
+            )
+        scale = self.spatial_scale
+        if frames.shape[1] == 0 or frames.shape[-2] % scale or frames.shape[-1] % scale:
+            raise InputError(
+                input_name,
+                f"{self.config.name} needs at least one frame and height and width divisible by {scale}; "
+                f"got {frames.shape[1]} frames of {frames.shape[-2]}x{frames.shape[-1]}",
+            )
+
+    @torch.no_grad()
+    def encode_video(self, frames: Tensor) -> Tensor:
+        """``[N, T, 3, H, W]`` in [0, 1] -> latents ``[N, ceil(T / 4), C, H / (8p), W / (8p)]``.
+
+        The frame count is padded at the end to a multiple of 4 by repeating the last frame.
+        """
+        self.check_frames(frames)
+        x = self._to_weights(frames)
+        if self.patch_size > 1:
+            x = F.pixel_unshuffle(x, self.patch_size)
+        missing = -x.shape[1] % self.t_downscale
+        if missing:
+            x = torch.cat((x, x[:, -1:].expand(-1, missing, -1, -1, -1)), 1)
+        return run_frames(self.encoder, x, None)[0]
+
+    @torch.no_grad()
+    def decode_video(self, latents: Tensor) -> Tensor:
+        """Latents ``[N, T, C, h, w]`` -> frames ``[N, 4T - 3, 3, 8p h, 8p w]`` in [0, 1]."""
+        self.check_latents(latents)
+        if latents.shape[1] == 0:
+            raise InputError("latents", "a latent video needs at least one frame; got 0")
+        return self.decode_frames(latents, None)[0][:, self.frames_to_trim :]
+
+    def decode_frames(self, latents: Tensor, memory: Memory | None) -> tuple[Tensor, Memory]:
+        """All ``t_upscale * T`` decoder frames of ``latents`` (none trimmed), after those ``memory`` has seen."""
+        x, memory = run_frames(self.decoder, self._to_weights(latents), memory)
+        if self.patch_size > 1:
+            x = F.pixel_shuffle(x, self.patch_size)
+        return x.clamp_(0, 1), memory
+
+
+class TAEHVStreamDecoder:
+    """Decodes a latent video chunk by chunk (as causal video generation produces it) and returns exactly the
+    frames ``decode_video`` would give for the whole video: ``push(chunk)`` returns the frames that chunk completes.
+
+    Each chunk is decoded with all its frames at once; the state between chunks is ``memory``, each decoder
+    MemBlock's input at the last frame so far. The model itself is only read, so several streams can share it.
+    """
+
+    def __init__(self, taehv: TAEHV):
+        self.taehv = taehv
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new video."""
+        self.memory: Memory | None = None
+        self.frames_decoded = 0
+        self._latent_shape: tuple[int, int, int] | None = None  # batch, height, width of the video
+
+    @torch.no_grad()
+    def push(self, latents: Tensor) -> Tensor:
+        """Latents ``[N, t, C, h, w]`` that follow the ones pushed before -> the frames they complete,
+        ``[N, k, 3, 8p h, 8p w]``: ``k = 4t``, less the 3 startup frames for the first chunk of a video."""
+        taehv = self.taehv
+        taehv.check_latents(latents)
+        batch, count, _, height, width = latents.shape
+        if self._latent_shape not in (None, (batch, height, width)):
+            raise InputError(
+                "latents",
+                f"this chunk has batch {batch} and {height}x{width} latents, but the video being decoded has "
+                f"batch {self._latent_shape[0]} and {self._latent_shape[1]}x{self._latent_shape[2]}; "
+                "call reset() before decoding another video",
+            )
+        if count == 0:
+            scale = taehv.spatial_scale
+            weight = taehv.decoder[1].weight
+            shape = (batch, 0, IMAGE_CHANNELS, height * scale, width * scale)
+            return torch.empty(shape, dtype=weight.dtype, device=weight.device)
+        starting = self.memory is None
+        frames, self.memory = taehv.decode_frames(latents, self.memory)
+        self._latent_shape = (batch, height, width)
+        if starting:
+            frames = frames[:, taehv.frames_to_trim :]
+        self.frames_decoded += frames.shape[1]
+        return frames
+
+
+@functools.cache
+def _layout(name: str) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = TAEHV(TAEHV_CONFIGS[name])
+    return {key: tuple(value.shape) for key, value in model.state_dict().items()}
+
+
+def detect_taehv(sd: dict[str, Tensor]) -> list[str]:
+    """Variants whose exact layout (every key and shape) ``sd`` has; [] if it is not a base TAEHV file.
+
+    Latent channels show in ``decoder.1.weight`` [256, C, 3, 3] and the patch size in ``encoder.0.weight``
+    [64, 3 p^2, 3, 3]. Wan 2.1's and HunyuanVideo's files share a layout, so both are returned for 16 channels;
+    the caller breaks the tie (by file name).
+    """
+    if "encoder.0.weight" not in sd or "decoder.1.weight" not in sd:
+        return []
+    shapes = {key: tuple(value.shape) for key, value in sd.items()}
+    return [name for name in TAEHV_CONFIGS if shapes == _layout(name)]

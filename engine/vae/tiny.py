@@ -1,0 +1,355 @@
+"""Tiny autoencoders behind one object: ``load_tiny_vae(path or "dummy:<variant>")``.
+
+Image variants (TAESD family) and video variants (TAEHV) share the :class:`TinyVAE` interface:
+
+* ``encode(images)`` / ``decode(latents)`` in the tiny AE's own latent space, which is the space the diffusion
+  model works in. Images are RGB in [0, 1]: ``[N, 3, H, W]`` for image variants, ``[N, T, 3, H, W]`` for video;
+  latents are ``[N, C, h, w]`` or ``[N, C, T, h, w]`` (ComfyUI's layout, channels at dim 1).
+* ``raw_to_latent`` / ``latent_to_raw``: to and from ComfyUI's raw VAE latents, with the family's scale and
+  shift (per channel for Wan).
+* ``stream_decoder()`` (video): decode chunk by chunk, frame-exact with decoding all at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import latent_formats as lf
+from ..errors import CheckpointError, InputError
+from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
+from ..weights import dummy_init_, read_state_dict, top_level_summary
+from . import taesd
+
+
+@dataclass(frozen=True)
+class TinyVariant:
+    name: str
+    kind: str  # "image" | "video"
+    latent_format: lf.LatentFormat  # ComfyUI raw latent <-> this AE's latent space
+    spatial_factor: int
+    temporal_factor: int
+    models: str
+
+    @property
+    def channels(self) -> int:
+        return self.latent_format.channels
+
+
+TINY_VARIANTS: dict[str, TinyVariant] = {
+    v.name: v
+    for v in (
+        TinyVariant("taesd", "image", lf.SD15, 8, 1, "SD 1.x / 2.x"),
+        TinyVariant("taesdxl", "image", lf.SDXL, 8, 1, "SDXL"),
+        TinyVariant("taesd3", "image", lf.SD3, 8, 1, "SD3 / SD3.5"),
+        TinyVariant("taef1", "image", lf.FLUX1, 8, 1, "FLUX.1, Z-Image, HiDream"),
+        TinyVariant("taef2", "image", lf.FLUX2_RAW, 8, 1, "FLUX.2"),
+        TinyVariant("taesana", "image", lf.SANA_DCAE, 32, 1, "Sana (DC-AE f32c32)"),
+        TinyVariant("taew2_1", "video", lf.WAN21, 8, 4, "Wan 2.1 (and Qwen-Image)"),
+        TinyVariant("taew2_2", "video", lf.WAN22, 16, 4, "Wan 2.2 5B"),
+        TinyVariant("taehv", "video", lf.HUNYUAN_VIDEO, 8, 4, "HunyuanVideo"),
+    )
+}
+
+
+def _taehv():
+    from . import taehv  # video support is its own module
+
+    return taehv
+
+
+class TinyVAE:
+    """A loaded tiny autoencoder (either part may be absent when only one file was given)."""
+
+    def __init__(
+        self, variant: TinyVariant, encoder: nn.Module | None, decoder: nn.Module | None, video=None
+    ):
+        self.variant = variant
+        self.encoder = encoder
+        self.decoder = decoder
+        self.video = video  # the TAEHV module for video variants (holds both parts)
+
+    @property
+    def device(self) -> torch.device:
+        return next(
+            p for m in (self.encoder, self.decoder, self.video) if m is not None for p in m.parameters()
+        ).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(
+            p for m in (self.encoder, self.decoder, self.video) if m is not None for p in m.parameters()
+        ).dtype
+
+    def describe(self) -> str:
+        parts = [p for p, m in (("encoder", self.encoder), ("decoder", self.decoder)) if m is not None]
+        return f"{self.variant.name} ({self.variant.models}, {self.variant.channels} latent channels): {' + '.join(parts)}"
+
+    # -- ComfyUI raw latents ---------------------------------------------------------------------------------
+    def raw_to_latent(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.variant.latent_format.process_in(raw)
+
+    def latent_to_raw(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.variant.latent_format.process_out(latent)
+
+    # -- checks ----------------------------------------------------------------------------------------------
+    def check_latents(self, latents: torch.Tensor, input_name: str = "latent") -> None:
+        v = self.variant
+        if v.kind == "image" and latents.ndim == 5:
+            video = [n for n, t in TINY_VARIANTS.items() if t.kind == "video"]
+            raise InputError(
+                input_name,
+                f"a video latent {list(latents.shape)} was given to the image-only tiny AE "
+                f"{v.name}; decode video with a TAEHV variant ({', '.join(video)})",
+            )
+        want = 4 if v.kind == "image" else 5
+        layout = (
+            "[batch, channels, height, width]" if want == 4 else "[batch, channels, frames, height, width]"
+        )
+        if latents.ndim != want or latents.shape[1] != v.channels:
+            raise InputError(
+                input_name,
+                f"{v.name} ({v.models}) decodes {v.channels}-channel latents {layout}; "
+                f"got shape {list(latents.shape)}",
+            )
+
+    def check_images(self, images: torch.Tensor, input_name: str = "images") -> None:
+        v = self.variant
+        want = 4 if v.kind == "image" else 5
+        layout = "[N, 3, H, W]" if want == 4 else "[N, T, 3, H, W]"
+        if images.ndim != want or images.shape[-3] != 3:
+            hint = " (channels last? ComfyUI's IMAGE is [B, H, W, 3])" if images.shape[-1] == 3 else ""
+            raise InputError(
+                input_name, f"{v.name} encodes RGB images {layout}; got shape {list(images.shape)}{hint}"
+            )
+        if not images.is_floating_point():
+            raise InputError(input_name, f"expected float images in [0, 1]; got {images.dtype}")
+        lo, hi = float(images.min()), float(images.max())
+        if lo < -1e-3 or hi > 1 + 1e-3:
+            raise InputError(
+                input_name,
+                f"image values must be in [0, 1]; got [{lo:.3f}, {hi:.3f}] "
+                "(images in [-1, 1] need (x + 1) / 2)",
+            )
+        f = v.spatial_factor
+        if images.shape[-1] % f or images.shape[-2] % f:
+            raise InputError(
+                input_name,
+                f"{v.name} needs height and width divisible by {f}; "
+                f"got {images.shape[-2]}x{images.shape[-1]}",
+            )
+
+    def _need(self, part: str) -> nn.Module:
+        module = self.encoder if part == "encoder" else self.decoder
+        if module is None:
+            raise InputError(
+                "vae",
+                f"this {self.variant.name} was loaded without its {part} "
+                f"(give the {self.variant.name}_{part} file too)",
+            )
+        return module
+
+    # -- encode / decode ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        self.check_latents(latents)
+        decoder = self._need("decoder")
+        z = latents.to(self.device, self.dtype)
+        if self.variant.kind == "image":
+            return decoder(z.contiguous(memory_format=torch.channels_last)).clamp(0, 1)
+        return self.video.decode_video(z.transpose(1, 2))
+
+    @torch.inference_mode()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        self.check_images(images)
+        encoder = self._need("encoder")
+        x = images.to(self.device, self.dtype)
+        if self.variant.kind == "image":
+            return encoder(x.contiguous(memory_format=torch.channels_last))
+        return self.video.encode_video(x).transpose(1, 2)
+
+    def stream_decoder(self) -> StreamDecoder:
+        if self.variant.kind != "video":
+            raise InputError(
+                "vae", f"{self.variant.name} is an image autoencoder; streaming decode is for video"
+            )
+        self._need("decoder")
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Chunk-by-chunk video decoding: ``push(latents [N, C, t, h, w]) -> frames [N, k, 3, H, W]``."""
+
+    def __init__(self, vae: TinyVAE):
+        self.vae = vae
+        self.state = _taehv().TAEHVStreamDecoder(vae.video)
+
+    @property
+    def frames_decoded(self) -> int:
+        return self.state.frames_decoded
+
+    @torch.inference_mode()
+    def push(self, latents: torch.Tensor) -> torch.Tensor:
+        self.vae.check_latents(latents)
+        return self.state.push(latents.to(self.vae.device, self.vae.dtype).transpose(1, 2))
+
+    def reset(self) -> None:
+        self.state.reset()
+
+
+# -- loading -----------------------------------------------------------------------------------------------------
+
+
+def _pick(candidates: list[str], filename: str, input_name: str, what: str) -> str:
+    """Break a tie between variants that share tensor shapes by the file name (longest match wins)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    base = os.path.basename(filename).lower()
+    named = sorted((c for c in candidates if c in base), key=len, reverse=True)
+    if named:
+        return named[0]
+    raise InputError(
+        input_name,
+        f"{what} fits {' and '.join(candidates)} equally (same tensor shapes) and the file "
+        f"name does not say which; rename the file to contain the variant name or pass variant=",
+    )
+
+
+def _sibling(path: str, part: str) -> str | None:
+    other = "encoder" if part == "decoder" else "decoder"
+    base = os.path.basename(path)
+    if f"_{part}" not in base:
+        return None
+    candidate = os.path.join(os.path.dirname(path), base.replace(f"_{part}", f"_{other}"))
+    return candidate if os.path.isfile(candidate) else None
+
+
+def _split_prefixed(sd: dict) -> dict[str, dict]:
+    """``{"encoder": {...}, "decoder": {...}}`` for files that hold both parts under a prefix."""
+    parts: dict[str, dict] = {}
+    for key, value in sd.items():
+        head, _, rest = key.partition(".")
+        for part in ("encoder", "decoder"):
+            if head in (part, f"taesd_{part}") or head.endswith(f"_{part}"):
+                parts.setdefault(part, {})[rest] = value
+    return parts
+
+
+def _load_module(module: nn.Module, sd: dict, source: str, input_name: str) -> None:
+    from ..weights import check_keys
+
+    check_keys(module, sd, source, input_name)
+    module.load_state_dict(sd, strict=True)
+
+
+def load_tiny_vae(
+    source: str | os.PathLike,
+    variant: str | None = None,
+    device=None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    input_name: str = "vae",
+) -> TinyVAE:
+    """A tiny VAE from a file (``.pth`` / ``.safetensors``, one part or both) or ``dummy:<variant>``.
+
+    The variant is inferred from the tensors (latent channels, 8x or 32x, the FLUX.2 pooling branch, TAEHV's
+    memory blocks and patch size); the file name only breaks ties (taesd vs taesdxl, taesd3 vs taef1, taew2_1
+    vs taehv). Given one part of a TAESD pair (``taef1_decoder.pth``), the other part next to it is loaded too.
+    """
+    dev = resolve_device(device)
+    dtype = dtype or default_compute_dtype(dev)
+    source = os.fspath(source)
+    if variant is not None and variant not in TINY_VARIANTS:
+        raise InputError(
+            "variant", f"unknown tiny VAE variant {variant!r}; known: {', '.join(TINY_VARIANTS)}"
+        )
+    if source.startswith(DUMMY_PREFIX):
+        name = source[len(DUMMY_PREFIX) :]
+        if name not in TINY_VARIANTS:
+            raise InputError(
+                input_name, f"unknown tiny VAE 'dummy:{name}'; known: {', '.join(TINY_VARIANTS)}"
+            )
+        vae = _build(TINY_VARIANTS[name], ("encoder", "decoder"))
+        for module in (vae.encoder, vae.decoder):
+            dummy_init_(module, seed)
+        return _finish(vae, dev, dtype)
+
+    sd = read_state_dict(source, input_name)
+    name = os.path.basename(source)
+    taehv = _taehv()
+    video_candidates = taehv.detect_taehv(sd)
+    if video_candidates:
+        chosen = variant or _pick(video_candidates, source, input_name, f"{name} (a TAEHV video autoencoder)")
+        _check_variant(chosen, video_candidates, name, input_name)
+        vae = _build(TINY_VARIANTS[chosen], ("encoder", "decoder"))
+        _load_module(vae.video, sd, name, input_name)
+        return _finish(vae, dev, dtype)
+
+    parts = _split_prefixed(sd) or {None: sd}
+    found: dict[str, tuple[dict, list[str], str]] = {}
+    for sub in parts.values():
+        detected = taesd.detect_taesd(sub)
+        if detected is None:
+            raise CheckpointError(
+                input_name,
+                f"{name} is not a tiny autoencoder this pack knows.\n"
+                f"  top-level keys found: {top_level_summary(sd)}\n  known: TAESD family "
+                "(nn.Sequential keys 0.weight, 3.conv.0.weight, ...: taesd, taesdxl, taesd3, "
+                "taef1, taef2, taesana) and TAEHV (encoder.*/decoder.* with memory blocks: "
+                "taew2_1, taew2_2, taehv)",
+            )
+        part, candidates = detected
+        found[part] = (sub, candidates, name)
+    if len(found) == 1:
+        ((part, (sub, candidates, _)),) = found.items()
+        sibling = _sibling(source, part)
+        if sibling is not None:
+            other_sd = read_state_dict(sibling, input_name)
+            detected = taesd.detect_taesd(other_sd)
+            if detected is not None and detected[0] != part:
+                found[detected[0]] = (other_sd, detected[1], os.path.basename(sibling))
+    candidates = sorted(set.intersection(*(set(c) for _, c, _ in found.values())))
+    if not candidates:
+        raise CheckpointError(
+            input_name,
+            f"{name}: encoder and decoder belong to different variants "
+            f"({', '.join(f'{p}: {c}' for p, (_, c, _) in found.items())})",
+        )
+    chosen = variant or _pick(candidates, source, input_name, f"{name} (a TAESD {next(iter(found))})")
+    _check_variant(chosen, candidates, name, input_name)
+    vae = _build(TINY_VARIANTS[chosen], tuple(found))
+    for part, (sub, _, fname) in found.items():
+        _load_module(getattr(vae, part), sub, fname, input_name)
+    return _finish(vae, dev, dtype)
+
+
+def _check_variant(chosen: str, candidates: list[str], name: str, input_name: str) -> None:
+    if chosen not in candidates:
+        raise InputError(
+            input_name,
+            f"{name} holds a {'/'.join(candidates)} autoencoder, not {chosen} "
+            f"({TINY_VARIANTS[chosen].channels} channels expected)",
+        )
+
+
+def _build(variant: TinyVariant, parts: tuple[str, ...]) -> TinyVAE:
+    if variant.kind == "video":
+        taehv = _taehv()
+        video = taehv.TAEHV(taehv.TAEHV_CONFIGS[variant.name])
+        return TinyVAE(variant, video.encoder, video.decoder, video=video)
+    encoder = taesd.build_encoder(variant.name) if "encoder" in parts else None
+    decoder = taesd.build_decoder(variant.name) if "decoder" in parts else None
+    return TinyVAE(variant, encoder, decoder)
+
+
+def _finish(vae: TinyVAE, device, dtype) -> TinyVAE:
+    for module in (vae.encoder, vae.decoder, vae.video):
+        if module is not None:
+            # channels_last: the layout oneDNN (CPU) and cuDNN run convolutions fastest in (1.5x for TAESD on CPU)
+            module.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval().requires_grad_(
+                False
+            )
+    return vae

@@ -1,0 +1,207 @@
+"""Tiny autoencoders: the TAESD family with its original key layout, real pretrained weights, conventions."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SHARED
+
+from fewstep.engine import CheckpointError, InputError, load_tiny_vae
+from fewstep.engine.vae import TINY_VARIANTS
+from fewstep.engine.vae.taesd import TAESD_VARIANTS, build_decoder, build_encoder, detect_taesd
+from fewstep.engine.weights import dummy_init_
+
+WEIGHTS, DATA = SHARED / "weights", SHARED / "data"
+
+
+def _save_pair(tmp_path: Path, variant: str, seed: int = 0) -> tuple[Path, Path]:
+    enc, dec = build_encoder(variant), build_decoder(variant)
+    dummy_init_(enc, seed)
+    dummy_init_(dec, seed + 1)
+    enc_path, dec_path = tmp_path / f"{variant}_encoder.pth", tmp_path / f"{variant}_decoder.pth"
+    torch.save(enc.state_dict(), enc_path)
+    torch.save(dec.state_dict(), dec_path)
+    return enc_path, dec_path
+
+
+def _load_photo(name: str) -> torch.Tensor:
+    import numpy as np
+    from PIL import Image
+
+    img = np.asarray(Image.open(DATA / f"{name}.png").convert("RGB"))
+    h, w = img.shape[0] // 16 * 16, img.shape[1] // 16 * 16
+    return torch.from_numpy(img[:h, :w].copy()).permute(2, 0, 1)[None].float() / 255
+
+
+def _psnr(a, b) -> float:
+    return 10 * math.log10(1.0 / float(((a - b) ** 2).mean()))
+
+
+@pytest.mark.skipif(
+    not (WEIGHTS / "taef2_encoder.pth").exists(), reason=f"real taef2 weights not found in {WEIGHTS}"
+)
+@pytest.mark.parametrize("photo,floor", [("astronaut", 29.0), ("coffee", 29.0), ("chelsea", 29.0)])
+def test_real_taef2_round_trip_psnr(photo, floor):
+    # measured: astronaut 31.19 dB, coffee 29.62 dB (400x592), chelsea 32.70 dB (288x448)
+    vae = load_tiny_vae(WEIGHTS / "taef2_decoder.pth", device="cpu", dtype=torch.float32)
+    assert vae.variant.name == "taef2" and vae.encoder is not None  # the encoder beside it came along
+    x = _load_photo(photo)
+    latent = vae.encode(x)
+    assert latent.shape == (1, 32, x.shape[-2] // 8, x.shape[-1] // 8)
+    assert _psnr(vae.decode(latent), x) >= floor
+
+
+@pytest.mark.parametrize("variant", list(TAESD_VARIANTS))
+def test_every_variant_loads_its_original_layout(tmp_path, variant):
+    enc_path, dec_path = _save_pair(tmp_path, variant)
+    vae = load_tiny_vae(dec_path, device="cpu")
+    assert vae.variant.name == variant  # ties (taesd/taesdxl, taesd3/taef1) broken by the file name
+    channels = TINY_VARIANTS[variant].channels
+    factor = TINY_VARIANTS[variant].spatial_factor
+    out = vae.decode(torch.randn(1, channels, 2, 3))
+    assert out.shape == (1, 3, 2 * factor, 3 * factor) and out.min() >= 0 and out.max() <= 1
+    assert vae.encode(torch.rand(1, 3, 64, 64)).shape == (1, channels, 64 // factor, 64 // factor)
+    # decoding after loading from the file equals decoding with the saved modules
+    dec = build_decoder(variant)
+    dec.load_state_dict(torch.load(dec_path, weights_only=True))
+    z = torch.randn(1, channels, 2, 2)
+    with torch.no_grad():
+        assert torch.allclose(vae.decode(z), dec(z).clamp(0, 1), atol=1e-5)  # channels_last kernels
+
+
+def test_key_layout_matches_the_published_files():
+    dec = build_decoder("taef2").state_dict()
+    enc = build_encoder("taef2").state_dict()
+    assert dec["1.weight"].shape == (64, 32, 3, 3)  # index 0 is the clamp
+    assert dec["3.conv.0.weight"].shape == (64, 64, 3, 3) and dec["3.pool.0.weight"].shape == (256, 64, 1, 1)
+    assert dec["3.pool.1.weight"].shape == (256,)  # GroupNorm(4, 256)
+    assert enc["0.weight"].shape == (64, 3, 3, 3) and enc["11.pool.3.weight"].shape == (64, 256, 1, 1)
+    assert "4.pool.0.weight" not in enc  # only the deepest blocks pool
+    if (WEIGHTS / "taef2_decoder.pth").exists():
+        real = torch.load(WEIGHTS / "taef2_decoder.pth", weights_only=True)
+        assert {k: tuple(v.shape) for k, v in real.items()} == {k: tuple(v.shape) for k, v in dec.items()}
+    sana = build_decoder("taesana").state_dict()
+    assert sana["1.weight"].shape == (256, 32, 3, 3)
+
+
+def test_detection_from_tensors():
+    for variant in TAESD_VARIANTS:
+        part, found = detect_taesd(build_decoder(variant).state_dict())
+        assert part == "decoder" and variant in found
+        part, found = detect_taesd(build_encoder(variant).state_dict())
+        assert part == "encoder" and variant in found
+    assert detect_taesd({"img_in.weight": torch.zeros(2, 2)}) is None
+
+
+def test_ambiguous_files_need_a_name_or_variant(tmp_path):
+    dec = build_decoder("taef1")
+    torch.save(dec.state_dict(), tmp_path / "my_preview_decoder.pth")
+    with pytest.raises(InputError, match="fits taef1 and taesd3 equally"):
+        load_tiny_vae(tmp_path / "my_preview_decoder.pth")
+    assert load_tiny_vae(tmp_path / "my_preview_decoder.pth", variant="taesd3").variant.name == "taesd3"
+    with pytest.raises(InputError, match="holds a taef1/taesd3 autoencoder, not taef2"):
+        load_tiny_vae(tmp_path / "my_preview_decoder.pth", variant="taef2")
+
+
+def test_mismatched_and_bad_files(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(
+        {"img_in.weight": torch.zeros(4, 4), "double_blocks.0.x": torch.zeros(1)},
+        str(tmp_path / "dit.safetensors"),
+    )
+    with pytest.raises(CheckpointError, match=r"(?s)not a tiny autoencoder this pack knows.*img_in \(1\)"):
+        load_tiny_vae(tmp_path / "dit.safetensors")
+    torch.save({"epoch": 3, "note": "hi"}, tmp_path / "notes.pth")
+    with pytest.raises(CheckpointError, match="does not hold a state dict of tensors"):
+        load_tiny_vae(tmp_path / "notes.pth")
+    sd = build_decoder("taesd").state_dict()
+    del sd["3.conv.2.bias"]
+    torch.save(sd, tmp_path / "taesd_decoder.pth")
+    with pytest.raises(CheckpointError, match=r"missing keys: 3\.conv\.2\.bias"):
+        load_tiny_vae(tmp_path / "taesd_decoder.pth")
+    with pytest.raises(InputError, match="unknown tiny VAE 'dummy:taesd9'"):
+        load_tiny_vae("dummy:taesd9")
+
+
+def test_decoder_only_file_cannot_encode(tmp_path):
+    torch.save(build_decoder("taef1").state_dict(), tmp_path / "taef1_decoder.pth")
+    vae = load_tiny_vae(tmp_path / "taef1_decoder.pth")
+    assert vae.encoder is None
+    with pytest.raises(InputError, match="loaded without its encoder"):
+        vae.encode(torch.rand(1, 3, 16, 16))
+
+
+@pytest.mark.parametrize(
+    "variant,scale,shift",
+    [
+        ("taesd", 0.18215, 0.0),
+        ("taesdxl", 0.13025, 0.0),
+        ("taesd3", 1.5305, 0.0609),
+        ("taef1", 0.3611, 0.1159),
+        ("taef2", 1.0, 0.0),
+        ("taesana", 0.41407, 0.0),
+    ],
+)
+def test_raw_latent_conversion_per_family(variant, scale, shift):
+    vae = load_tiny_vae(f"dummy:{variant}")
+    c = vae.variant.channels
+    raw = torch.randn(2, c, 3, 4)
+    assert torch.allclose(vae.raw_to_latent(raw), (raw - shift) * scale)
+    assert torch.allclose(vae.latent_to_raw(vae.raw_to_latent(raw)), raw, atol=1e-6)
+
+
+def test_wan_conversion_is_per_channel():
+    from fewstep.engine.latent_formats import WAN21
+
+    raw = torch.randn(1, 16, 2, 3, 4)
+    mean = torch.tensor(WAN21.shift).view(1, 16, 1, 1, 1)
+    std = torch.tensor(WAN21.std).view(1, 16, 1, 1, 1)
+    assert torch.allclose(WAN21.process_in(raw), (raw - mean) / std)
+    assert torch.allclose(WAN21.process_out(WAN21.process_in(raw)), raw, atol=1e-6)
+
+
+def test_bad_inputs_name_what_was_expected():
+    vae = load_tiny_vae("dummy:taef1")
+    with pytest.raises(
+        InputError,
+        match=r"taef1 \(FLUX.1, Z-Image, HiDream\) decodes 16-channel latents .* got shape \[1, 4, 8, 8\]",
+    ):
+        vae.decode(torch.randn(1, 4, 8, 8))
+    with pytest.raises(
+        InputError, match="video latent .* image-only tiny AE taef1; decode video with a TAEHV variant"
+    ):
+        vae.decode(torch.randn(1, 16, 3, 8, 8))
+    bad = torch.rand(1, 3, 16, 16)
+    bad[0, 0, 0, 0] = -1.0
+    with pytest.raises(InputError, match=r"image values must be in \[0, 1\]; got \[-1.000"):
+        vae.encode(bad)
+    with pytest.raises(
+        InputError, match=r"encodes RGB images \[N, 3, H, W\]; got shape \[1, 16, 16, 3\] \(channels last"
+    ):
+        vae.encode(torch.rand(1, 16, 16, 3))
+    with pytest.raises(InputError, match="needs height and width divisible by 8; got 12x16"):
+        vae.encode(torch.rand(1, 3, 12, 16))
+
+
+@pytest.mark.parametrize("variant", ["taew2_1", "taew2_2"])
+def test_stream_decoder_equals_whole_video_decode(variant):
+    vae = load_tiny_vae(f"dummy:{variant}", device="cpu", dtype=torch.float32)
+    c = vae.variant.channels
+    latents = torch.randn(1, c, 6, 4, 6, generator=torch.Generator().manual_seed(0))
+    whole = vae.decode(latents)
+    assert whole.shape == (1, 21, 3, 4 * vae.variant.spatial_factor, 6 * vae.variant.spatial_factor)
+    for chunks in ([1] * 6, [2, 2, 2], [3, 3], [3, 1, 2]):
+        stream = vae.stream_decoder()
+        parts, start = [], 0
+        for n in chunks:
+            parts.append(stream.push(latents[:, :, start : start + n]))
+            start += n
+        streamed = torch.cat(parts, dim=1)
+        assert streamed.shape == whole.shape and stream.frames_decoded == 21
+        assert (streamed - whole).abs().max() <= 1e-5, chunks
+    with pytest.raises(InputError, match="is an image autoencoder; streaming decode is for video"):
+        load_tiny_vae("dummy:taef1").stream_decoder()

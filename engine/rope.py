@@ -32,18 +32,25 @@ def axis_angles(pos: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
     return pos[..., None] * omega
 
 
-def rope_freqs(ids: torch.Tensor, axes_dim: tuple[int, ...], theta: float) -> RopeFreqs:
-    """``ids [B, L, n_axes]`` (float positions) -> rotations for a ``sum(axes_dim)``-wide head."""
+def rope_freqs(
+    ids: torch.Tensor, axes_dim: tuple[int, ...], theta: float, dtype: torch.dtype = torch.float32
+) -> RopeFreqs:
+    """``ids [B, L, n_axes]`` (positions) -> rotations for a ``sum(axes_dim)``-wide head.
+
+    ``dtype`` is the precision of the angles and of the rotation itself: float32 for FLUX, float64 for Wan
+    (as each reference computes it).
+    """
     if ids.shape[-1] != len(axes_dim):
         raise ValueError(f"position ids have {ids.shape[-1]} axes, RoPE is configured for {len(axes_dim)}")
+    ids = ids.to(dtype)
     angles = torch.cat([axis_angles(ids[..., i], d, theta) for i, d in enumerate(axes_dim)], dim=-1)
-    angles = angles.float().unsqueeze(2)
+    angles = angles.to(dtype).unsqueeze(2)
     return RopeFreqs(torch.cos(angles), torch.sin(angles))
 
 
 def apply_rope(x: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
-    """Rotate ``x [B, L, H, D]`` by ``freqs`` (broadcast over heads)."""
-    xf = x.float().unflatten(-1, (-1, 2))
+    """Rotate ``x [B, L, H, D]`` by ``freqs`` (broadcast over heads), in the precision of ``freqs``."""
+    xf = x.to(freqs.cos.dtype).unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     out0 = freqs.cos * x0 - freqs.sin * x1
     out1 = freqs.sin * x0 + freqs.cos * x1

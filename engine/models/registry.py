@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..latent_formats import FLUX1, LatentFormat
-from . import flux, flux_checkpoint
+from ..latent_formats import FLUX1, WAN21, LatentFormat
+from . import flux, flux_checkpoint, wan, wan_checkpoint
 
 StateDict = dict[str, torch.Tensor]
 
@@ -60,6 +60,22 @@ FAMILIES: dict[str, Family] = {
         params_from_state_dict=flux_checkpoint.params_from_state_dict,
         latent_format=FLUX1,
         velocity=flux.flux_velocity,
+    ),
+    "wan": Family(
+        name="wan",
+        model_class=wan.Wan,
+        presets=wan.PRESETS,
+        layouts=(
+            Layout(
+                "wan (official)",
+                "Wan2.1 / Self-Forcing / CausVid / ComfyUI repacks: blocks.*, "
+                "patch_embedding.*, text_embedding.*",
+                wan_checkpoint.is_official,
+            ),
+        ),
+        params_from_state_dict=wan_checkpoint.params_from_state_dict,
+        latent_format=WAN21,
+        velocity=wan.wan_velocity,
     ),
 }
 

@@ -1,0 +1,14 @@
+"""Causal chunk-by-chunk video: the rolling KV cache, sessions, streaming output, the no-cache reference."""
+
+from .kv_cache import ROPE_MODES, CrossAttentionCache, KVCache, WindowSpec
+from .session import CausalConfig, ChunkResult, VideoSession
+
+__all__ = [
+    "ROPE_MODES",
+    "CausalConfig",
+    "ChunkResult",
+    "CrossAttentionCache",
+    "KVCache",
+    "VideoSession",
+    "WindowSpec",
+]

@@ -1,0 +1,81 @@
+"""The no-cache reference: every denoising step recomputes the whole prefix with a block-causal mask.
+
+It consumes the random generator exactly as :class:`~.session.VideoSession` does, so with the same seed the two
+must produce the same video. Each forward runs the model over all earlier chunks (clean, at the context
+timestep) plus the current noisy chunk, with per-frame timesteps, absolute RoPE positions and a frame-level
+mask: a query frame sees the key frames its own chunk sees (:meth:`WindowSpec.visible`). Used by the tests and
+by the benchmark that compares cached against uncached generation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import attention
+from ..rope import apply_rope
+from ..sampling import sample_dmd, schedule_sigmas
+from .kv_cache import WindowSpec
+from .session import CausalConfig
+
+
+class MaskedPrefix:
+    """A ``kv`` view for full-sequence forwards: absolute RoPE and a boolean token mask."""
+
+    def __init__(self, freqs, mask: torch.Tensor):
+        self.freqs, self.mask = freqs, mask
+
+    def query_rope(self):
+        return self.freqs
+
+    def layer(self, index: int):
+        return self
+
+    def attend(self, q, k, v):
+        return attention(q, apply_rope(k, self.freqs).type_as(q), v, mask=self.mask)
+
+
+def frame_mask(window: WindowSpec, frames: int, tokens_per_frame: int, device=None) -> torch.Tensor:
+    c = window.chunk_frames
+    vis = torch.tensor(
+        [[window.visible((q // c) * c, k) for k in range(frames)] for q in range(frames)], device=device
+    )
+    return vis.repeat_interleave(tokens_per_frame, 0).repeat_interleave(tokens_per_frame, 1)
+
+
+@torch.inference_mode()
+def recompute_video(model, context, height, width, n_chunks, config: CausalConfig | None = None, seed=0):
+    """Latents ``[B, C, n_chunks * chunk, h, w]`` generated without any cache."""
+    config = config or CausalConfig()
+    window = config.window.check()
+    p = model.params
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    b, c = context.shape[0], config.chunk_frames
+    h, w = height // 8, width // 8
+    tpf = (h // p.patch_size[1]) * (w // p.patch_size[2])
+    shape = (b, p.in_dim, c, h, w)
+    sigmas = schedule_sigmas(config.schedule, config.steps).to(device)
+    ctx = model.embed_context(context.to(device))
+    clean: list[torch.Tensor] = []
+
+    def noise():
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+
+    for chunk in range(n_chunks):
+        start = chunk * c
+        frames = start + c
+        view = MaskedPrefix(
+            model.rope((frames, h // p.patch_size[1], w // p.patch_size[2]), 0, device),
+            frame_mask(window, frames, tpf, device),
+        )
+
+        def denoised(x, sigma, start=start, frames=frames, view=view, **_):
+            video = torch.cat([*clean, x], dim=2)
+            t = torch.full((b, frames), float(config.context_noise), device=device)
+            t[:, start:] = sigma[0] * 1000.0
+            v = model(video, t, context_embedded=ctx, kv=view)[:, :, start:]
+            return x - sigma.view(-1, 1, 1, 1, 1) * v
+
+        x0 = sample_dmd(denoised, sigmas[0] * noise(), sigmas, noise_sampler=lambda *_: noise(), disable=True)
+        clean.append(x0)
+    return torch.cat(clean, dim=2).float().cpu()

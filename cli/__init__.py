@@ -1,7 +1,7 @@
 """Command line: ``python -m fewstep <command>``.
 
-Commands: ``generate`` (one text-to-image sample, latent + per-stage timings), ``demo`` (the showcase on dummy
-weights). Each command lives in its own module and registers its arguments here.
+Commands: ``generate`` (one text-to-image sample, latent + per-stage timings), ``stream`` (causal video chunk by
+chunk), ``demo`` (the showcase on dummy weights). Each command lives in its own module and registers its arguments here.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import logging
 import sys
 
 from ..engine.errors import FewStepError
-from . import demo, generate
+from . import demo, generate, stream
 
-COMMANDS = {"generate": generate, "demo": demo}
+COMMANDS = {"generate": generate, "stream": stream, "demo": demo}
 
 
 def build_parser() -> argparse.ArgumentParser:

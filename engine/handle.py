@@ -21,7 +21,7 @@ from .ops import weight_bytes
 
 @dataclass(frozen=True)
 class ModelHandle:
-    model: nn.Module
+    model: nn.Module = field(repr=False)
     source: str
     dtype: torch.dtype
     attention_backend: str = "auto"
@@ -62,7 +62,8 @@ class ModelHandle:
         mb = weight_bytes(self.model) / 2**20
         wdt = {str(t.dtype).replace("torch.", "") for t in self.model.state_dict().values()}
         return (
-            f"{self.family.name} [{name}] from {self.source}: hidden {p.hidden_size}, heads {p.num_heads}, "
+            f"{self.family.name} [{name}] from {self.source}: hidden {getattr(p, 'hidden_size', None) or p.dim}, "
+            f"heads {p.num_heads}, "
             f"{mb:.1f} MiB weights ({'/'.join(sorted(wdt))}), compute {str(self.dtype).replace('torch.', '')}, "
             f"attention {self.attention_backend}, device {self.device}"
         )

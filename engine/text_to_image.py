@@ -59,6 +59,12 @@ def noise_for(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None
 
 
 def check_latent(handle: ModelHandle, latent: torch.Tensor, input_name: str = "latent") -> None:
+    if handle.family.name != "flux":
+        raise InputError(
+            "model",
+            f"this sampler runs FLUX-family image models; {handle.family.name} is a video "
+            "model: use the causal video sampler (FewStepCausalVideoSampler, `python -m fewstep stream`)",
+        )
     fmt = handle.family.latent_format
     if latent.ndim != 4 or latent.shape[1] != fmt.channels:
         raise InputError(

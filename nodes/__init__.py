@@ -16,6 +16,7 @@ NODE_MODULES = {
     "loaders": ["FewStepDiTLoader"],
     "sampling": ["FewStepSampler", "FewStepSchedule", "FewStepSamplerSelect", "FewStepSyntheticConditioning"],
     "vae": ["FewStepTinyVAELoader", "FewStepTinyVAEDecode", "FewStepTinyVAEEncode"],
+    "video": ["FewStepCausalVideoSampler", "FewStepCausalContinue"],
 }
 DISPLAY_NAMES = {
     "FewStepDiTLoader": "FewStep DiT Loader",
@@ -26,6 +27,8 @@ DISPLAY_NAMES = {
     "FewStepTinyVAELoader": "FewStep Tiny VAE Loader",
     "FewStepTinyVAEDecode": "FewStep Tiny VAE Decode",
     "FewStepTinyVAEEncode": "FewStep Tiny VAE Encode",
+    "FewStepCausalVideoSampler": "FewStep Causal Video Sampler",
+    "FewStepCausalContinue": "FewStep Causal Video Continue",
 }
 
 NODE_CLASS_MAPPINGS: dict[str, type] = {}

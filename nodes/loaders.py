@@ -18,9 +18,9 @@ def dummy_choices() -> list[str]:
 
 class FewStepDiTLoader:
     DESCRIPTION = (
-        "Loads a FLUX-family diffusion transformer (official BFL or diffusers layout; safetensors or .pt) for the "
-        "FewStep samplers. The architecture is read from the tensors. 'dummy:<preset>' builds seeded random "
-        "weights of that preset, for trying workflows without model files."
+        "Loads a diffusion transformer for the FewStep samplers: FLUX.1 (official BFL or diffusers layout) or Wan 2.1 "
+        "(official, Self-Forcing / CausVid / ComfyUI repacks); safetensors or .pt. The architecture is read from the "
+        "tensors. 'dummy:<preset>' builds seeded random weights of that preset, for trying workflows without files."
     )
     CATEGORY = f"{CATEGORY}/loaders"
     RETURN_TYPES = (FEWSTEP_MODEL,)

@@ -78,6 +78,35 @@ def test_demo_writes_report(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert report["CFG"]["rows"] == [4, 4, 8]
+    assert len(report["causal video stream"]["seconds"]) == 5
     assert report["weight storage"]["bytes"][2] < report["weight storage"]["bytes"][1]
     assert (tmp_path / "demo" / "report.md").read_text().startswith("# fewstep demo report")
     assert (tmp_path / "demo" / "schnell_4step.safetensors").exists()
+
+
+def test_stream_reports_chunks_and_kv_bytes(tmp_path):
+    r = _cli("stream", "--model", "wan-tiny", "--height", "32", "--width", "48", "--chunks", "4",
+             "--chunk-frames", "2", "--window-frames", "4", "--sink-frames", "1", "--json",
+             "--tiny-vae", "dummy:taew2_1", "--out", str(tmp_path))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    per_token = 2 * 64 * 2 * 4  # K and V x dim x layers x fp32
+    assert report["kv_bytes_per_token"] == per_token and report["tokens_per_frame"] == 6
+    assert [c["kv_bytes"] for c in report["chunks"]] == [4 * 6 * per_token] * 4
+    assert [c["kv_bytes_used"] for c in report["chunks"]] == [2 * 6 * per_token] + [4 * 6 * per_token] * 3
+    assert report["first_chunk_seconds"] == report["chunks"][0]["seconds"] > 0
+    saved = load_file(str(tmp_path / "latents.safetensors"))
+    assert saved["latent"].shape == (1, 16, 8, 4, 6) and saved["frames"].shape == (1, 29, 3, 32, 48)
+
+
+def test_stream_bad_input():
+    r = _cli("stream", "--frames", "7", "--chunk-frames", "3")
+    assert (
+        r.returncode == 2
+        and "input '--frames': 7 latent frames is not a positive multiple of the chunk (3)" in r.stderr
+    )
+    r = _cli("stream", "--window-frames", "2")
+    assert (
+        r.returncode == 2
+        and "stream: input 'window_frames': the window (2 latent frames) is smaller" in r.stderr
+    )

@@ -63,6 +63,8 @@ def _default_args(cls, **links):
         elif section == "required":
             kind, opts = entry[0], (entry[1] if len(entry) == 2 else {})
             args[name] = opts.get("default", kind[0] if isinstance(kind, list) else None)
+    hidden = cls.INPUT_TYPES().get("hidden", {})
+    args.update({k: v for k, v in links.items() if k in hidden})
     return args
 
 
@@ -87,6 +89,16 @@ def test_each_function_returns_its_return_types(pack):
     )
     assert image.shape == (1, 64, 64, 3) and float(image.min()) >= 0 and float(image.max()) <= 1
     assert outputs["FewStepTinyVAEEncode"][0]["samples"].shape == (1, 16, 8, 8)
+    (wan,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
+    (video_vae,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taew2_1")
+    video = _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, num_chunks=2,
+                 chunk_frames=2, window_frames=4, tiny_vae=video_vae, unique_id="7")  # fmt: skip
+    outputs.update(
+        FewStepCausalVideoSampler=video,
+        FewStepCausalContinue=_run(m["FewStepCausalContinue"], session=video[2], num_chunks=1),
+    )
+    assert video[0]["samples"].shape == (1, 16, 4, 4, 6) and video[1].shape == (13, 32, 48, 3)
+    assert outputs["FewStepCausalContinue"][1].shape == (8, 32, 48, 3)  # 4 video frames per latent frame
     assert set(outputs) == set(m), "a new node needs a case here"
     for node_id, out in outputs.items():
         assert isinstance(out, tuple) and len(out) == len(m[node_id].RETURN_TYPES), node_id
@@ -307,3 +319,107 @@ def test_video_latents_decode_to_stacked_frames(pack):
     (image_vae,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef1")
     with pytest.raises(ValueError, match="video latent .* image-only tiny AE taef1"):
         _run(m["FewStepTinyVAEDecode"], tiny_vae=image_vae, samples={"samples": torch.randn(1, 16, 2, 4, 4)})
+
+
+def _video_nodes(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (wan,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0)
+    return m, wan, cond
+
+
+def test_continue_from_a_stale_reference_rebuilds_the_same_video(pack):
+    """ComfyUI re-runs a Continue on the sampler's cached output after the session has moved on."""
+    m, wan, cond = _video_nodes(pack)
+    (other,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, seed=5)
+    sampler = _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, num_chunks=2,
+                   chunk_frames=2, window_frames=4, sink_frames=1, unique_id="s1")  # fmt: skip
+    first = _run(m["FewStepCausalContinue"], session=sampler[2], num_chunks=2, positive=other)
+    again = _run(
+        m["FewStepCausalContinue"], session=sampler[2], num_chunks=3, positive=other
+    )  # num_chunks changed
+    assert torch.allclose(again[0]["samples"][:, :, :4], first[0]["samples"], atol=1e-6)
+    longer = _run(m["FewStepCausalContinue"], session=first[2], num_chunks=1)  # a chain of continues
+    replayed = _run(
+        m["FewStepCausalContinue"], session=first[2], num_chunks=1
+    )  # stale again: rebuilt with the switch
+    assert torch.allclose(longer[0]["samples"], replayed[0]["samples"], atol=1e-6)
+
+
+def test_freed_sessions_error_and_the_sampler_runs_again(pack, monkeypatch):
+    m, wan, cond = _video_nodes(pack)
+    video_nodes = sys.modules[f"{pack.__name__}.nodes.video"]
+    sampler_cls = m["FewStepCausalVideoSampler"]
+    out = _run(sampler_cls, model=wan, positive=cond, width=48, height=32, num_chunks=1, chunk_frames=2,
+               window_frames=4, unique_id="s2")  # fmt: skip
+    key = sampler_cls.IS_CHANGED(unique_id="s2")
+    assert key == out[2].key and sampler_cls.IS_CHANGED(unique_id="s2") == key  # cached while alive
+    video_nodes.SESSIONS.dispose(out[2].key)
+    changed = sampler_cls.IS_CHANGED(unique_id="s2")
+    assert changed != changed  # NaN: ComfyUI re-runs the sampler on the next queue
+    with pytest.raises(
+        ValueError, match=r"^FewStepCausalContinue: input 'session': session-\d+ is no longer available"
+    ):
+        _run(m["FewStepCausalContinue"], session=out[2], num_chunks=1)
+
+
+def test_sessions_are_freed_when_comfyui_unloads_the_model(pack, monkeypatch):
+    callbacks = {}
+
+    class Patcher:
+        def __init__(self, model, load_device, offload_device):
+            self.model = model
+
+        def get_callbacks(self, kind, key):
+            return callbacks.get((kind, key), [])
+
+        def add_callback_with_key(self, kind, key, fn):
+            callbacks.setdefault((kind, key), []).append(fn)
+
+    mm = types.SimpleNamespace(
+        get_torch_device=lambda: torch.device("cpu"), unet_offload_device=lambda: torch.device("cpu"),
+        load_models_gpu=lambda models, force_full_load=False: None,
+        throw_exception_if_processing_interrupted=lambda: None,
+    )  # fmt: skip
+    ext = types.SimpleNamespace(CallbacksMP=types.SimpleNamespace(ON_DETACH="on_detach_after"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
+    m, wan, cond = _video_nodes(pack)
+    out = _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, num_chunks=1,
+               chunk_frames=2, window_frames=4, unique_id="s3")  # fmt: skip
+    (on_detach,) = callbacks[("on_detach_after", "fewstep-sessions")]
+    store = sys.modules[f"{pack.__name__}.nodes.video"].SESSIONS
+    on_detach(wan.host, False)  # ComfyUI re-loading an already loaded model: keep the sessions
+    assert store.alive(out[2].key)
+    on_detach(wan.host, True)  # a real unload (free memory)
+    assert not store.alive(out[2].key)
+
+
+def test_video_node_errors(pack):
+    m, wan, cond = _video_nodes(pack)
+    (flux,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    with pytest.raises(
+        ValueError, match=r"^FewStepCausalVideoSampler: input 'model': .* runs Wan-family video models"
+    ):
+        _run(m["FewStepCausalVideoSampler"], model=flux, positive=cond, width=48, height=32)
+    with pytest.raises(
+        ValueError,
+        match=r"^FewStepCausalVideoSampler: input 'window_frames': the window \(2 latent frames\) is smaller than a chunk \(3\)",
+    ):
+        _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, window_frames=2)
+    with pytest.raises(
+        ValueError, match=r"^FewStepCausalVideoSampler: input 'width': 40 px is not a positive multiple of 16"
+    ):
+        _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=40, height=32)
+    (t5_short,) = _run(m["FewStepSyntheticConditioning"], width=2048, pooled_width=0)
+    with pytest.raises(
+        ValueError, match=r"^FewStepCausalVideoSampler: input 'positive': conditioning is \[1, 16, 2048\]"
+    ):
+        _run(m["FewStepCausalVideoSampler"], model=wan, positive=t5_short, width=48, height=32)
+    with pytest.raises(
+        ValueError, match=r"^FewStepSampler: input 'model': this sampler runs FLUX-family image models"
+    ):
+        _run(
+            m["FewStepSampler"], model=wan, positive=cond, latent_image={"samples": torch.zeros(1, 16, 8, 8)}
+        )

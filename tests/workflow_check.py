@@ -162,6 +162,48 @@ CORE_NODES = {
     "VAEDecode": core({"samples": ("LATENT",), "vae": ("VAE",)}, outputs={"IMAGE": "IMAGE"}),
     "SaveImage": core({"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "ComfyUI"})}),
     "PreviewImage": core({"images": ("IMAGE",)}),
+    "CLIPLoader": core(
+        {
+            "clip_name": files("text_encoders"),
+            "type": (
+                [
+                    "stable_diffusion",
+                    "stable_cascade",
+                    "sd3",
+                    "stable_audio",
+                    "mochi",
+                    "ltxv",
+                    "pixart",
+                    "cosmos",
+                    "lumina2",
+                    "wan",
+                    "hidream",
+                    "chroma",
+                    "ace",
+                    "omnigen2",
+                    "qwen_image",
+                    "hunyuan_image",
+                ],
+            ),
+        },
+        {"device": (["default", "cpu"], {"advanced": True})},
+        outputs={"CLIP": "CLIP"},
+    ),
+    "CLIPTextEncode": core(
+        {"text": ("STRING", {"multiline": True, "dynamicPrompts": True}), "clip": ("CLIP",)},
+        outputs={"CONDITIONING": "CONDITIONING"},
+    ),
+    "SaveAnimatedWEBP": core(
+        {
+            "images": ("IMAGE",),
+            "filename_prefix": ("STRING", {"default": "ComfyUI"}),
+            "fps": ("FLOAT", {"default": 6.0, "min": 0.01, "max": 1000.0, "step": 0.01}),
+            "lossless": ("BOOLEAN", {"default": True}),
+            "quality": ("INT", {"default": 80, "min": 0, "max": 100}),
+            "method": (["default", "fastest", "slowest"],),
+        }
+    ),
+    "ImageBatch": core({"image1": ("IMAGE",), "image2": ("IMAGE",)}, outputs={"IMAGE": "IMAGE"}),
     "LoadImage": core(
         {"image": ([], {"model_files": "input", "image_upload": True})},
         outputs={"IMAGE": "IMAGE", "MASK": "MASK"},

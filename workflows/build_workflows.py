@@ -44,6 +44,12 @@ MODELS = {
     ),
     "taef1_decoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_decoder.pth"),
     "taef1_encoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_encoder.pth"),
+    "taew2_1.pth": ("vae_approx", "https://github.com/madebyollin/taehv/raw/main/taew2_1.pth"),
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors": (
+        "text_encoders",
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
+        "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+    ),
     "t5xxl_fp16.safetensors": (
         "text_encoders",
         "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
@@ -518,6 +524,187 @@ Needs no files. tiny_vae_round_trip.json does this with real TAEF1 weights and y
         ui_height=300,
         images=image[0],
         filename_prefix="fewstep/round_trip_dummy",
+    )
+
+
+VIDEO_PROMPT = "a corgi running along a beach at sunset, waves rolling in, tracking shot"
+VIDEO_PROMPT_2 = "the corgi stops and looks at the camera, waves splash around its paws"
+WAN_FILES = """- diffusion_models/self_forcing_dmd.pt (Self-Forcing, Wan2.1-T2V-1.3B student: huggingface.co/gdhe17/Self-Forcing)
+  or another CausVid / Self-Forcing checkpoint
+- text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors (huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged)
+- vae_approx/taew2_1.pth (github.com/madebyollin/taehv)"""
+
+
+def wan_text(g: Graph, col: int, text: str, title: str = "Prompt") -> tuple[Node, Node]:
+    """(text encoder, prompt) nodes."""
+    clip = g.add(
+        "CLIPLoader", "Load umT5-XXL", col, clip_name="umt5_xxl_fp8_e4m3fn_scaled.safetensors", type="wan"
+    )
+    return clip, g.add("CLIPTextEncode", title, col + 1, text=text, clip=clip[0])
+
+
+def save_video(g: Graph, frames: Out, col: int, prefix: str) -> None:
+    g.add(
+        "SaveAnimatedWEBP",
+        "Save video (16 fps)",
+        col,
+        ui_height=420,
+        images=frames,
+        filename_prefix=prefix,
+        fps=16.0,
+        lossless=False,
+        quality=85,
+        method="default",
+    )
+
+
+@workflow("wan_causal_stream")
+def wan_causal_stream(g: Graph) -> None:
+    g.note = f"""Text to streaming video with a causal Wan 2.1 student (Self-Forcing / CausVid), decoded by TAEW2.1.
+
+The video is generated 3 latent frames (12 video frames) at a time; each chunk takes 4 denoising steps and
+attends to earlier chunks through a rolling KV cache, so memory stays flat. Each chunk is decoded by the tiny
+VAE as soon as it is done and shown on the node. The session output can be continued
+(wan_causal_continue.json). 7 chunks = 21 latent frames = 81 frames at 16 fps.
+
+Files (ComfyUI/models/...):
+{WAN_FILES}
+
+No files? Open wan_causal_stream_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (Self-Forcing)", 1, model_name="self_forcing_dmd.pt"
+    )
+    _, cond = wan_text(g, 1, VIDEO_PROMPT)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.pth")
+    video = g.add(
+        "FewStepCausalVideoSampler",
+        "FewStep Causal Video Sampler",
+        3,
+        model=model[0],
+        positive=cond[0],
+        width=832,
+        height=480,
+        num_chunks=7,
+        chunk_frames=3,
+        window_frames=21,
+        sink_frames=0,
+        seed=7,
+        tiny_vae=tiny[0],
+    )
+    g.add("PreviewAny", "Report", 4, ui_height=200, source=video[3])
+    g.add("SaveLatent", "Save latent", 4, samples=video[0], filename_prefix="fewstep/wan_stream")
+    save_video(g, video[1], 5, "fewstep/wan_stream")
+
+
+@workflow("wan_causal_stream_dummy")
+def wan_causal_stream_dummy(g: Graph) -> None:
+    g.note = """Causal chunk-by-chunk video with no model files (random weights; a few seconds on a CPU).
+
+dummy:wan-tiny is a tiny Wan-shaped transformer and dummy:taew2_1 a TAEW2.1-shaped decoder, both with seeded
+random weights: the saved video is noise. It exercises the KV window (6 latent frames, 1 sink frame: the
+oldest frames are evicted from chunk 3 on), the streaming decode and the report.
+
+Needs no files. For real video open wan_causal_stream.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic umT5 prompt", 1, pooled_width=0, guidance=0.0)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    video = g.add(
+        "FewStepCausalVideoSampler",
+        "FewStep Causal Video Sampler",
+        2,
+        model=model[0],
+        positive=cond[0],
+        width=96,
+        height=64,
+        num_chunks=4,
+        chunk_frames=2,
+        window_frames=6,
+        sink_frames=1,
+        seed=7,
+        tiny_vae=tiny[0],
+    )
+    g.add("PreviewAny", "Report", 3, ui_height=200, source=video[3])
+    save_video(g, video[1], 3, "fewstep/wan_stream_dummy")
+
+
+def continue_graph(
+    g: Graph,
+    model: Out,
+    first: Out,
+    second: Out,
+    tiny: Out,
+    size: tuple[int, int],
+    chunks: tuple,
+    window: int,
+    prefix: str,
+) -> None:
+    video = g.add(
+        "FewStepCausalVideoSampler",
+        "Video: first prompt",
+        3,
+        model=model,
+        positive=first,
+        width=size[0],
+        height=size[1],
+        num_chunks=chunks[0],
+        chunk_frames=chunks[2],
+        window_frames=window,
+        seed=7,
+        tiny_vae=tiny,
+    )
+    more = g.add(
+        "FewStepCausalContinue",
+        "Continue: second prompt",
+        4,
+        session=video[2],
+        num_chunks=chunks[1],
+        positive=second,
+    )
+    frames = g.add("ImageBatch", "Join the frames", 5, image1=video[1], image2=more[1])
+    g.add("PreviewAny", "Report (continuation)", 5, ui_height=200, source=more[3])
+    save_video(g, frames[0], 6, prefix)
+
+
+@workflow("wan_causal_continue")
+def wan_causal_continue(g: Graph) -> None:
+    g.note = f"""Continue a causal video with a new prompt (CausVid-style prompt switching).
+
+The first sampler generates 4 chunks; FewStep Causal Video Continue carries the same session on for 3 more
+chunks with the second prompt. Only the cross-attention (text) cache is rebuilt: the KV cache keeps the video,
+so motion and content carry across the switch. Both parts' frames are joined and saved as one video.
+
+Files (ComfyUI/models/...):
+{WAN_FILES}
+
+No files? Open wan_causal_continue_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (Self-Forcing)", 1, model_name="self_forcing_dmd.pt"
+    )
+    clip, first = wan_text(g, 1, VIDEO_PROMPT, "First prompt")
+    second = g.add("CLIPTextEncode", "Second prompt", 2, text=VIDEO_PROMPT_2, clip=clip[0])
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.pth")
+    continue_graph(
+        g, model[0], first[0], second[0], tiny[0], (832, 480), (4, 3, 3), 21, "fewstep/wan_continue"
+    )
+
+
+@workflow("wan_causal_continue_dummy")
+def wan_causal_continue_dummy(g: Graph) -> None:
+    g.note = """Continue a causal video session with a new prompt, with no model files (random weights).
+
+Same graph as wan_causal_continue.json: two synthetic prompts stand in for the text encoder.
+
+Needs no files."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
+    first = g.add(
+        "FewStepSyntheticConditioning", "Synthetic prompt 1", 1, pooled_width=0, guidance=0.0, seed=1
+    )
+    second = g.add(
+        "FewStepSyntheticConditioning", "Synthetic prompt 2", 2, pooled_width=0, guidance=0.0, seed=2
+    )
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    continue_graph(
+        g, model[0], first[0], second[0], tiny[0], (96, 64), (2, 2, 2), 6, "fewstep/wan_continue_dummy"
     )
 
 

@@ -2,6 +2,7 @@
 
 from .kv_cache import ROPE_MODES, CrossAttentionCache, KVCache, WindowSpec
 from .session import CausalConfig, ChunkResult, VideoSession
+from .store import SessionStore
 
 __all__ = [
     "ROPE_MODES",
@@ -9,6 +10,7 @@ __all__ = [
     "ChunkResult",
     "CrossAttentionCache",
     "KVCache",
+    "SessionStore",
     "VideoSession",
     "WindowSpec",
 ]

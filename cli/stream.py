@@ -1,0 +1,144 @@
+"""``python -m fewstep stream``: causal chunk-by-chunk video with a rolling KV cache, timed per chunk."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from ..engine.causal import ROPE_MODES, CausalConfig, VideoSession
+from ..engine.errors import InputError
+from ..engine.handle import open_model
+from ..engine.models.registry import FAMILIES
+from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from ..engine.vae import load_tiny_vae
+from .common import write_json
+
+HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--model",
+        default="wan-tiny",
+        choices=sorted(FAMILIES["wan"].presets),
+        help="Wan preset (architecture for dummy weights)",
+    )
+    p.add_argument(
+        "--weights", default="dummy", help="'dummy' or a checkpoint path (Self-Forcing, CausVid, ComfyUI)"
+    )
+    p.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES))
+    p.add_argument(
+        "--weight-dtype",
+        default="default",
+        choices=[k for k, v in WEIGHT_DTYPES.items() if k == "default" or v],
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--height", type=int, default=64, help="video height in px (multiple of 16)")
+    p.add_argument("--width", type=int, default=96, help="video width in px (multiple of 16)")
+    p.add_argument("--chunks", type=int, default=None, help="chunks to generate (default 4)")
+    p.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help="latent frames to generate instead of --chunks (a multiple of --chunk-frames)",
+    )
+    p.add_argument("--chunk-frames", type=int, default=3)
+    p.add_argument("--window-frames", type=int, default=21)
+    p.add_argument("--sink-frames", type=int, default=0)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--schedule", default="wan-dmd-4step")
+    p.add_argument(
+        "--context-noise", type=float, default=0.0, help="timestep of the clean commit pass (0..1000)"
+    )
+    p.add_argument("--rope", default="cache", choices=list(ROPE_MODES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=64, help="token count of the synthetic umT5 prompt")
+    p.add_argument(
+        "--cond", default=None, help="safetensors with 'context' [B, L, 4096] (default: synthetic)"
+    )
+    p.add_argument("--tiny-vae", default=None, help="decode each chunk: dummy:taew2_1 or taew2_1.pth")
+    p.add_argument("--out", default=None, help="folder for latents.safetensors (and frames)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def chunk_count(args) -> int:
+    if args.frames is not None:
+        if args.frames < 1 or args.frames % args.chunk_frames:
+            raise InputError(
+                "--frames",
+                f"{args.frames} latent frames is not a positive multiple of the chunk ({args.chunk_frames})",
+            )
+        return args.frames // args.chunk_frames
+    return 4 if args.chunks is None else args.chunks
+
+
+def run(args) -> int:
+    n_chunks = chunk_count(args)
+    source = f"dummy:{args.model}" if args.weights == "dummy" else args.weights
+    handle = open_model(source, weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
+                        device=args.device, input_name="--weights")  # fmt: skip
+    if handle.family.name != "wan":
+        raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")
+    p = handle.params
+    if args.cond:
+        from safetensors.torch import load_file
+
+        context = load_file(args.cond)["context"]
+    else:
+        context = torch.randn(
+            1, args.tokens, p.text_dim, generator=torch.Generator().manual_seed(args.seed + 1)
+        )
+    config = CausalConfig(
+        chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
+        schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,
+    )  # fmt: skip
+    vae = (
+        load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
+    )
+    session = VideoSession(
+        handle.model, context, args.height, args.width, config, args.seed, vae, where="stream"
+    )
+    chunks = []
+    for chunk in session.chunks(n_chunks):
+        chunks.append(chunk)
+        if not args.json:
+            print(
+                f"chunk {chunk.index}: frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}, "
+                f"{chunk.seconds:.3f} s, KV {chunk.kv_bytes_used}/{chunk.kv_bytes} B",
+                flush=True,
+            )
+    report = {
+        "model": handle.describe(),
+        "chunks": [
+            {
+                "index": c.index,
+                "start_frame": c.start_frame,
+                "seconds": c.seconds,
+                "commit_seconds": c.commit_seconds,
+                "kv_bytes": c.kv_bytes,
+                "kv_bytes_used": c.kv_bytes_used,
+            }
+            for c in chunks
+        ],  # fmt: skip
+        "first_chunk_seconds": session.stats.first_chunk_seconds,
+        "kv_bytes_per_token": session.cache.bytes_per_token(),
+        "tokens_per_frame": session.cache.tokens_per_frame,
+        "kv_bytes_window": session.cache.nbytes,
+        "latent_frames": n_chunks * args.chunk_frames,
+        "video_frames": 4 * n_chunks * args.chunk_frames - 3,
+    }
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        latent = torch.cat([c.raw for c in chunks], dim=2)
+        tensors = {"latent": latent.contiguous()}
+        if vae is not None:
+            tensors["frames"] = torch.cat([c.frames for c in chunks], dim=1).contiguous()
+        save_file(tensors, os.path.join(args.out, "latents.safetensors"))
+        write_json(os.path.join(args.out, "stream.json"), report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    session.dispose()
+    return 0

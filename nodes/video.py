@@ -1,0 +1,344 @@
+"""Causal video nodes: generate a video chunk by chunk with a rolling KV cache, and continue it later.
+
+A FEWSTEP_SESSION is a reference to a live stream kept in a bounded LRU (``FEWSTEP_MAX_SESSIONS``, default 4;
+``FEWSTEP_SESSION_GB``, default unlimited). Sessions are freed when ComfyUI unloads their model (its "free
+memory" endpoint, or another model needing the memory) and when they fall out of the LRU; continuing a freed
+session is an error that says so, and the sampler that made it runs again on the next queue.
+
+ComfyUI caches node outputs, while a session is a live object that FewStepCausalContinue moves forward. Each
+reference therefore records the frame position it was made at and how to rebuild the session (prompts, seed,
+settings): when a Continue re-runs on a reference whose session has since moved on (its num_chunks changed, say),
+the session is rebuilt up to that position first, so a graph always produces the same video.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.causal import ROPE_MODES, CausalConfig, SessionStore, VideoSession
+from ..engine.errors import InputError
+from ..engine.sampling import SCHEDULES
+from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .conditioning import from_comfy
+from .host import Progress, check_interrupt, comfy_module, preview_payload
+from .memory import load_for_run
+from .vae import FEWSTEP_TINY_VAE
+
+FEWSTEP_SESSION = "FEWSTEP_SESSION"
+MAX_SEED = 0xFFFFFFFFFFFFFFFF
+
+SESSIONS = SessionStore(
+    max_sessions=int(os.environ.get("FEWSTEP_MAX_SESSIONS", "4")),
+    max_bytes=int(float(os.environ["FEWSTEP_SESSION_GB"]) * 2**30)
+    if os.environ.get("FEWSTEP_SESSION_GB")
+    else None,
+)
+
+
+@dataclass(frozen=True)
+class SessionRecipe:
+    """Everything needed to rebuild a session deterministically."""
+
+    model: object = field(repr=False)  # the ModelHandle
+    width: int = 0
+    height: int = 0
+    config: CausalConfig = CausalConfig()
+    seed: int = 0
+    tiny_vae: object = field(default=None, repr=False)
+    prompts: tuple = field(default=(), repr=False)  # ((first latent frame, context [B, L, 4096]), ...)
+
+    def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
+        return dataclasses.replace(self, prompts=(*self.prompts, (frame, context)))
+
+    def rebuild(self, position: int, where: str) -> VideoSession:
+        """A new session advanced to ``position`` latent frames, prompt switches replayed."""
+        session = VideoSession(self.model.model, self.prompts[0][1], self.height, self.width, self.config,
+                               self.seed, self.tiny_vae, where=where)  # fmt: skip
+        for frame, context in (*self.prompts[1:], (position, None)):
+            missing = frame - session.frames_generated
+            if missing:
+                session.run(missing // self.config.chunk_frames)
+            if context is not None:
+                session.set_prompt(context)
+        return session
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """What flows along a FEWSTEP_SESSION link."""
+
+    key: str  # the live session in SESSIONS
+    position: int  # latent frames the session had generated when this reference was made
+    recipe: SessionRecipe = field(repr=False)
+
+
+_SESSION_OF: dict[str, str] = {}  # sampler node id -> the session it made
+
+
+def _free_sessions_on_unload(handle) -> None:
+    """Drop a model's sessions when ComfyUI unloads the model (their caches are useless without it)."""
+    patcher = handle.host
+    ext = comfy_module("comfy.patcher_extension")
+    if patcher is None or ext is None or patcher.get_callbacks(ext.CallbacksMP.ON_DETACH, "fewstep-sessions"):
+        return
+    model = handle.model
+
+    def on_detach(_patcher, unpatch_all=True, *_):
+        # ComfyUI also detaches (unpatch_all=False) whenever it re-loads a model that is already loaded; only a
+        # real unload (free memory, or memory needed elsewhere) drops the sessions.
+        if unpatch_all:
+            SESSIONS.dispose_where(lambda s: s.model is model)
+
+    patcher.add_callback_with_key(ext.CallbacksMP.ON_DETACH, "fewstep-sessions", on_detach)
+
+
+_SESSION_OF: dict[tuple, str] = {}  # sampler inputs -> the session they produced
+
+
+def _prompt(conditioning, input_name: str) -> torch.Tensor:
+    conds = from_comfy(conditioning, input_name)
+    if len(conds) != 1:
+        raise InputError(
+            input_name,
+            f"{len(conds)} conditioning entries; the video sampler takes one prompt "
+            "(use ConditioningConcat or encode a single prompt)",
+        )
+    return conds[0].context
+
+
+def _run(session: VideoSession, chunks: int, node: str):
+    """Generate, with progress per chunk and each chunk's last frame as the preview."""
+    progress = Progress(chunks, desc=node)
+    parts, frames = [], []
+    try:
+        for i, chunk in enumerate(session.chunks(chunks)):
+            check_interrupt()
+            parts.append(chunk.raw)
+            preview = None
+            if chunk.frames is not None and chunk.frames.shape[1]:
+                frames.append(chunk.frames)
+                preview = preview_payload(chunk.frames[0, -1].permute(1, 2, 0))
+            progress.update(i + 1, preview)
+    finally:
+        progress.close()
+    latent = torch.cat(parts, dim=2)
+    b, _, _, h, w = latent.shape
+    if frames:
+        images = torch.cat(frames, dim=1).flatten(0, 1).permute(0, 2, 3, 1).contiguous()
+    else:
+        images = torch.zeros(0, h * 8, w * 8, 3)
+    return latent, images, _report(session, chunks)
+
+
+def _report(session: VideoSession, chunks: int) -> str:
+    recent = session.stats.chunks[-chunks:]
+    c = session.config
+    lines = [
+        f"{len(recent)} chunks x {c.chunk_frames} latent frames (frames {recent[0].start_frame}-"
+        f"{recent[-1].start_frame + c.chunk_frames - 1}); window {c.window_frames}, sinks {c.sink_frames}, "
+        f"RoPE {c.rope}, {len(session.sigmas) - 1} steps",
+        "seconds per chunk: " + ", ".join(f"{r.seconds:.2f}" for r in recent),
+        f"first chunk latency: {session.stats.first_chunk_seconds:.2f} s",
+        f"KV cache: {human_bytes(recent[-1].kv_bytes)} allocated, {human_bytes(recent[-1].kv_bytes_used)} used "
+        f"({session.cache.bytes_per_token()} B/token, {session.cache.tokens_per_frame} tokens/frame)",
+    ]
+    return "\n".join(lines)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _check_wan(model, node: str) -> None:
+    if model.family.name != "wan":
+        raise InputError(
+            "model",
+            f"{node} runs Wan-family video models (CausVid / Self-Forcing students); got a "
+            f"{model.family.name} model",
+        )
+
+
+class FewStepCausalVideoSampler:
+    DESCRIPTION = (
+        "Autoregressive video (CausVid / Self-Forcing on Wan 2.1): chunks of latent frames, each denoised in a few "
+        "steps while attending to earlier chunks through a rolling KV cache (sink frames kept, oldest frames "
+        "evicted), so memory stays flat however long the video runs. Outputs the LATENT video, decoded frames "
+        "when a tiny VAE (taew2_1) is given, and a session that FewStepCausalContinue extends."
+    )
+    CATEGORY = f"{CATEGORY}/video"
+    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
+    RETURN_NAMES = ("latent", "frames", "session", "report")
+    FUNCTION = "generate"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (FEWSTEP_MODEL, {"tooltip": "A Wan 2.1 causal student from FewStepDiTLoader."}),
+                "positive": ("CONDITIONING", {"tooltip": "umT5 prompt encoding [B, tokens, 4096]."}),
+                "width": (
+                    "INT",
+                    {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip": "Video width in px."},
+                ),
+                "height": (
+                    "INT",
+                    {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip": "Video height in px."},
+                ),
+                "num_chunks": (
+                    "INT",
+                    {"default": 7, "min": 1, "max": 10000, "tooltip": "Chunks to generate now."},
+                ),
+                "chunk_frames": (
+                    "INT",
+                    {
+                        "default": 3,
+                        "min": 1,
+                        "max": 64,
+                        "tooltip": "Latent frames per chunk (each latent frame is 4 video frames).",
+                    },
+                ),
+                "window_frames": (
+                    "INT",
+                    {
+                        "default": 21,
+                        "min": 1,
+                        "max": 4096,
+                        "tooltip": "Latent frames a chunk "
+                        "attends to, sinks and itself included; older frames are evicted.",
+                    },
+                ),
+                "sink_frames": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 4096,
+                        "tooltip": "First latent frames kept in the window forever (attention sinks).",
+                    },
+                ),
+                "schedule": (
+                    list(SCHEDULES),
+                    {
+                        "default": "wan-dmd-4step",
+                        "tooltip": "Denoising schedule per chunk (DMD re-noise sampler).",
+                    },
+                ),
+                "steps": (
+                    "INT",
+                    {"default": 4, "min": 1, "max": 100, "tooltip": "Denoising steps per chunk."},
+                ),
+                "seed": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": MAX_SEED,
+                        "control_after_generate": True,
+                        "tooltip": "Seed of the session's noise.",
+                    },
+                ),
+            },
+            "optional": {
+                "tiny_vae": (FEWSTEP_TINY_VAE, {"tooltip": "taew2_1: decode each chunk as it is generated."}),
+                "context_noise": (
+                    "FLOAT",
+                    {
+                        "default": 0.0,
+                        "min": 0.0,
+                        "max": 1000.0,
+                        "step": 1.0,
+                        "tooltip": "Timestep (0..1000) of the clean pass that commits a chunk.",
+                    },
+                ),
+                "rope": (
+                    list(ROPE_MODES),
+                    {
+                        "default": "cache",
+                        "tooltip": "cache: key positions relative to the cache "
+                        "(streams of any length); absolute: Self-Forcing's absolute frame positions.",
+                    },
+                ),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, unique_id=None, **_):
+        """Run again once the session this node made was freed (LRU, or ComfyUI freeing memory); otherwise
+        ComfyUI's cached output would hand FewStepCausalContinue a dead session."""
+        key = _SESSION_OF.get(unique_id)
+        return key if key is not None and SESSIONS.alive(key) else float("nan")
+
+    @reports_input_errors("FewStepCausalVideoSampler")
+    def generate(self, model, positive, width, height, num_chunks, chunk_frames, window_frames, sink_frames,
+                 schedule, steps, seed, tiny_vae=None, context_noise=0.0, rope="cache", unique_id=None):  # fmt: skip
+        _check_wan(model, "FewStepCausalVideoSampler")
+        config = CausalConfig(chunk_frames=chunk_frames, window_frames=window_frames, sink_frames=sink_frames,
+                              schedule=schedule, steps=steps, context_noise=context_noise, rope=rope)  # fmt: skip
+        context = _prompt(positive, "positive")
+        load_for_run(model)
+        session = VideoSession(model.model, context, height, width, config, seed, tiny_vae,
+                               where="FewStepCausalVideoSampler")  # fmt: skip
+        key = SESSIONS.add(session)
+        _SESSION_OF[unique_id] = key
+        _free_sessions_on_unload(model)
+        latent, images, report = _run(session, num_chunks, "FewStepCausalVideoSampler")
+        SESSIONS.touch(key)
+        recipe = SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context.cpu()),))
+        return ({"samples": latent}, images, SessionRef(key, session.frames_generated, recipe), report)
+
+
+class FewStepCausalContinue:
+    DESCRIPTION = (
+        "Continues a causal video session for more chunks, optionally with a new prompt (only the "
+        "cross-attention cache is rebuilt, as in CausVid's prompt switching). Outputs the new chunks."
+    )
+    CATEGORY = f"{CATEGORY}/video"
+    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
+    RETURN_NAMES = ("latent", "frames", "session", "report")
+    FUNCTION = "extend"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "session": (
+                    FEWSTEP_SESSION,
+                    {"tooltip": "From FewStepCausalVideoSampler or another Continue."},
+                ),
+                "num_chunks": ("INT", {"default": 7, "min": 1, "max": 10000, "tooltip": "Chunks to add."}),
+            },
+            "optional": {
+                "positive": (
+                    "CONDITIONING",
+                    {"tooltip": "New prompt from here on (omit to keep the current one)."},
+                ),
+            },
+        }
+
+    @reports_input_errors("FewStepCausalContinue")
+    def extend(self, session, num_chunks, positive=None):
+        if not isinstance(session, SessionRef):
+            raise InputError("session", "expected a FEWSTEP_SESSION from FewStepCausalVideoSampler")
+        where = "FewStepCausalContinue"
+        live, key, recipe = SESSIONS.get(session.key, where), session.key, session.recipe
+        load_for_run(recipe.model)
+        if live.frames_generated != session.position:  # moved on since this reference was made: rebuild
+            live = recipe.rebuild(session.position, where)
+            key = SESSIONS.add(live)
+        live.where = where
+        if positive is not None:
+            context = _prompt(positive, "positive")
+            live.set_prompt(context)
+            recipe = recipe.with_prompt(live.frames_generated, context.cpu())
+        latent, images, report = _run(live, num_chunks, where)
+        SESSIONS.touch(key)
+        return ({"samples": latent}, images, SessionRef(key, live.frames_generated, recipe), report)

@@ -11,9 +11,9 @@ import logging
 import sys
 
 from ..engine.errors import FewStepError
-from . import demo, generate, stream
+from . import demo, generate, queue, stream
 
-COMMANDS = {"generate": generate, "stream": stream, "demo": demo}
+COMMANDS = {"generate": generate, "stream": stream, "queue": queue, "demo": demo}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,180 @@
+"""End to end against a real ComfyUI server: every dummy workflow through POST /prompt, the native-MODEL nodes on
+a tiny native model, rejected workflows, memory release.
+
+Needs a ComfyUI checkout: ``COMFYUI_DIR=/path/to/ComfyUI`` (and ``COMFYUI_PYTHON`` for its interpreter; default:
+``$COMFYUI_DIR/../venv/bin/python`` when it exists, else this Python). The server runs on 127.0.0.1 with a
+temporary base directory whose custom_nodes/ links this repository (and the probe pack from
+``../shared/comfyui/probe`` when present, which provides a tiny SD1.5-layout native model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKFLOWS = ROOT / "workflows"
+PROBE = ROOT.parent / "shared" / "comfyui" / "probe" / "probe_pack_v3"
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+
+pytestmark = pytest.mark.skipif(
+    not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").exists(),
+    reason="set COMFYUI_DIR to a ComfyUI checkout (see README: end-to-end tests) to run these",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python() -> str:
+    explicit = os.environ.get("COMFYUI_PYTHON")
+    if explicit:
+        return explicit
+    sibling = Path(COMFYUI_DIR).parent / "venv" / "bin" / "python"
+    return str(sibling) if sibling.exists() else sys.executable
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy")
+    for sub in ("custom_nodes", "output", "input", "temp", "user", "models"):
+        (base / sub).mkdir()
+    (base / "custom_nodes" / "ComfyUI-FewStep").symlink_to(ROOT)
+    if PROBE.exists():
+        (base / "custom_nodes" / "probe_pack_v3").symlink_to(PROBE)
+    port = _free_port()
+    with open(base / "server.log", "w") as log:
+        proc = subprocess.Popen(
+            [_python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory",
+             str(base), "--database-url", f"sqlite:///{base}/user/comfyui.db", "--disable-auto-launch",
+             "--preview-method", "none"],
+            cwd=COMFYUI_DIR, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            yield {"url": url, "info": _wait_ready(url, proc, base), "base": base}
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_ready(url: str, proc, base: Path) -> dict:
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/object_info", timeout=5) as r:
+                return json.load(r)
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    "ComfyUI did not start:\n" + (base / "server.log").read_text()[-3000:]
+                ) from None
+            time.sleep(0.5)
+
+
+def queue(server, workflow, *extra, timeout=600):
+    """Run ``python -m fewstep queue`` (the project's own client) and return (exit code, stdout + stderr)."""
+    if isinstance(workflow, dict):
+        path = server["base"] / f"wf_{time.monotonic_ns()}.json"
+        path.write_text(json.dumps(workflow))
+        workflow = path
+    r = subprocess.run([sys.executable, "-m", "fewstep", "queue", str(workflow), "--server", server["url"], *extra],
+                       capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_every_pack_node_is_registered(server):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import load_pack_as_comfyui
+
+    ours = set(load_pack_as_comfyui().NODE_CLASS_MAPPINGS)
+    assert ours <= set(server["info"]), sorted(ours - set(server["info"]))
+    log = (server["base"] / "server.log").read_text()
+    assert "IMPORT FAILED" not in log and "fewstep: skipped nodes" not in log
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in WORKFLOWS.glob("*_dummy.api.json")))
+def test_dummy_workflow_runs(server, name, tmp_path):
+    code, out = queue(server, WORKFLOWS / name, "--out", str(tmp_path))
+    assert code == 0, out
+    workflow = json.loads((WORKFLOWS / name).read_text())
+    savers = [
+        n for n in workflow.values() if n["class_type"] in ("SaveImage", "SaveLatent", "SaveAnimatedWEBP")
+    ]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) >= len(savers), out
+    if any(n["class_type"].startswith("FewStep") and "Sampler" in n["class_type"] for n in workflow.values()):
+        assert "text:" in out  # the sampler report reached PreviewAny
+
+
+def _native_graph(sampler: str, schedule: str = "flux.1-schnell") -> dict:
+    return {
+        "1": {"class_type": "ProbeTinySD15", "inputs": {"seed": 0}},
+        "2": {"class_type": "ProbeTinyCond", "inputs": {"seed": 0}},
+        "3": {"class_type": "BasicGuider", "inputs": {"model": ["1", 0], "conditioning": ["2", 0]}},
+        "4": {"class_type": "RandomNoise", "inputs": {"noise_seed": 1}},
+        "5": {"class_type": "FewStepSchedule", "inputs": {"schedule": schedule, "steps": 4, "denoise": 1.0,
+                                                          "width": 256, "height": 256}},
+        "6": {"class_type": "FewStepSamplerSelect", "inputs": {"sampler": sampler, "gamma": 0.3}},
+        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": 256, "height": 256, "batch_size": 1}},
+        "8": {"class_type": "SamplerCustomAdvanced", "inputs": {"noise": ["4", 0], "guider": ["3", 0], "sampler": ["6", 0],
+                                                                "sigmas": ["5", 0], "latent_image": ["7", 0]}},
+        "9": {"class_type": "SaveLatent", "inputs": {"samples": ["8", 0], "filename_prefix": f"native_{sampler}"}},
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(not PROBE.exists(), reason=f"the probe pack with a tiny native model is not at {PROBE}")
+@pytest.mark.parametrize("sampler", ["euler", "dmd", "lcm", "tcd"])
+def test_native_model_with_fewstep_schedule_and_sampler(server, sampler):
+    code, out = queue(server, _native_graph(sampler), "--quiet")
+    assert code == 0, out
+    assert f"native_{sampler}" in out
+
+
+def test_bad_workflow_is_rejected_naming_node_and_input(server):
+    workflow = json.loads((WORKFLOWS / "flux_schnell_fewstep_dummy.api.json").read_text())
+    sampler = next(k for k, v in workflow.items() if v["class_type"] == "FewStepSampler")
+    code, out = queue(server, workflow, "--set", f"{sampler}.steps=0")
+    assert code == 2 and f"node {sampler} (FewStepSampler) input 'steps'" in out, out
+    cond = next(k for k, v in workflow.items() if v["class_type"] == "FewStepSyntheticConditioning")
+    code, out = queue(server, workflow, "--set", f"{cond}.width=768", "--quiet")
+    assert code == 3 and "FewStepSampler: input 'positive': conditioning tokens are [1, 16, 768]" in out, out
+
+
+def test_ui_format_workflow_is_converted(server):
+    code, out = queue(server, WORKFLOWS / "flux_schnell_fewstep_dummy.json", "--quiet")
+    assert code == 0 and "UI-format" in out, out
+
+
+def test_unreachable_server_is_a_clear_error():
+    r = subprocess.run([sys.executable, "-m", "fewstep", "queue", str(WORKFLOWS / "flux_schnell_fewstep_dummy.api.json"),
+                        "--server", f"http://127.0.0.1:{_free_port()}"], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 5 and "cannot" in r.stderr and "is the server running?" in r.stderr
+
+
+def test_sessions_survive_reloads_and_free_memory_releases_them(server):
+    continue_wf = WORKFLOWS / "wan_causal_continue_dummy.api.json"
+    assert queue(server, continue_wf, "--quiet")[0] == 0
+    req = urllib.request.Request(server["url"] + "/free", data=json.dumps({"unload_models": True}).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    urllib.request.urlopen(req, timeout=10).read()
+    time.sleep(1)
+    workflow = json.loads(continue_wf.read_text())
+    cont = next(k for k, v in workflow.items() if v["class_type"] == "FewStepCausalContinue")
+    code, out = queue(server, workflow, "--set", f"{cont}.num_chunks=1", "--quiet")
+    assert code == 0, out  # the freed session is rebuilt by re-running its sampler, not an error

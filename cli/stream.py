@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..engine.causal import ROPE_MODES, CausalConfig, VideoSession
+from ..engine.causal.kv_cache import KV_DTYPES
 from ..engine.errors import InputError
 from ..engine.handle import open_model
 from ..engine.models.registry import FAMILIES
@@ -54,6 +55,19 @@ def add_arguments(p) -> None:
         "--context-noise", type=float, default=0.0, help="timestep of the clean commit pass (0..1000)"
     )
     p.add_argument("--rope", default="cache", choices=list(ROPE_MODES))
+    p.add_argument(
+        "--kv-dtype",
+        default="bf16",
+        choices=list(KV_DTYPES),
+        help="KV storage: bf16 = the compute dtype, unquantized; int8 / int4 quantize completed chunks older than "
+        "--keep-recent",
+    )
+    p.add_argument(
+        "--keep-recent",
+        type=int,
+        default=1,
+        help="with int8/int4: completed chunks kept unquantized (default 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=64, help="token count of the synthetic umT5 prompt")
     p.add_argument(
@@ -94,6 +108,7 @@ def run(args) -> int:
     config = CausalConfig(
         chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
         schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,
+        kv_dtype=args.kv_dtype, keep_recent_chunks=args.keep_recent,
     )  # fmt: skip
     vae = (
         load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
@@ -124,7 +139,11 @@ def run(args) -> int:
             for c in chunks
         ],  # fmt: skip
         "first_chunk_seconds": session.stats.first_chunk_seconds,
+        "kv_dtype": args.kv_dtype,
+        "keep_recent_chunks": args.keep_recent,
         "kv_bytes_per_token": session.cache.bytes_per_token(),
+        "kv_quantized_bytes_per_token": session.cache.quantized_bytes_per_token(),
+        "kv_frames_quantized": session.cache.frames_quantized,
         "tokens_per_frame": session.cache.tokens_per_frame,
         "kv_bytes_window": session.cache.nbytes,
         "latent_frames": n_chunks * args.chunk_frames,

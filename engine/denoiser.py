@@ -3,6 +3,11 @@
 Classifier-free guidance runs only when there is a negative prompt *and* ``cfg != 1``; then the positive and
 negative rows go through the model as one batch when their token counts match (one forward per step either
 way, twice the rows with CFG). With ``cfg == 1`` the negative is never evaluated.
+
+With a step cache (``step_cache``: a per-run holder from ``engine.cache``) each forward goes through the holder,
+which may reuse kept residuals instead of running the whole block stack, and from its CFG cut-off on the
+unconditional pass is replaced by ``v_neg = v_pos + delta`` (``delta = v_neg - v_pos`` of the last step that ran
+it). ``model_calls`` counts forwards that ran every block; ``cache_probes`` those served from the cache.
 """
 
 from __future__ import annotations
@@ -25,18 +30,20 @@ class FlowDenoiser:
     """k-diffusion-style denoiser over a flow-matching model: ``x0 = x - sigma * velocity``.
 
     ``positive`` (and ``negative``) are lists of prompts: several entries are averaged, as ComfyUI averages
-    full-image conditionings. ``forward_hook``, when given, wraps each model call (used to count or time them).
+    full-image conditionings.
     """
 
-    def __init__(self, model, family, positive, negative=None, cfg: float = 1.0, dtype=None):
+    def __init__(self, model, family, positive, negative=None, cfg: float = 1.0, dtype=None, step_cache=None):
         self.model = model
         self.family = family
         self.positive = list(positive)
         self.negative = list(negative) if negative else []
         self.cfg = float(cfg)
         self.dtype = dtype
+        self.step_cache = step_cache
         self.model_calls = 0
         self.rows_evaluated = 0
+        self.cache_probes = 0
         self._cache_key = None
         self._cache: list[TextCondition] = []
 
@@ -44,15 +51,23 @@ class FlowDenoiser:
     def uses_cfg(self) -> bool:
         return bool(self.negative) and self.cfg != 1.0
 
-    def _velocity(self, x, sigma, cond: TextCondition) -> torch.Tensor:
+    def _velocity(self, x, sigma, cond: TextCondition, labels: tuple[str, ...]) -> torch.Tensor:
+        run = self.step_cache
+        if run is None:
+            v = self.family.velocity(self.model, x, sigma, cond)
+        else:
+            v = run.velocity(self.model, self.family, x, sigma, cond, labels)
+            if not run.last_call_full:
+                self.cache_probes += 1
+                return v
         self.model_calls += 1
         self.rows_evaluated += x.shape[0]
-        return self.family.velocity(self.model, x, sigma, cond)
+        return v
 
-    def _mean_velocity(self, x, sigma, conds) -> list[torch.Tensor]:
+    def _mean_velocity(self, x, sigma, conds, labels) -> list[torch.Tensor]:
         """Velocity per prompt; prompts whose token counts agree share one batched forward."""
         if len(conds) == 1:
-            return [self._velocity(x, sigma, conds[0])]
+            return [self._velocity(x, sigma, conds[0], (labels[0],))]
         b = x.shape[0]
         groups: dict[tuple, list[int]] = {}
         for idx, c in enumerate(conds):
@@ -60,7 +75,8 @@ class FlowDenoiser:
         out: list[torch.Tensor | None] = [None] * len(conds)
         for idxs in groups.values():
             batch = _cat_conds([conds[i] for i in idxs])
-            v = self._velocity(x.repeat(len(idxs), 1, 1, 1), sigma.repeat(len(idxs)), batch)
+            xs = x.repeat(len(idxs), *([1] * (x.ndim - 1)))
+            v = self._velocity(xs, sigma.repeat(len(idxs)), batch, tuple(labels[i] for i in idxs))
             for j, i in enumerate(idxs):
                 out[i] = v[j * b : (j + 1) * b]
         return out
@@ -74,17 +90,36 @@ class FlowDenoiser:
             self._cache_key = key
         return self._cache
 
+    @property
+    def labels(self) -> list[str]:
+        """Row-group names the step cache keeps its tensors under: pos0, pos1..., then neg0..."""
+        pos = [f"pos{i}" for i in range(len(self.positive))]
+        return pos + ([f"neg{i}" for i in range(len(self.negative))] if self.uses_cfg else [])
+
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, **_: object) -> torch.Tensor:
         dtype = self.dtype or x.dtype
         xin = x.to(dtype)
         sig = sigma.to(torch.float32)
         n_pos = len(self.positive)
-        vs = self._mean_velocity(xin, sig, self._prepared(x.shape[0], x.device, dtype))
+        run = self.step_cache
+        if run is not None:
+            run.begin_step(sigma)
+        skip_uncond = self.uses_cfg and run is not None and run.skip_uncond()
+        conds, labels = self._prepared(x.shape[0], x.device, dtype), self.labels
+        if skip_uncond:
+            conds, labels = conds[:n_pos], labels[:n_pos]
+        vs = self._mean_velocity(xin, sig, conds, labels)
         v_pos = torch.stack(vs[:n_pos]).mean(0) if n_pos > 1 else vs[0]
         v = v_pos
         if self.uses_cfg:
-            neg = vs[n_pos:]
-            v_neg = torch.stack(neg).mean(0) if len(neg) > 1 else neg[0]
+            if skip_uncond:
+                v_neg = v_pos + run.cfg_delta
+                run.note_uncond_skipped(self.model.num_blocks * x.shape[0] * len(self.negative))
+            else:
+                neg = vs[n_pos:]
+                v_neg = torch.stack(neg).mean(0) if len(neg) > 1 else neg[0]
+                if run is not None:
+                    run.store_cfg_delta(v_neg - v_pos)
             v = v_neg + self.cfg * (v_pos - v_neg)
         s = sigma.to(x.dtype).view(-1, *([1] * (x.ndim - 1)))
         return x - s * v.to(x.dtype)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
+
 
 @dataclass(frozen=True)
 class RopeFreqs:
@@ -49,9 +51,7 @@ def rope_freqs(
 
 
 def apply_rope(x: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
-    """Rotate ``x [B, L, H, D]`` by ``freqs`` (broadcast over heads), in the precision of ``freqs``."""
-    xf = x.to(freqs.cos.dtype).unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out0 = freqs.cos * x0 - freqs.sin * x1
-    out1 = freqs.sin * x0 + freqs.cos * x1
-    return torch.stack((out0, out1), dim=-1).flatten(-2).to(x.dtype)
+    """Rotate ``x [B, L, H, D]`` by ``freqs`` (broadcast over heads), in the precision of ``freqs``.
+
+    Through the kernel dispatcher: the Triton kernel on CUDA, ``kernels.rope.apply_rope`` elsewhere."""
+    return kernels.apply_rope(x, freqs.cos, freqs.sin)

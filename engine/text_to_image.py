@@ -2,7 +2,8 @@
 
 Everything a sampler node or the CLI needs between a ComfyUI-style raw latent and the sampler loop: input
 validation, the schedule, seeded noise (identical to ComfyUI's KSampler noise for the same seed), the latent
-format in and out, CFG, per-step callback and timing.
+format in and out, CFG, per-step callback and timing. A step-cache gate carried by the handle (feature
+``step_cache``, see ``engine.cache``) is applied here: one holder per run, its telemetry in the report.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import use_attention_backend
+from .cache import STEP_CACHE_FEATURE, CacheTelemetry
 from .conditioning import TextCondition
 from .denoiser import FlowDenoiser
 from .errors import InputError
@@ -33,15 +35,20 @@ class SampleReport:
     seconds_total: float
     seconds_per_step: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cache_probes: int = 0  # forwards a step cache served from kept residuals (block 0 and the head at most)
+    cache: CacheTelemetry | None = None
 
     def summary(self) -> str:
         per = ", ".join(f"{s * 1000:.0f}" for s in self.seconds_per_step)
+        probes = f" + {self.cache_probes} served by the step cache" if self.cache_probes else ""
         lines = [
             f"{self.sampler}, {self.steps} steps, sigmas {[round(s, 4) for s in self.sigmas]}",
-            f"{self.model_calls} DiT forwards ({self.rows_evaluated} rows), CFG {'on' if self.cfg_used else 'off'}",
+            f"{self.model_calls} DiT forwards ({self.rows_evaluated} rows){probes}, "
+            f"CFG {'on' if self.cfg_used else 'off'}",
             f"sampling {self.seconds_total:.3f} s; per step ms: {per}",
         ]
-        return "\n".join(lines + self.notes)
+        cache = self.cache.summary_lines() if self.cache is not None else []
+        return "\n".join(lines + cache + self.notes)
 
 
 def noise_for(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None = None) -> torch.Tensor:
@@ -166,7 +173,14 @@ def sample_latent(
     sig_dev = sigmas.to(device)
     x = sig_dev[0] * noise + (1.0 - sig_dev[0]) * x0_in
 
-    denoiser = FlowDenoiser(handle.model, handle.family, positive, negative, cfg, dtype=dtype)
+    gate = handle.feature(STEP_CACHE_FEATURE)
+    run = None
+    if gate is not None:
+        run = gate.start_run(handle.model, sigmas, sampler, uses_cfg=bool(negative) and cfg != 1.0)
+    denoiser = FlowDenoiser(
+        handle.model, handle.family, positive, negative, cfg, dtype=dtype,
+        step_cache=run if run is not None and run.active else None,
+    )  # fmt: skip
     notes = []
     if cfg != 1.0 and not negative:
         notes.append(f"cfg {cfg} ignored: no negative conditioning given (one forward per step)")
@@ -182,16 +196,21 @@ def sample_latent(
             callback(info)
 
     t0 = time.perf_counter()
-    with torch.inference_mode(), use_attention_backend(handle.attention_backend):
-        out = SAMPLERS[sampler](
-            denoiser,
-            x,
-            sig_dev,
-            extra_args={"seed": int(seed)},
-            callback=on_step,
-            disable=True,
-            **(sampler_options or {}),
-        )
+    try:
+        with torch.inference_mode(), use_attention_backend(handle.attention_backend):
+            out = SAMPLERS[sampler](
+                denoiser,
+                x,
+                sig_dev,
+                extra_args={"seed": int(seed)},
+                callback=on_step,
+                disable=True,
+                **(sampler_options or {}),
+            )
+    except BaseException:
+        if run is not None:
+            run.reset()
+        raise
     seconds = time.perf_counter() - t0
     report = SampleReport(
         sigmas=sigmas.tolist(),
@@ -203,5 +222,7 @@ def sample_latent(
         seconds_total=seconds,
         seconds_per_step=step_times,
         notes=notes,
+        cache_probes=denoiser.cache_probes,
+        cache=run.finish() if run is not None else None,
     )
     return fmt.process_out(out.float()).cpu(), report

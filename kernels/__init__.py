@@ -1,1 +1,56 @@
-"""Triton kernels, each beside its PyTorch reference (the engine calls them through a dispatcher)."""
+"""Triton kernels, each beside its PyTorch reference (the engine calls them through a dispatcher).
+
+| kernel | reference | Triton | what |
+|---|---|---|---|
+| ``quantize_kv`` / ``dequantize_kv`` | ``kv_quant`` | ``triton_kernels`` | int8 / int4 KV per (token, head) group, float16 scale and zero point (layout: ``kv_quant``) |
+| ``quantized_attention`` | ``kv_quant`` | ``triton_kernels`` | attention over full-precision + quantized keys/values, dequantized (and RoPE-rotated) inside the kernel |
+| ``rms_norm`` | ``norms`` | ``triton_kernels`` | the q/k RMSNorm |
+| ``adaln_modulate`` | ``norms`` | ``triton_kernels`` | fused ``LayerNorm(x) * (1 + scale) + shift`` |
+| ``apply_rope`` | ``rope`` | ``triton_kernels`` | the engine's multi-axis RoPE tables applied to ``[B, L, H, D]`` |
+
+The functions exported here are the dispatchers (``dispatch``): Triton on CUDA when it is importable, the
+reference elsewhere, ``FEWSTEP_KERNELS=reference`` (or ``use_kernels("reference")``) to force the references.
+Importing this package does not import Triton. Nothing here imports the engine or ComfyUI.
+"""
+
+from . import kv_quant, norms, rope
+from .dispatch import (
+    MODES,
+    adaln_modulate,
+    apply_rope,
+    dequantize_kv,
+    enable_triton_interpreter,
+    kernel_mode,
+    load_triton_kernels,
+    quantize_kv,
+    quantized_attention,
+    quantized_attention_supported,
+    rms_norm,
+    set_kernel_mode,
+    triton_importable,
+    use_kernels,
+    uses_fused_quantized_attention,
+    uses_triton,
+)
+
+__all__ = [
+    "MODES",
+    "adaln_modulate",
+    "apply_rope",
+    "dequantize_kv",
+    "enable_triton_interpreter",
+    "kernel_mode",
+    "kv_quant",
+    "load_triton_kernels",
+    "norms",
+    "quantize_kv",
+    "quantized_attention",
+    "quantized_attention_supported",
+    "rms_norm",
+    "rope",
+    "set_kernel_mode",
+    "triton_importable",
+    "use_kernels",
+    "uses_fused_quantized_attention",
+    "uses_triton",
+]

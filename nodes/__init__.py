@@ -17,6 +17,7 @@ NODE_MODULES = {
     "sampling": ["FewStepSampler", "FewStepSchedule", "FewStepSamplerSelect", "FewStepSyntheticConditioning"],
     "vae": ["FewStepTinyVAELoader", "FewStepTinyVAEDecode", "FewStepTinyVAEEncode"],
     "video": ["FewStepCausalVideoSampler", "FewStepCausalContinue"],
+    "cache": ["FewStepCacheGate", "FewStepCacheGateNative"],
 }
 DISPLAY_NAMES = {
     "FewStepDiTLoader": "FewStep DiT Loader",
@@ -29,6 +30,8 @@ DISPLAY_NAMES = {
     "FewStepTinyVAEEncode": "FewStep Tiny VAE Encode",
     "FewStepCausalVideoSampler": "FewStep Causal Video Sampler",
     "FewStepCausalContinue": "FewStep Causal Video Continue",
+    "FewStepCacheGate": "FewStep Cache Gate",
+    "FewStepCacheGateNative": "FewStep Cache Gate (native MODEL)",
 }
 
 NODE_CLASS_MAPPINGS: dict[str, type] = {}

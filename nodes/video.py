@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.cache import STEP_CACHE_FEATURE
 from ..engine.causal import ROPE_MODES, CausalConfig, SessionStore, VideoSession
+from ..engine.causal.kv_cache import KV_DTYPES
 from ..engine.errors import InputError
 from ..engine.sampling import SCHEDULES
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
@@ -57,7 +59,7 @@ class SessionRecipe:
     def rebuild(self, position: int, where: str) -> VideoSession:
         """A new session advanced to ``position`` latent frames, prompt switches replayed."""
         session = VideoSession(self.model.model, self.prompts[0][1], self.height, self.width, self.config,
-                               self.seed, self.tiny_vae, where=where)  # fmt: skip
+                               self.seed, self.tiny_vae, where=where, step_cache=self.model.feature(STEP_CACHE_FEATURE))  # fmt: skip
         for frame, context in (*self.prompts[1:], (position, None)):
             missing = frame - session.frames_generated
             if missing:
@@ -146,6 +148,8 @@ def _report(session: VideoSession, chunks: int) -> str:
         f"KV cache: {human_bytes(recent[-1].kv_bytes)} allocated, {human_bytes(recent[-1].kv_bytes_used)} used "
         f"({session.cache.bytes_per_token()} B/token, {session.cache.tokens_per_frame} tokens/frame)",
     ]
+    if session.cache_decision is not None:
+        lines.append(f"step cache: {session.cache_decision.line()}")
     return "\n".join(lines)
 
 
@@ -266,6 +270,25 @@ class FewStepCausalVideoSampler:
                         "(streams of any length); absolute: Self-Forcing's absolute frame positions.",
                     },
                 ),
+                "kv_dtype": (
+                    list(KV_DTYPES),
+                    {
+                        "default": "bf16",
+                        "tooltip": "KV cache storage. bf16: unquantized, in the model's compute dtype. int8 / "
+                        "int4: completed chunks older than keep_recent_chunks are stored quantized (0.52x / "
+                        "0.27x of bf16 per frame), sinks and recent chunks stay unquantized.",
+                    },
+                ),
+                "keep_recent_chunks": (
+                    "INT",
+                    {
+                        "default": 1,
+                        "min": 0,
+                        "max": 4096,
+                        "tooltip": "With int8 / int4: completed chunks kept unquantized besides the current one "
+                        "(they must fit the window next to it and the sinks).",
+                    },
+                ),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -279,14 +302,16 @@ class FewStepCausalVideoSampler:
 
     @reports_input_errors("FewStepCausalVideoSampler")
     def generate(self, model, positive, width, height, num_chunks, chunk_frames, window_frames, sink_frames,
-                 schedule, steps, seed, tiny_vae=None, context_noise=0.0, rope="cache", unique_id=None):  # fmt: skip
+                 schedule, steps, seed, tiny_vae=None, context_noise=0.0, rope="cache", kv_dtype="bf16",
+                 keep_recent_chunks=1, unique_id=None):  # fmt: skip
         _check_wan(model, "FewStepCausalVideoSampler")
         config = CausalConfig(chunk_frames=chunk_frames, window_frames=window_frames, sink_frames=sink_frames,
-                              schedule=schedule, steps=steps, context_noise=context_noise, rope=rope)  # fmt: skip
+                              schedule=schedule, steps=steps, context_noise=context_noise, rope=rope,
+                              kv_dtype=kv_dtype, keep_recent_chunks=keep_recent_chunks)  # fmt: skip
         context = _prompt(positive, "positive")
         load_for_run(model)
         session = VideoSession(model.model, context, height, width, config, seed, tiny_vae,
-                               where="FewStepCausalVideoSampler")  # fmt: skip
+                               where="FewStepCausalVideoSampler", step_cache=model.feature(STEP_CACHE_FEATURE))  # fmt: skip
         key = SESSIONS.add(session)
         _SESSION_OF[unique_id] = key
         _free_sessions_on_unload(model)

@@ -68,7 +68,7 @@ def _default_args(cls, **links):
     return args
 
 
-def test_each_function_returns_its_return_types(pack):
+def test_each_function_returns_its_return_types(pack, monkeypatch):
     m = pack.NODE_CLASS_MAPPINGS
     (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
     (cond,) = _run(m["FewStepSyntheticConditioning"])
@@ -99,6 +99,18 @@ def test_each_function_returns_its_return_types(pack):
     )
     assert video[0]["samples"].shape == (1, 16, 4, 4, 6) and video[1].shape == (13, 32, 48, 3)
     assert outputs["FewStepCausalContinue"][1].shape == (8, 32, 48, 3)  # 4 video frames per latent frame
+    from test_cache_native import CALC, DIFFUSION, OUTER, BaseModel, Patcher
+
+    wrappers = types.SimpleNamespace(OUTER_SAMPLE=OUTER, CALC_COND_BATCH=CALC, DIFFUSION_MODEL=DIFFUSION)
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", types.SimpleNamespace(WrappersMP=wrappers))
+    native = Patcher(BaseModel(model.model, {"image_model": "flux", "depth": 2}))
+    outputs.update(
+        FewStepCacheGate=_run(m["FewStepCacheGate"], model=model),
+        FewStepCacheGateNative=_run(m["FewStepCacheGateNative"], model=native),
+    )
+    assert outputs["FewStepCacheGate"][0].feature("step_cache") is not None
+    assert outputs["FewStepCacheGate"][0].model is model.model  # shared, not copied
+    assert outputs["FewStepCacheGateNative"][0] is not native and native.wrappers == {}  # a clone was patched
     assert set(outputs) == set(m), "a new node needs a case here"
     for node_id, out in outputs.items():
         assert isinstance(out, tuple) and len(out) == len(m[node_id].RETURN_TYPES), node_id

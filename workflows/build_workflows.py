@@ -30,6 +30,10 @@ SLOT_H, WIDGET_H, TEXT_H, TITLE_H = 22, 26, 110, 36
 
 # Download locations as ComfyUI's own workflow templates give them (the frontend offers them when missing).
 MODELS = {
+    "flux1-dev.safetensors": (
+        "diffusion_models",
+        "https://huggingface.co/black-forest-labs/FLUX.1-dev/resolve/main/flux1-dev.safetensors",
+    ),
     "flux1-schnell.safetensors": (
         "diffusion_models",
         "https://huggingface.co/Comfy-Org/flux1-schnell/resolve/main/flux1-schnell.safetensors",
@@ -348,6 +352,196 @@ Needs no files. For real images open flux_schnell_fewstep.json."""
     )
     g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/flux_schnell_dummy")
     g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
+
+
+@workflow("flux_dev_step_cache")
+def flux_dev_step_cache(g: Graph) -> None:
+    g.note = f"""FLUX.1-dev in 28 steps with the FewStep step-cache gate (First-Block-Cache).
+
+FewStep Cache Gate attaches a step cache to the model (the model itself is shared, not changed). Before
+the run it reads the schedule: 28 flux.1-dev steps move the noise level by ~0.03 per step, so caching can
+pay and the gate turns on. On each step block 0 runs; when its residual changed by less than the threshold
+(0.08: relative L1 change) since the last computed step, the other blocks are skipped and their last
+residual is reused. The sampler's report lists the decision, the steps computed and skipped, the change
+measured at each step (* = skipped) and the estimated speed-up. Threshold 0 gives exactly the uncached image.
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-dev.safetensors (huggingface.co/black-forest-labs/FLUX.1-dev, gated), or an fp8 file
+{FLUX_SIDE_FILES}
+
+No files? Open flux_dev_step_cache_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-dev)", 1, model_name="flux1-dev.safetensors"
+    )
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
+    gate = g.add(
+        "FewStepCacheGate",
+        "FewStep Cache Gate (First-Block-Cache)",
+        2,
+        model=model[0],
+        method="first_block",
+        threshold=0.08,
+        start=0.1,
+        end=1.0,
+        force=False,
+        cfg_cutoff=1.0,
+    )
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (28 steps)",
+        3,
+        model=gate[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=28,
+        schedule="flux.1-dev",
+        sampler="euler",
+        cfg=1.0,
+    )
+    g.add("PreviewAny", "Sampler report (cache telemetry)", 3, ui_height=260, source=sampler[1])
+    decode_and_save(g, sampler[0], 4, "fewstep/flux_dev_step_cache")
+
+
+@workflow("flux_dev_step_cache_dummy")
+def flux_dev_step_cache_dummy(g: Graph) -> None:
+    g.note = """The step-cache gate with no model files (random weights, runs on a CPU in seconds).
+
+Random weights react very differently to neighbouring timesteps (block 0's residual changes by ~60% per
+step, a trained FLUX by a few %), so this graph uses threshold 0.7 to show skipped steps in the report; with
+a real model use ~0.08. The output is noise-like, not a picture.
+
+Needs no files. For real images open flux_dev_step_cache.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    gate = g.add(
+        "FewStepCacheGate",
+        "FewStep Cache Gate (First-Block-Cache)",
+        2,
+        model=model[0],
+        method="first_block",
+        threshold=0.7,
+        start=0.1,
+        end=1.0,
+        force=False,
+        cfg_cutoff=1.0,
+    )
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (28 steps)",
+        2,
+        model=gate[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=28,
+        schedule="flux.1-dev",
+        sampler="euler",
+        cfg=1.0,
+    )
+    g.add(
+        "SaveLatent",
+        "Save latent",
+        3,
+        samples=sampler[0],
+        filename_prefix="fewstep/flux_dev_step_cache_dummy",
+    )
+    g.add("PreviewAny", "Sampler report (cache telemetry)", 3, ui_height=260, source=sampler[1])
+
+
+@workflow("flux_schnell_cache_gate_refuses")
+def flux_schnell_cache_gate_refuses(g: Graph) -> None:
+    g.note = f"""FLUX.1-schnell in 4 steps with the step-cache gate attached: the gate refuses, and says why.
+
+A distilled 4-step schedule moves the noise level by 0.25 per step; every step is a turning point, so a
+step cache would skip nothing or corrupt the image. FewStep Cache Gate reads the schedule before the run,
+turns itself off and the sampler's report says: "off: 4-step distilled few-step schedule: adjacent steps
+differ by 0.250 in sigma ...". The image is exactly the uncached one. 'force' overrides (not advised).
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-schnell.safetensors (huggingface.co/Comfy-Org/flux1-schnell), or an fp8 file
+{FLUX_SIDE_FILES}
+
+No files? Open flux_schnell_cache_gate_refuses_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+    )
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
+    gate = g.add(
+        "FewStepCacheGate",
+        "FewStep Cache Gate",
+        2,
+        model=model[0],
+        method="first_block",
+        threshold=0.08,
+        start=0.1,
+        end=1.0,
+        force=False,
+        cfg_cutoff=1.0,
+    )
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (4 steps)",
+        3,
+        model=gate[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=4,
+        schedule="flux.1-schnell",
+        sampler="euler",
+        cfg=1.0,
+    )
+    g.add("PreviewAny", "Sampler report (the gate's reason)", 3, ui_height=200, source=sampler[1])
+    decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell_cache_gate")
+
+
+@workflow("flux_schnell_cache_gate_refuses_dummy")
+def flux_schnell_cache_gate_refuses_dummy(g: Graph) -> None:
+    g.note = """The step-cache gate refusing a 4-step schedule, with no model files (random weights).
+
+The report's 'step cache' line gives the reason; the latent is exactly the uncached one.
+
+Needs no files. For real images open flux_schnell_cache_gate_refuses.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    gate = g.add(
+        "FewStepCacheGate",
+        "FewStep Cache Gate",
+        2,
+        model=model[0],
+        method="first_block",
+        threshold=0.08,
+        start=0.1,
+        end=1.0,
+        force=False,
+        cfg_cutoff=1.0,
+    )
+    sampler = g.add(
+        "FewStepSampler",
+        "FewStep Sampler (4 steps)",
+        2,
+        model=gate[0],
+        positive=cond[0],
+        latent_image=latent[0],
+        seed=42,
+        steps=4,
+        schedule="flux.1-schnell",
+        sampler="euler",
+        cfg=1.0,
+    )
+    g.add(
+        "SaveLatent",
+        "Save latent",
+        3,
+        samples=sampler[0],
+        filename_prefix="fewstep/flux_schnell_cache_gate_dummy",
+    )
+    g.add("PreviewAny", "Sampler report (the gate's reason)", 3, ui_height=200, source=sampler[1])
 
 
 @workflow("native_fewstep_schedule")

@@ -1,7 +1,8 @@
 """KV caches for chunk-by-chunk causal video generation.
 
 :class:`KVCache` holds the self-attention keys and values of every transformer layer in buffers preallocated
-once (``[batch, window_frames * tokens_per_frame, heads, head_dim]`` each): written in place, never
+once (``[batch, window_frames * tokens_per_frame, heads, head_dim]`` each, or split into full-precision and
+quantized storage, see *Storage*): written in place, never
 concatenated, with all bookkeeping in host-side integers (no ``.item()`` syncs), so its memory is flat for a
 stream of any length and its shapes stay fixed once the window is full.
 
@@ -21,6 +22,23 @@ RoPE positions (``rope``):
 * ``"absolute"``: keys rotated once when written, at their absolute frame index (Self-Forcing / CausVid).
   Distances between the chunk and the sinks grow without bound.
 
+Storage (``kv_dtype``):
+
+* ``"bf16"`` (default): every slot unquantized, in the compute dtype of the model (bf16 on a GPU; float32 when
+  the model computes in float32, as on the CPU). The name says what a GPU stream stores.
+* ``"int8"`` / ``"int4"``: only the newest frames stay in the compute dtype. The sinks and a ring of
+  ``(keep_recent_chunks + 1) x chunk_frames`` frame slots (the current chunk and the newest ``keep_recent_chunks``
+  completed chunks) are full precision; the other ``window - sinks - (keep_recent_chunks + 1) x chunk_frames``
+  frames of the window live in a second ring of quantized slots (``fewstep.kernels.kv_quant``: one float16 scale
+  and zero point per (token, head), codes in uint8, int4 two per byte). A completed frame is quantized once,
+  when the next chunk takes its full-precision slot, and only if it is still in the window; it is never written
+  again. Sinks are never quantized: every chunk attends to them, so their error would be paid forever, and
+  they are few. Reads dequantize: on CUDA the attention kernel dequantizes (and RoPE-rotates) the quantized keys
+  tile by tile (``kernels.quantized_attention``); elsewhere each layer's quantized part is dequantized into a
+  transient buffer, concatenated with the full-precision part and attended to, one layer at a time (so the
+  transient memory is one layer's window, not the cache's). Until a frame ages out, an int8/int4 stream is
+  identical to a ``"bf16"`` one.
+
 :class:`CrossAttentionCache` holds the text keys and values of every layer, computed once per prompt.
 """
 
@@ -31,11 +49,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ... import kernels
+from ...kernels.kv_quant import group_bytes, packed_dim
 from ..attention import attention
 from ..errors import InputError
 from ..rope import RopeFreqs, apply_rope
 
 ROPE_MODES = ("cache", "absolute")
+KV_DTYPES = ("bf16", "int8", "int4")
+_KV_BITS = {"bf16": None, "int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
@@ -81,6 +103,51 @@ class WindowSpec:
         return key_frame < end and (key_frame < self.sink_frames or key_frame >= end - self.ring_frames)
 
 
+def check_kv_storage(
+    kv_dtype: str, keep_recent_chunks: int, window: WindowSpec, head_dim: int, where: str | None = None
+) -> int | None:
+    """The quantization bits of ``kv_dtype`` (None: unquantized), or an :class:`InputError`."""
+    if kv_dtype not in _KV_BITS:
+        raise InputError(
+            "kv_dtype",
+            f"unsupported KV storage {kv_dtype!r}; expected bf16 (the compute dtype, unquantized), int8 or int4",
+            where,
+        )
+    bits = _KV_BITS[kv_dtype]
+    if bits is None:
+        return None
+    if bits == 4 and head_dim % 2:
+        raise InputError(
+            "kv_dtype",
+            f"int4 packs two values per byte along the head dimension; this model's head_dim {head_dim} is odd "
+            "(use int8 or bf16)",
+            where,
+        )
+    c, ring = window.chunk_frames, window.ring_frames
+    most = ring // c - 1
+    if keep_recent_chunks < 0 or keep_recent_chunks > most:
+        raise InputError(
+            "keep_recent_chunks",
+            f"{keep_recent_chunks} recent chunks: the current chunk and the recent ones ({c} latent frames each) "
+            f"must fit the {ring} frames of the window outside the sinks (window {window.window_frames} - sinks "
+            f"{window.sink_frames}), so 0 to {most}",
+            where,
+        )
+    return bits
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """One layer's quantized K or V: ``data [B, N, H, D or D/2]`` uint8, ``scale, zero [B, N, H]`` float16."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def first(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.data[:, :tokens], self.scale[:, :tokens], self.zero[:, :tokens]
+
+
 class _LayerView:
     """The cache as one layer's self-attention sees it during a forward."""
 
@@ -96,11 +163,37 @@ class _LayerView:
         for src, dst in c._write_ranges:
             keys[:, dst[0] : dst[1]].copy_(k[:, src[0] : src[1]])
             values[:, dst[0] : dst[1]].copy_(v[:, src[0] : src[1]])
-        n = c._read_tokens
-        k_read = keys[:, :n]
+        if c._quant_tokens and kernels.uses_fused_quantized_attention(q):
+            return self._fused_quantized_attention(q)
+        k_read, v_read = self.read()
+        return attention(q, k_read.to(q.dtype), v_read)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (rotated as this chunk reads them) and values of every occupied slot, full-precision slots
+        first, then the quantized ones dequantized into transient tensors (frames: ``KVCache.read_frames``)."""
+        c = self.cache
+        n, m = c._read_tokens, c._quant_tokens
+        k_read, v_read = c.k[self.index][:, :n], c.v[self.index][:, :n]
+        if m:
+            kq, vq = c.k_quant[self.index].first(m), c.v_quant[self.index].first(m)
+            k_read = torch.cat((k_read, kernels.dequantize_kv(*kq, c.bits, k_read.dtype)), dim=1)
+            v_read = torch.cat((v_read, kernels.dequantize_kv(*vq, c.bits, v_read.dtype)), dim=1)
         if c.rope == "cache":
             k_read = apply_rope(k_read, c._step_key_freqs)
-        return attention(q, k_read.to(q.dtype), values[:, :n])
+        return k_read, v_read
+
+    def _fused_quantized_attention(self, q: torch.Tensor) -> torch.Tensor:
+        """As ``attention(q, *read())``, the quantized slots dequantized (and rotated) inside the kernel."""
+        c = self.cache
+        n, m = c._read_tokens, c._quant_tokens
+        k, v = c.k[self.index][:, :n], c.v[self.index][:, :n]
+        kq, vq = c.k_quant[self.index].first(m), c.v_quant[self.index].first(m)
+        cos = sin = None
+        if c.rope == "cache":
+            freqs = c._step_key_freqs
+            k = apply_rope(k, RopeFreqs(freqs.cos[:, :n], freqs.sin[:, :n]))
+            cos, sin = freqs.cos[:, n:], freqs.sin[:, n:]
+        return kernels.quantized_attention(q, k.to(q.dtype), v, *kq, *vq, cos, sin, c.bits)
 
 
 class KVCache(nn.Module):
@@ -117,42 +210,89 @@ class KVCache(nn.Module):
         dtype: torch.dtype,
         device,
         rope: str = "cache",
+        kv_dtype: str = "bf16",
+        keep_recent_chunks: int = 1,
     ):
         super().__init__()
         if rope not in ROPE_MODES:
             raise InputError("rope", f"unknown RoPE mode {rope!r}; expected one of {', '.join(ROPE_MODES)}")
         self.window = window.check()
+        self.bits = check_kv_storage(kv_dtype, keep_recent_chunks, window, head_dim)
+        self.kv_dtype, self.keep_recent_chunks = kv_dtype, keep_recent_chunks
         self.tokens_per_frame = tokens_per_frame
         self.rope = rope
-        shape = (batch, window.window_frames * tokens_per_frame, heads, head_dim)
+        # frame slots: [0, sinks) for the sinks, then a ring of `full_ring` full-precision slots; quantized
+        # storage: a ring of `quant_ring` slots (see the module docstring)
+        ring = window.ring_frames
+        self.full_ring = ring if self.bits is None else (keep_recent_chunks + 1) * window.chunk_frames
+        self.quant_ring = ring - self.full_ring
+        full_frames = window.sink_frames + self.full_ring
+        shape = (batch, full_frames * tokens_per_frame, heads, head_dim)
         for i in range(layers):
             self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
             self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.k = [getattr(self, f"k{i}") for i in range(layers)]
         self.v = [getattr(self, f"v{i}") for i in range(layers)]
+        self.k_quant: list[QuantizedKV] = []
+        self.v_quant: list[QuantizedKV] = []
+        if self.quant_ring:
+            tokens = self.quant_ring * tokens_per_frame
+            for i in range(layers):
+                for name, store in (("k", self.k_quant), ("v", self.v_quant)):
+                    parts = (
+                        (f"{name}q{i}", (batch, tokens, heads, packed_dim(head_dim, self.bits)), torch.uint8),
+                        (f"{name}q{i}_scale", (batch, tokens, heads), torch.float16),
+                        (f"{name}q{i}_zero", (batch, tokens, heads), torch.float16),
+                    )
+                    for buffer, size, kind in parts:
+                        self.register_buffer(
+                            buffer, torch.zeros(size, dtype=kind, device=device), persistent=False
+                        )
+                    store.append(QuantizedKV(*(getattr(self, buffer) for buffer, _, _ in parts)))
         self.frames_committed = 0  # frames whose clean K/V are final
-        self.slot_frame: list[int | None] = [None] * window.window_frames  # which frame each slot holds
+        self.slot_frame: list[int | None] = [None] * full_frames  # which frame each full-precision slot holds
+        self.quant_slot_frame: list[int | None] = [None] * self.quant_ring  # ... and each quantized slot
+        self.frames_quantized = 0  # frames quantized so far (each once)
         self._chunk: tuple[int, int] | None = None
         self._write_ranges: list[tuple[tuple[int, int], tuple[int, int]]] = []
         self._read_tokens = 0
+        self._quant_tokens = 0
         self._step_query_freqs: RopeFreqs | None = None
         self._step_key_freqs: RopeFreqs | None = None
 
     # -- accounting ----------------------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes allocated by the cache (sum of ``nbytes`` of every buffer)."""
-        return sum(t.nbytes for t in self.k + self.v)
+        """Bytes allocated by the cache (sum of ``nbytes`` of every buffer, scales and zero points included)."""
+        return sum(t.nbytes for t in self.buffers())
 
     def bytes_per_token(self) -> int:
-        """``2 x heads x head_dim x layers x element size``: K and V of one token over all layers."""
+        """``2 x heads x head_dim x layers x element size``: K and V of one full-precision token, all layers."""
         b, _, h, d = self.k[0].shape
         return 2 * h * d * len(self.k) * self.k[0].element_size()
 
+    def quantized_bytes_per_token(self) -> int:
+        """``2 x heads x (codes + scale + zero point) x layers``: K and V of one quantized token (0 if none)."""
+        if self.bits is None:
+            return 0
+        b, _, h, d = self.k[0].shape
+        return 2 * h * group_bytes(d, self.bits) * len(self.k)
+
+    def bytes_used(self) -> int:
+        """Bytes of the occupied slots (full precision and quantized), all layers and the whole batch."""
+        full = sum(f is not None for f in self.slot_frame) * self.bytes_per_token()
+        quant = sum(f is not None for f in self.quant_slot_frame) * self.quantized_bytes_per_token()
+        return (full + quant) * self.tokens_per_frame * self.k[0].shape[0]
+
     # -- positions -----------------------------------------------------------------------------------------------
     def slot_of(self, frame: int) -> int:
-        s, r = self.window.sink_frames, self.window.ring_frames
-        return frame if frame < s else s + (frame - s) % r
+        """The full-precision slot of ``frame``."""
+        s = self.window.sink_frames
+        return frame if frame < s else s + (frame - s) % self.full_ring
+
+    def quant_slot_of(self, frame: int) -> int:
+        """The quantized slot of a (non-sink) ``frame`` once it aged out of the full-precision ring."""
+        return (frame - self.window.sink_frames) % self.quant_ring
 
     def position_of(self, frame: int, chunk_start: int) -> int:
         """RoPE frame position of ``frame`` as read by the chunk starting at ``chunk_start``."""
@@ -181,6 +321,8 @@ class KVCache(nn.Module):
             return
         t = self.tokens_per_frame
         chunk = range(chunk_start, chunk_start + frames)
+        if self.quant_ring:
+            self._age_out(chunk)
         ranges = []
         for i, frame in enumerate(chunk):  # one range per frame, merged when contiguous
             slot = self.slot_of(frame)
@@ -190,15 +332,50 @@ class KVCache(nn.Module):
             else:
                 ranges.append(((i * t, (i + 1) * t), (slot * t, (slot + 1) * t)))
             self.slot_frame[slot] = frame
-        occupied = min(chunk_start + frames, self.window.window_frames)
+        # slots fill from the first one on, so the occupied ones are a prefix of each storage
+        read = [f for f in self.slot_frame if f is not None]
+        read_quant = [f for f in self.quant_slot_frame if f is not None]
         self._write_ranges = ranges
-        self._read_tokens = occupied * t
+        self._read_tokens, self._quant_tokens = len(read) * t, len(read_quant) * t
         self._chunk = (chunk_start, frames)
         positions = torch.tensor([self.position_of(f, chunk_start) for f in chunk])
         self._step_query_freqs = rope_fn(positions, grid_hw)
-        if self.rope == "cache":
-            slots = torch.tensor([self.position_of(self.slot_frame[s], chunk_start) for s in range(occupied)])
+        if self.rope == "cache":  # keys in reading order: full-precision slots, then quantized ones
+            slots = torch.tensor([self.position_of(f, chunk_start) for f in read + read_quant])
             self._step_key_freqs = rope_fn(slots, grid_hw)
+
+    def _age_out(self, chunk: range) -> None:
+        """Quantize the completed frames whose full-precision slots ``chunk`` is about to take, if they are
+        still in its window (each frame once: it never returns to a full-precision slot)."""
+        t = self.tokens_per_frame
+        runs: list[list[int]] = []  # [first full slot, first quantized slot, frames]
+        for frame in chunk:
+            slot = self.slot_of(frame)
+            old = self.slot_frame[slot]
+            if old is None or old == frame:
+                continue
+            self.slot_frame[slot] = None
+            if not self.window.visible(chunk.start, old):
+                continue
+            quant = self.quant_slot_of(old)
+            self.quant_slot_frame[quant] = old
+            if runs and runs[-1][0] + runs[-1][2] == slot and runs[-1][1] + runs[-1][2] == quant:
+                runs[-1][2] += 1
+            else:
+                runs.append([slot, quant, 1])
+        for full_slot, quant_slot, n in runs:
+            src = slice(full_slot * t, (full_slot + n) * t)
+            dst = slice(quant_slot * t, (quant_slot + n) * t)
+            for full, quant in zip(self.k + self.v, self.k_quant + self.v_quant):
+                for buffer, part in zip(
+                    (quant.data, quant.scale, quant.zero), kernels.quantize_kv(full[:, src], self.bits)
+                ):
+                    buffer[:, dst].copy_(part)
+            self.frames_quantized += n
+
+    def read_frames(self) -> list[int]:
+        """The frames the current chunk reads, in the order of ``layer(i).read()``'s tokens."""
+        return [f for f in self.slot_frame + self.quant_slot_frame if f is not None]
 
     def query_rope(self) -> RopeFreqs:
         return self._step_query_freqs

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache import causal_chunk_decision
 from ..errors import InputError
 from ..latent_formats import WAN21
 from ..sampling import sample_dmd, schedule_sigmas
-from .kv_cache import CrossAttentionCache, KVCache, WindowSpec
+from .kv_cache import CrossAttentionCache, KVCache, WindowSpec, check_kv_storage
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class CausalConfig:
     steps: int | None = None  # None: the schedule's own count
     context_noise: float = 0.0  # timestep (0..1000 scale) of the clean-context pass
     rope: str = "cache"
+    kv_dtype: str = "bf16"  # bf16: the compute dtype, unquantized; int8 / int4: see kv_cache
+    keep_recent_chunks: int = 1  # int8 / int4: completed chunks kept in the compute dtype
 
     @property
     def window(self) -> WindowSpec:
@@ -48,8 +51,9 @@ class ChunkResult:
     frames: torch.Tensor | None  # [B, k, 3, H, W] in [0, 1] when a tiny VAE is attached
     seconds: float  # from the end of the previous chunk (includes its deferred commit)
     commit_seconds: float  # the previous chunk's clean-context pass, run at the start of this one
-    kv_bytes: int  # allocated by the self-attention cache
+    kv_bytes: int  # allocated by the self-attention cache (quantized storage with its scales included)
     kv_bytes_used: int  # occupied slots
+    step_cache: object = None  # step-cache telemetry of the chunk, when a gate was forced on
 
     @property
     def raw(self) -> torch.Tensor:
@@ -76,11 +80,13 @@ class VideoSession:
         seed: int = 0,
         tiny_vae=None,
         where: str | None = None,
+        step_cache=None,
     ):
         p = model.params
         config = config or CausalConfig()
         self.model, self.config, self.where = model, config, where
         config.window.check(where)
+        check_kv_storage(config.kv_dtype, config.keep_recent_chunks, config.window, p.head_dim, where)
         check_size(p, height, width, where)
         self.latent_hw = (height // 8, width // 8)
         self.grid_hw = (self.latent_hw[0] // p.patch_size[1], self.latent_hw[1] // p.patch_size[2])
@@ -91,7 +97,7 @@ class VideoSession:
         self.cache = KVCache(
             layers=p.num_layers, batch=self.batch, tokens_per_frame=self.grid_hw[0] * self.grid_hw[1],
             heads=p.num_heads, head_dim=p.head_dim, window=config.window, dtype=self.dtype, device=device,
-            rope=config.rope,
+            rope=config.rope, kv_dtype=config.kv_dtype, keep_recent_chunks=config.keep_recent_chunks,
         )  # fmt: skip
         self.cross = CrossAttentionCache()
         self.generator = torch.Generator(device=device).manual_seed(int(seed))
@@ -99,6 +105,9 @@ class VideoSession:
         if tiny_vae is not None:
             check_tiny_vae(tiny_vae, p, where)
             self.tiny_vae, self.decoder = tiny_vae, tiny_vae.stream_decoder()
+        # A step-cache gate (engine.cache) normally refuses a causal chunk: 4 DMD steps re-noise every step.
+        self.step_cache = step_cache
+        self.cache_decision = causal_chunk_decision(step_cache, self.sigmas, "dmd") if step_cache else None
         self.stats = SessionStats()
         self._pending: torch.Tensor | None = None  # the last chunk's clean latents, not yet committed
         self._context = None
@@ -136,7 +145,9 @@ class VideoSession:
             )
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def _velocity(self, x: torch.Tensor, timestep: float | torch.Tensor, start: int) -> torch.Tensor:
+    def _velocity(
+        self, x: torch.Tensor, timestep: float | torch.Tensor, start: int, block_runner=None
+    ) -> torch.Tensor:
         c = self.config.chunk_frames
         self.cache.begin(start, c, self.grid_hw, self.model.frame_rope)
         t = (
@@ -144,7 +155,14 @@ class VideoSession:
             .reshape(-1, 1)
             .expand(self.batch, c)
         )
-        return self.model(x, t, context_embedded=self._context, kv=self.cache, cross_kv=self.cross)
+        return self.model(
+            x,
+            t,
+            context_embedded=self._context,
+            kv=self.cache,
+            cross_kv=self.cross,
+            block_runner=block_runner,
+        )
 
     def _commit(self) -> float:
         if self._pending is None:
@@ -172,11 +190,20 @@ class VideoSession:
             commit_s = self._commit()
             start = self.cache.frames_committed
 
-            def denoised(x, sigma, start=start, **_):
-                return x - sigma.view(-1, 1, 1, 1, 1) * self._velocity(x, sigma[0] * 1000.0, start)
+            run = None  # a step-cache run, only when the gate was forced on for causal chunks
+            if self.cache_decision is not None and self.cache_decision.enabled:
+                run = self.step_cache.start_run(self.model, self.sigmas, "dmd", context="causal chunk")
+
+            def denoised(x, sigma, start=start, run=run, **_):
+                runner = None
+                if run is not None:
+                    run.begin_step(sigma)
+                    runner = run.block_runner()
+                return x - sigma.view(-1, 1, 1, 1, 1) * self._velocity(x, sigma[0] * 1000.0, start, runner)
 
             x = sigmas[0] * self._noise(shape)
             x0 = sample_dmd(denoised, x, sigmas, noise_sampler=lambda *_: self._noise(shape), disable=True)
+            telemetry = run.finish() if run is not None else None
             self._pending = x0
             frames = None
             if self.decoder is not None:
@@ -184,9 +211,8 @@ class VideoSession:
             result = ChunkResult(
                 index=len(self.stats.chunks), start_frame=start, latents=x0.float().cpu(),
                 frames=None if frames is None else frames.float().cpu(), seconds=time.perf_counter() - t0,
-                commit_seconds=commit_s, kv_bytes=self.cache.nbytes,
-                kv_bytes_used=min(start + c, self.config.window_frames) * self.cache.tokens_per_frame
-                * self.cache.bytes_per_token() * self.batch,
+                commit_seconds=commit_s, kv_bytes=self.cache.nbytes, kv_bytes_used=self.cache.bytes_used(),
+                step_cache=telemetry,
             )  # fmt: skip
             if self.stats.first_chunk_seconds is None:
                 self.stats.first_chunk_seconds = result.seconds

@@ -5,6 +5,9 @@ black-forest-labs reference: ``img [B, L_img, 64]`` packed latent patches, ``txt
 ``y [B, 768]`` pooled CLIP vector, ``timesteps [B]`` flow time in [0, 1], ``guidance [B]`` distilled guidance
 (models with a guidance embedding only). It returns the velocity ``[B, L_img, 64]``; text tokens come first
 in the joint attention.
+
+The forward is three stages, ``finish(run_blocks(embed(...)))`` on a :class:`FluxHidden` state, so code outside
+the model (a step cache) can run part of the block stack and decide about the rest; the model imports none of it.
 """
 
 from __future__ import annotations
@@ -99,7 +102,14 @@ class Flux(nn.Module):
         )
         self.final_layer = LastLayer(hidden, 1, params.out_channels)
 
-    def forward(
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the residual stack: the double-stream blocks, then the single-stream ones."""
+        return len(self.double_blocks) + len(self.single_blocks)
+
+    # -- stages: forward = finish(run_blocks(embed(...))); a step cache runs block 0, decides, then either runs
+    # the remaining blocks or reuses a residual it kept (engine.cache), without the model knowing about it ----
+    def embed(
         self,
         img: torch.Tensor,
         img_ids: torch.Tensor,
@@ -108,7 +118,8 @@ class Flux(nn.Module):
         timesteps: torch.Tensor,
         y: torch.Tensor,
         guidance: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> FluxHidden:
+        """Inputs -> the residual stream before block 0 (token embeddings, conditioning vector, rotations)."""
         if img.ndim != 3 or txt.ndim != 3:
             raise ValueError("img and txt must be [batch, tokens, channels]")
         dtype = img.dtype
@@ -120,15 +131,71 @@ class Flux(nn.Module):
             vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(dtype))
         vec = vec + self.vector_in(y.to(dtype))
         txt = self.txt_in(txt.to(dtype))
-
         freqs = rope_freqs(torch.cat((txt_ids, img_ids), dim=1), self.params.axes_dim, self.params.theta)
-        for block in self.double_blocks:
-            img, txt = block(img, txt, vec, freqs)
-        n_txt = txt.shape[1]
-        x = torch.cat((txt, img), dim=1)
-        for block in self.single_blocks:
-            x = block(x, vec, freqs)
-        return self.final_layer(x[:, n_txt:], vec)
+        return FluxHidden(img=img, txt=txt, vec=vec, freqs=freqs)
+
+    def run_blocks(self, h: FluxHidden, start: int = 0, stop: int | None = None) -> FluxHidden:
+        """Blocks ``start`` to ``stop - 1`` of the stack (double-stream blocks first, then single-stream)."""
+        n_double = len(self.double_blocks)
+        stop = self.num_blocks if stop is None else stop
+        if h.joint is not None and start < n_double:
+            raise ValueError(f"block {start} is a double-stream block but the stream is already joint")
+        img, txt, joint = h.img, h.txt, h.joint
+        for i in range(start, stop):
+            if i < n_double:
+                img, txt = self.double_blocks[i](img, txt, h.vec, h.freqs)
+            else:
+                if joint is None:
+                    joint = torch.cat((txt, img), dim=1)
+                joint = self.single_blocks[i - n_double](joint, h.vec, h.freqs)
+        return dataclasses.replace(h, img=img, txt=txt, joint=joint)
+
+    def finish(self, h: FluxHidden) -> torch.Tensor:
+        """The final layer on the image tokens: velocity ``[B, L_img, out_channels]``."""
+        return self.final_layer(h.stream, h.vec)
+
+    def forward(
+        self,
+        img: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt: torch.Tensor,
+        txt_ids: torch.Tensor,
+        timesteps: torch.Tensor,
+        y: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+        block_runner=None,
+    ) -> torch.Tensor:
+        """``block_runner(model, hidden) -> hidden``, when given, runs the block stack in place of
+        ``run_blocks`` (a step cache's hook); without one this is the reference forward."""
+        h = self.embed(img, img_ids, txt, txt_ids, timesteps, y, guidance)
+        h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
+        return self.finish(h)
+
+
+@dataclass
+class FluxHidden:
+    """The residual stream between two stages of one forward.
+
+    ``img``/``txt`` are the two streams of the double-stream phase; once a single-stream block ran, ``joint``
+    holds ``[txt, img]`` and ``img``/``txt`` keep their values from before the single-stream blocks.
+    """
+
+    img: torch.Tensor
+    txt: torch.Tensor
+    vec: torch.Tensor
+    freqs: object
+    joint: torch.Tensor | None = None
+
+    @property
+    def stream(self) -> torch.Tensor:
+        """The image tokens ``[B, L_img, C]`` (what the final layer reads)."""
+        return self.img if self.joint is None else self.joint[:, self.txt.shape[1] :]
+
+    def with_stream(self, img: torch.Tensor) -> FluxHidden:
+        """The same state with other image tokens (a step cache's reused result)."""
+        if self.joint is None:
+            return dataclasses.replace(self, img=img)
+        return dataclasses.replace(self, joint=torch.cat((self.joint[:, : self.txt.shape[1]], img), dim=1))
 
 
 def pack_latent(x: torch.Tensor) -> torch.Tensor:
@@ -162,8 +229,10 @@ def with_overrides(params: FluxParams, **changes) -> FluxParams:
 DEFAULT_GUIDANCE = 3.5  # what ComfyUI's Flux model uses when the conditioning carries no "guidance"
 
 
-def flux_velocity(model: Flux, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
-    """Velocity ``dx/dsigma`` for a latent ``x [B, 16, H, W]`` (model space) at noise level ``sigma [B]``."""
+def flux_velocity(model: Flux, x: torch.Tensor, sigma: torch.Tensor, cond, block_runner=None) -> torch.Tensor:
+    """Velocity ``dx/dsigma`` for a latent ``x [B, 16, H, W]`` (model space) at noise level ``sigma [B]``.
+
+    ``block_runner``: see :meth:`Flux.forward`."""
     b, _, h, w = x.shape
     guidance = None
     if model.params.guidance_embed:
@@ -177,5 +246,6 @@ def flux_velocity(model: Flux, x: torch.Tensor, sigma: torch.Tensor, cond) -> to
         timesteps=sigma,
         y=cond.pooled,
         guidance=guidance,
+        block_runner=block_runner,
     )
     return unpack_latent(out, h, w)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import kernels
 from ..attention import attention
 from ..ops import Linear
 from ..rope import RopeFreqs, apply_rope
@@ -49,9 +50,7 @@ class RMSNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        rrms = torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + 1e-6)
-        return (xf * rrms).to(x.dtype) * self.scale.to(x.dtype)
+        return kernels.rms_norm(x, self.scale, 1e-6)
 
 
 class QKNorm(nn.Module):
@@ -96,6 +95,13 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return (1 + scale) * x + shift
 
 
+def norm_modulate(
+    norm: nn.LayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """``modulate(norm(x), shift, scale)`` for ``shift, scale [B, 1, C]``, one fused kernel (adaLN)."""
+    return kernels.adaln_modulate(x, shift, scale, norm.eps)
+
+
 def _mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
     return nn.Sequential(
         Linear(hidden_size, mlp_hidden_dim, bias=True),
@@ -133,8 +139,8 @@ class DoubleStreamBlock(nn.Module):
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
 
-        img_q, img_k, img_v = self.img_attn.project(modulate(self.img_norm1(img), i_shift1, i_scale1))
-        txt_q, txt_k, txt_v = self.txt_attn.project(modulate(self.txt_norm1(txt), t_shift1, t_scale1))
+        img_q, img_k, img_v = self.img_attn.project(norm_modulate(self.img_norm1, img, i_shift1, i_scale1))
+        txt_q, txt_k, txt_v = self.txt_attn.project(norm_modulate(self.txt_norm1, txt, t_shift1, t_scale1))
 
         q = torch.cat((txt_q, img_q), dim=1)
         k = torch.cat((txt_k, img_k), dim=1)
@@ -143,9 +149,9 @@ class DoubleStreamBlock(nn.Module):
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 
         img = img + i_gate1 * self.img_attn.proj(img_attn)
-        img = img + i_gate2 * self.img_mlp(modulate(self.img_norm2(img), i_shift2, i_scale2))
+        img = img + i_gate2 * self.img_mlp(norm_modulate(self.img_norm2, img, i_shift2, i_scale2))
         txt = txt + t_gate1 * self.txt_attn.proj(txt_attn)
-        txt = txt + t_gate2 * self.txt_mlp(modulate(self.txt_norm2(txt), t_shift2, t_scale2))
+        txt = txt + t_gate2 * self.txt_mlp(norm_modulate(self.txt_norm2, txt, t_shift2, t_scale2))
         return img, txt
 
 
@@ -167,7 +173,7 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x, vec, freqs: RopeFreqs):
         shift, scale, gate = self.modulation(vec)
         qkv, mlp = torch.split(
-            self.linear1(modulate(self.pre_norm(x), shift, scale)),
+            self.linear1(norm_modulate(self.pre_norm, x, shift, scale)),
             [3 * self.hidden_size, self.mlp_hidden_dim],
             -1,
         )
@@ -186,4 +192,4 @@ class LastLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)
-        return self.linear(modulate(self.norm_final(x), shift[:, None, :], scale[:, None, :]))
+        return self.linear(norm_modulate(self.norm_final, x, shift[:, None, :], scale[:, None, :]))

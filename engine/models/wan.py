@@ -8,10 +8,14 @@ flow velocity ``[B, 16, F, H, W]`` in float32.
 Causal generation passes a KV-cache view (``kv``) and the absolute frame index of ``x``'s first frame
 (``start_frame``); attention is then bidirectional inside the chunk and reaches earlier frames only through the
 cache. RoPE positions come from the cache in that case (it decides how positions are assigned).
+
+The forward is three stages, ``finish(run_blocks(embed(...)))`` on a :class:`WanHidden` state, so code outside
+the model (a step cache) can run part of the block stack; the model imports none of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +149,51 @@ class Wan(nn.Module):
         x = torch.einsum("bfhwpqrc->bcfphqwr", x)
         return x.reshape(tokens.shape[0], c, f * pt, h * ph, w * pw)
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    # -- stages: forward = finish(run_blocks(embed(...))), so a step cache can run part of the stack ------------
+    def embed(
+        self,
+        x: torch.Tensor,
+        timestep: torch.Tensor,
+        context: torch.Tensor | None = None,
+        *,
+        context_embedded: torch.Tensor | None = None,
+        start_frame: int = 0,
+        kv=None,
+        cross_kv=None,
+        freqs: RopeFreqs | None = None,
+    ) -> WanHidden:
+        """Inputs (as :meth:`forward`) -> the residual stream before block 0."""
+        dtype = self.patch_embedding.weight.dtype
+        grid = self.grid(x)
+        frames = grid[0]
+        tokens = self.patch_embedding(x.to(dtype)).flatten(2).transpose(1, 2).float()
+        e, e0 = self.time_embed(timestep.to(x.device), frames)
+        ctx = context_embedded if context_embedded is not None else self.embed_context(context)
+        if freqs is None:
+            freqs = self.rope(grid, start_frame, x.device) if kv is None else kv.query_rope()
+        return WanHidden(tokens, e, e0, freqs, ctx, grid, kv, cross_kv)
+
+    def run_blocks(self, h: WanHidden, start: int = 0, stop: int | None = None) -> WanHidden:
+        """Blocks ``start`` to ``stop - 1``."""
+        stop = self.num_blocks if stop is None else stop
+        tokens = h.tokens
+        for i in range(start, stop):
+            block = self.blocks[i]
+            tokens = block(
+                tokens, h.e0, h.freqs, h.ctx, h.grid[0],
+                kv=None if h.kv is None else h.kv.layer(i),
+                cross_kv=None if h.cross_kv is None else h.cross_kv.layer(i, block.cross_attn, h.ctx),
+            )  # fmt: skip
+        return dataclasses.replace(h, tokens=tokens)
+
+    def finish(self, h: WanHidden) -> torch.Tensor:
+        """The head and unpatchify: velocity ``[B, C, F, H, W]`` in float32."""
+        return self.unpatchify(self.head(h.tokens, h.e, h.grid[0]), h.grid).float()
+
     def forward(
         self,
         x: torch.Tensor,
@@ -156,29 +205,43 @@ class Wan(nn.Module):
         kv=None,
         cross_kv=None,
         freqs: RopeFreqs | None = None,
+        block_runner=None,
     ) -> torch.Tensor:
         """Velocity for ``x [B, C, F, H, W]``; see the module docstring.
 
         ``kv``: a causal KV cache prepared for this chunk (``kv.query_rope()`` gives the queries' rotations,
         ``kv.layer(i).attend(q, k, v)`` runs layer ``i``'s attention); ``cross_kv``: a per-prompt cache of the
         text keys/values. ``freqs`` overrides the query rotations. ``context_embedded`` skips the text embedding
-        when the caller already holds it.
+        when the caller already holds it. ``block_runner(model, hidden) -> hidden``, when given, runs the block
+        stack in place of ``run_blocks`` (a step cache's hook).
         """
-        dtype = self.patch_embedding.weight.dtype
-        grid = self.grid(x)
-        frames = grid[0]
-        tokens = self.patch_embedding(x.to(dtype)).flatten(2).transpose(1, 2).float()
-        e, e0 = self.time_embed(timestep.to(x.device), frames)
-        ctx = context_embedded if context_embedded is not None else self.embed_context(context)
-        if freqs is None:
-            freqs = self.rope(grid, start_frame, x.device) if kv is None else kv.query_rope()
-        for i, block in enumerate(self.blocks):
-            tokens = block(
-                tokens, e0, freqs, ctx, frames,
-                kv=None if kv is None else kv.layer(i),
-                cross_kv=None if cross_kv is None else cross_kv.layer(i, block.cross_attn, ctx),
-            )  # fmt: skip
-        return self.unpatchify(self.head(tokens, e, frames), grid).float()
+        h = self.embed(
+            x, timestep, context, context_embedded=context_embedded, start_frame=start_frame, kv=kv,
+            cross_kv=cross_kv, freqs=freqs,
+        )  # fmt: skip
+        h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
+        return self.finish(h)
+
+
+@dataclass
+class WanHidden:
+    """The residual stream between two stages of one forward (tokens float32 ``[B, F*T, C]``)."""
+
+    tokens: torch.Tensor
+    e: torch.Tensor  # [B, F, C] time embedding (the head's modulation)
+    e0: torch.Tensor  # [B, F, 6, C] the blocks' modulation
+    freqs: RopeFreqs
+    ctx: torch.Tensor
+    grid: tuple[int, int, int]
+    kv: object = None
+    cross_kv: object = None
+
+    @property
+    def stream(self) -> torch.Tensor:
+        return self.tokens
+
+    def with_stream(self, tokens: torch.Tensor) -> WanHidden:
+        return dataclasses.replace(self, tokens=tokens)
 
 
 def tokens_per_frame(params: WanParams, height: int, width: int) -> int:
@@ -186,9 +249,9 @@ def tokens_per_frame(params: WanParams, height: int, width: int) -> int:
     return (height // params.patch_size[1]) * (width // params.patch_size[2])
 
 
-def wan_velocity(model: Wan, x: torch.Tensor, sigma: torch.Tensor, cond) -> torch.Tensor:
+def wan_velocity(model: Wan, x: torch.Tensor, sigma: torch.Tensor, cond, block_runner=None) -> torch.Tensor:
     """Family adapter: velocity at noise level ``sigma [B]`` (flow, timestep = 1000 * sigma)."""
-    return model(x, sigma * 1000.0, cond.context)
+    return model(x, sigma * 1000.0, cond.context, block_runner=block_runner)
 
 
-__all__ = ["PRESETS", "Wan", "WanParams", "tokens_per_frame", "wan_velocity"]
+__all__ = ["PRESETS", "Wan", "WanHidden", "WanParams", "tokens_per_frame", "wan_velocity"]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import kernels
 from ..attention import attention
 from ..ops import Linear
 from ..rope import RopeFreqs, apply_rope
@@ -27,9 +28,7 @@ class WanRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight.to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class WanLayerNorm(nn.LayerNorm):
@@ -100,6 +99,14 @@ def modulate_frames(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, f
     return (xf * (1 + scale) + shift).flatten(1, 2)
 
 
+def norm_modulate_frames(
+    norm: WanLayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """``modulate_frames(norm(x), shift, scale, F)`` for ``shift, scale [B, F, 1, C]`` (``norm`` without affine
+    weights, ``x`` float32), one fused kernel (adaLN)."""
+    return kernels.adaln_modulate(x, shift.squeeze(2), scale.squeeze(2), norm.eps)
+
+
 def gate_frames(y: torch.Tensor, gate: torch.Tensor, frames: int) -> torch.Tensor:
     return (y.float().unflatten(1, (frames, -1)) * gate).flatten(1, 2)
 
@@ -123,10 +130,10 @@ class WanAttentionBlock(nn.Module):
             6, dim=2
         )
         dtype = context.dtype
-        y = self.self_attn(modulate_frames(self.norm1(x), shift1, scale1, frames).to(dtype), freqs, kv)
+        y = self.self_attn(norm_modulate_frames(self.norm1, x, shift1, scale1).to(dtype), freqs, kv)
         x = x + gate_frames(y, gate1, frames)
         x = x + self.cross_attn(self.norm3(x).to(dtype), context, cross_kv).float()
-        y = self.ffn(modulate_frames(self.norm2(x), shift2, scale2, frames).to(dtype))
+        y = self.ffn(norm_modulate_frames(self.norm2, x, shift2, scale2).to(dtype))
         return x + gate_frames(y, gate2, frames)
 
 
@@ -141,4 +148,4 @@ class Head(nn.Module):
         """``e [B, F, C]``: the per-frame time embedding (before the 6-way projection). Runs in float32, as the
         reference does (its head sits under a float32 autocast)."""
         shift, scale = (self.modulation.float().unsqueeze(1) + e.unsqueeze(2)).chunk(2, dim=2)
-        return self.head(modulate_frames(self.norm(x), shift, scale, frames))
+        return self.head(norm_modulate_frames(self.norm, x, shift, scale))

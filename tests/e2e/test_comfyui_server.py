@@ -178,3 +178,22 @@ def test_sessions_survive_reloads_and_free_memory_releases_them(server):
     cont = next(k for k, v in workflow.items() if v["class_type"] == "FewStepCausalContinue")
     code, out = queue(server, workflow, "--set", f"{cont}.num_chunks=1", "--quiet")
     assert code == 0, out  # the freed session is rebuilt by re-running its sampler, not an error
+
+
+@pytest.mark.skipif(not PROBE.exists(), reason=f"the probe pack with a tiny native model is not at {PROBE}")
+@pytest.mark.parametrize("steps,decision", [(28, "on"), (4, "off")])
+def test_native_cache_gate_on_a_native_model(server, steps, decision):
+    graph = _native_graph("euler")
+    graph["10"] = {"class_type": "FewStepCacheGateNative",
+                   "inputs": {"model": ["1", 0], "method": "input_change", "threshold": 0.1, "start": 0.1,
+                              "end": 1.0, "force": False, "cfg_cutoff": 1.0}}  # fmt: skip
+    graph["3"]["inputs"]["model"] = ["10", 0]
+    graph["11"] = {"class_type": "BasicScheduler",
+                   "inputs": {"model": ["10", 0], "scheduler": "simple", "steps": steps, "denoise": 1.0}}  # fmt: skip
+    graph["8"]["inputs"]["sigmas"] = ["11", 0]
+    graph["9"]["inputs"]["filename_prefix"] = f"native_gate_{steps}"
+    before = (server["base"] / "server.log").read_text()
+    code, out = queue(server, graph, "--quiet")
+    assert code == 0, out
+    new_log = (server["base"] / "server.log").read_text()[len(before) :]
+    assert f"step cache input_change {decision}" in new_log, new_log[-2000:]

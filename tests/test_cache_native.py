@@ -1,0 +1,395 @@
+"""The step-cache gate nodes, with the pack loaded as ComfyUI loads it and ComfyUI's sampling path faked.
+
+FewStepCacheGateNative works through ModelPatcher wrappers only. The fakes below reproduce the parts of
+ComfyUI it relies on (comfy/patcher_extension.py WrapperExecutor, comfy/samplers.py CFGGuider.sample ->
+outer_sample -> inner_sample and calc_cond_batch, a DIFFUSION_MODEL-wrapped diffusion model); the run against a
+real ComfyUI belongs to the end-to-end suite.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from conftest import make_cond
+
+from fewstep.engine import open_model
+from fewstep.engine.models.flux import flux_velocity
+from fewstep.engine.sampling import schedule_sigmas
+
+OUTER, CALC, DIFFUSION = "outer_sample", "calc_cond_batch", "diffusion_model"
+
+
+class WrapperExecutor:
+    """comfy.patcher_extension.WrapperExecutor: ``wrapper(executor, *args)``; ``executor(*args)`` runs the next."""
+
+    def __init__(self, original, class_obj, wrappers, idx=0):
+        self.original, self.class_obj, self.wrappers, self.idx = original, class_obj, list(wrappers), idx
+
+    def __call__(self, *args, **kwargs):
+        return WrapperExecutor(self.original, self.class_obj, self.wrappers, self.idx + 1).execute(
+            *args, **kwargs
+        )
+
+    def execute(self, *args, **kwargs):
+        if self.idx == len(self.wrappers):
+            return self.original(*args, **kwargs)
+        return self.wrappers[self.idx](self, *args, **kwargs)
+
+
+class Patcher:
+    """The parts of comfy.model_patcher.ModelPatcher the node uses."""
+
+    def __init__(self, model):
+        self.model = model
+        self.model_options = {"transformer_options": {}}
+        self.wrappers: dict = {}
+
+    def clone(self):
+        n = Patcher(self.model)
+        n.model_options = copy.deepcopy(self.model_options)
+        n.wrappers = {k: {kk: list(vv) for kk, vv in v.items()} for k, v in self.wrappers.items()}
+        return n
+
+    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
+
+    def all_wrappers(self, wrapper_type):
+        return [w for ws in self.wrappers.get(wrapper_type, {}).values() for w in ws]
+
+
+class DiffusionModel:
+    """A ComfyUI-style diffusion model over the engine's FLUX: ``forward(x, timestep, context, y, guidance,
+    transformer_options)`` goes through the DIFFUSION_MODEL wrappers; ``calls`` records the rows of each run."""
+
+    def __init__(self, engine_model, patcher_ref):
+        self.engine_model, self.patcher_ref, self.calls = engine_model, patcher_ref, []
+
+    def forward(self, x, timestep, context, y, guidance, transformer_options):
+        wrappers = transformer_options.get("wrappers", {}).get(DIFFUSION, [])
+        return WrapperExecutor(self._forward, self, wrappers).execute(
+            x, timestep, context, y, guidance, transformer_options
+        )
+
+    def _forward(self, x, timestep, context, y, guidance, transformer_options):
+        self.calls.append(x.shape[0])
+        cond = types.SimpleNamespace(context=context, pooled=y, guidance=None)
+        return flux_velocity(self.engine_model, x, timestep, cond)
+
+
+class BaseModel:
+    def __init__(self, engine_model, unet_config):
+        self.diffusion_model = DiffusionModel(engine_model, None)
+        self.model_config = types.SimpleNamespace(unet_config=unet_config)
+
+
+def calc_cond_batch(model, conds, x_in, timestep, model_options):
+    """comfy.samplers._calc_cond_batch reduced: present conds batched into one diffusion-model call, x0 out.
+    ComfyUI pops them from the end of its list, so the unconditional rows come first in the batch."""
+    present = [(i, c) for i, c in enumerate(conds) if c is not None][::-1]
+    options = {
+        **model_options["transformer_options"],
+        "uuids": [c["uuid"] for _, c in present],
+        "cond_or_uncond": [i for i, _ in present],
+        "sigmas": timestep,
+    }
+    n = len(present)
+    v = model.diffusion_model.forward(
+        x_in.repeat(n, 1, 1, 1),
+        timestep.repeat(n),
+        torch.cat([c["cond"].context for _, c in present]),
+        torch.cat([c["cond"].pooled for _, c in present]),
+        None,
+        options,
+    )
+    out = [torch.zeros_like(x_in) for _ in conds]
+    for j, (i, _) in enumerate(present):
+        out[i] = x_in - timestep.view(-1, 1, 1, 1) * v[j * x_in.shape[0] : (j + 1) * x_in.shape[0]]
+    return out
+
+
+class Guider:
+    """comfy.samplers.CFGGuider's sample -> outer_sample -> inner_sample, with an Euler sampler inside."""
+
+    def __init__(self, patcher, positive, negative=None, cfg=1.0):
+        self.model_patcher, self.cfg = patcher, cfg
+        self.conds = [
+            {"uuid": "u-pos", "cond": positive},
+            {"uuid": "u-neg", "cond": negative} if negative else None,
+        ]
+        self.model_options = patcher.model_options
+
+    def sample(self, noise, sampler, sigmas):
+        original = self.model_options
+        self.model_options = copy.copy(original)
+        self.model_options["transformer_options"] = {
+            **original.get("transformer_options", {}),
+            "wrappers": {kind: self.model_patcher.all_wrappers(kind) for kind in (CALC, DIFFUSION)},
+        }
+        try:
+            return WrapperExecutor(self.outer_sample, self, self.model_patcher.all_wrappers(OUTER)).execute(
+                noise, None, sampler, sigmas, None, None, True, 0
+            )
+        finally:
+            self.model_options = original
+
+    def outer_sample(self, noise, latent_image, sampler, sigmas, denoise_mask, callback, disable_pbar, seed):
+        options = {**self.model_options}
+        options["transformer_options"] = {**options["transformer_options"], "sample_sigmas": sigmas}
+        base = self.model_patcher.model
+        x = sigmas[0] * noise
+        for i in range(len(sigmas) - 1):
+            conds = [self.conds[0], self.conds[1] if self.cfg != 1.0 else None]
+            wrappers = options["transformer_options"]["wrappers"][CALC]
+            out = WrapperExecutor(calc_cond_batch, None, wrappers).execute(
+                base, conds, x, sigmas[i].reshape(1), options
+            )
+            denoised = out[0] if conds[1] is None else out[1] + self.cfg * (out[0] - out[1])
+            x = x + (x - denoised) / sigmas[i] * (sigmas[i + 1] - sigmas[i])
+        return x
+
+
+def sample_euler():  # what a KSAMPLER's sampler_function is named after
+    pass
+
+
+def sample_euler_ancestral():
+    pass
+
+
+@pytest.fixture
+def comfy(monkeypatch, tmp_path):
+    ext = types.SimpleNamespace(WrappersMP=types.SimpleNamespace(OUTER_SAMPLE=OUTER, CALC_COND_BATCH=CALC,
+                                                                DIFFUSION_MODEL=DIFFUSION))  # fmt: skip
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
+    folders = types.SimpleNamespace(get_output_directory=lambda: str(tmp_path / "output"))
+    monkeypatch.setitem(sys.modules, "folder_paths", folders)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def engine_model():
+    handle = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
+    with (
+        torch.no_grad()
+    ):  # smooth across timesteps as a trained model is (see test_step_cache._damp_time_embedding)
+        handle.model.time_in.out_layer.weight.mul_(0.1)
+        handle.model.time_in.out_layer.bias.mul_(0.1)
+    return handle.model
+
+
+@pytest.fixture
+def nodes(pack):
+    return importlib.import_module(f"{pack.__name__}.nodes.cache")
+
+
+def _patcher(engine_model, config=None):
+    return Patcher(BaseModel(engine_model, config or {"image_model": "flux", "depth": 2}))
+
+
+def _attach(nodes, patcher, **inputs):
+    args = dict(method="input_change", threshold=0.1, start=0.1, end=1.0, force=False, cfg_cutoff=1.0)
+    args.update(inputs)
+    return nodes.FewStepCacheGateNative().attach(patcher, **args)[0]
+
+
+def _sample(
+    patcher, engine_model, steps=28, schedule="flux.1-dev", sampler=sample_euler, cfg=1.0, negative=False
+):
+    p = engine_model.params
+    pos = make_cond(p)
+    neg = make_cond(p, seed=9) if negative else None
+    sigmas = schedule_sigmas(schedule, steps, image_seq_len=64)
+    noise = torch.randn(1, 16, 16, 16, generator=torch.Generator().manual_seed(1))
+    guider = Guider(patcher, pos, neg, cfg)
+    calls = patcher.model.diffusion_model.calls
+    calls.clear()
+    with torch.no_grad():
+        out = guider.sample(noise, types.SimpleNamespace(sampler_function=sampler), sigmas)
+    return out, list(calls), guider
+
+
+def test_native_node_contract(nodes):
+    for cls in (nodes.FewStepCacheGateNative, nodes.FewStepCacheGate):
+        assert cls.CATEGORY.startswith("FewStep/") and len(cls.RETURN_TYPES) == len(cls.RETURN_NAMES)
+        spec = cls.INPUT_TYPES()
+        for section in ("required", "optional"):
+            for name, entry in spec[section].items():
+                assert entry[1]["tooltip"], (cls.__name__, name)
+    assert nodes.FewStepCacheGateNative.RETURN_TYPES == ("MODEL",)
+    assert nodes.FewStepCacheGateNative.INPUT_TYPES()["required"]["method"][0] == ["input_change", "magcache"]
+
+
+def test_native_node_clones_and_only_adds_wrappers(comfy, nodes, engine_model):
+    patcher = _patcher(engine_model)
+    original_options = copy.deepcopy(patcher.model_options)
+    patched = _attach(nodes, patcher)
+    assert patched is not patcher and patched.model is patcher.model
+    assert patcher.wrappers == {} and patcher.model_options == original_options  # the input is untouched
+    assert {k: list(v) for k, v in patched.wrappers.items()} == {
+        OUTER: ["fewstep_cache_gate"], CALC: ["fewstep_cache_gate"], DIFFUSION: ["fewstep_cache_gate"]
+    }  # fmt: skip
+    gate = patched.model_options["transformer_options"]["fewstep_cache_gate"]
+    assert gate.method == "input_change" and gate.level == "model"
+    dm = patched.model.diffusion_model
+    assert "forward" not in vars(dm) and "_forward" not in vars(dm)  # no forward was replaced
+    _sample(patched, engine_model)
+    assert (
+        "fewstep_cache_run" not in patched.model_options["transformer_options"]
+    )  # the holder left with the run
+
+
+def test_native_threshold_zero_equals_the_plain_run_and_a_moderate_one_calls_less(comfy, nodes, engine_model):
+    plain, plain_calls, _ = _sample(_patcher(engine_model), engine_model)
+    exact, exact_calls, _ = _sample(_attach(nodes, _patcher(engine_model), threshold=0.0), engine_model)
+    assert torch.equal(exact, plain) and len(exact_calls) == len(plain_calls) == 28
+    # measured: 16 calls, 1.5% of the output's largest magnitude (threshold 0.1: 11 calls, 2.8%)
+    cached, calls, _ = _sample(_attach(nodes, _patcher(engine_model), threshold=0.05), engine_model)
+    assert len(calls) < 24
+    assert float((cached - plain).abs().max() / plain.abs().max()) <= 0.03
+    again, calls_again, _ = _sample(_attach(nodes, _patcher(engine_model), threshold=0.05), engine_model)
+    assert torch.equal(again, cached) and calls_again == calls  # a fresh holder per run
+
+
+def test_native_gate_refuses_few_step_and_ancestral_runs_with_a_logged_reason(
+    comfy, nodes, engine_model, caplog
+):
+    patched = _attach(nodes, _patcher(engine_model), threshold=0.5)
+    plain, _, _ = _sample(_patcher(engine_model), engine_model, steps=4, schedule="flux.1-schnell")
+    with caplog.at_level(logging.INFO):
+        out, calls, _ = _sample(patched, engine_model, steps=4, schedule="flux.1-schnell")
+    assert torch.equal(out, plain) and calls == [1] * 4
+    assert any("off: 4-step distilled few-step schedule" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _, calls, _ = _sample(patched, engine_model, sampler=sample_euler_ancestral)
+    assert len(calls) == 28
+    assert any(
+        "sampler 'sample_euler_ancestral' re-noises every step" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_native_cfg_gating_drops_the_unconditional_rows(comfy, nodes, engine_model, caplog):
+    with caplog.at_level(logging.INFO):  # with step caching too: the decisions go on after the cut-off
+        _, calls, _ = _sample(_attach(nodes, _patcher(engine_model), threshold=0.05, cfg_cutoff=0.5), engine_model,
+                              cfg=3.0, negative=True)  # fmt: skip
+    (summary,) = [r.getMessage() for r in caplog.records if "change per step" in r.getMessage()]
+    assert " 20:-" not in summary and "27:" in summary and sum(c == 1 for c in calls) < 14
+    caplog.clear()
+    patched = _attach(nodes, _patcher(engine_model), threshold=0.0, cfg_cutoff=0.5)
+    with caplog.at_level(logging.INFO):
+        out, calls, _ = _sample(patched, engine_model, cfg=3.0, negative=True)
+    assert calls == [2] * 14 + [1] * 14
+    assert any("unconditional pass skipped on 14 steps" in r.getMessage() for r in caplog.records)
+    # written out: v_neg = v_pos + (v_neg - v_pos of step 13) from step 14 on, as in the engine
+    p = engine_model.params
+    pos, neg = make_cond(p), make_cond(p, seed=9)
+    sigmas = schedule_sigmas("flux.1-dev", 28, image_seq_len=64)
+    x = sigmas[0] * torch.randn(1, 16, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for i in range(28):
+            s = sigmas[i].reshape(1)
+            v_pos = flux_velocity(engine_model, x, s, pos)
+            if i < 14:
+                delta = flux_velocity(engine_model, x, s, neg) - v_pos
+            x = x + (sigmas[i + 1] - sigmas[i]) * (v_pos + delta + 3.0 * (v_pos - (v_pos + delta)))
+    assert torch.allclose(out, x, atol=1e-4, rtol=1e-4)
+
+
+def test_native_magcache_calibration_and_identity(comfy, nodes, engine_model):
+    patched = _attach(
+        nodes, _patcher(engine_model), method="magcache", magcache_file="flux.json", calibrate=True
+    )
+    plain, _, _ = _sample(_patcher(engine_model), engine_model)
+    out, calls, _ = _sample(patched, engine_model)
+    assert torch.equal(out, plain) and len(calls) == 28
+    path = comfy / "output" / "fewstep_magcache" / "flux.json"
+    data = json.loads(path.read_text())
+    assert (
+        data["steps"] == 28
+        and len(data["ratios"]) == 28
+        and data["model"]["family"] == "comfy:DiffusionModel"
+    )
+    use = _attach(nodes, _patcher(engine_model), method="magcache", threshold=0.24, magcache_file=str(path))
+    _, calls, _ = _sample(use, engine_model)
+    assert len(calls) < 28
+    other = _attach(nodes, _patcher(engine_model, {"image_model": "flux", "depth": 19}), method="magcache",
+                    magcache_file=str(path))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^FewStepCacheGateNative: input 'model': the MagCache calibration .*"
+                       r"was recorded on comfy:DiffusionModel"):  # fmt: skip
+        _sample(other, engine_model)
+
+
+def test_native_node_errors(comfy, nodes, engine_model, monkeypatch):
+    patcher = _patcher(engine_model)
+    with pytest.raises(
+        ValueError,
+        match=r"^FewStepCacheGateNative: input 'method': unknown step-cache method 'first_block'; known: "
+        r"input_change .*, magcache .*; first_block needs the model split into stages",
+    ):
+        _attach(nodes, patcher, method="first_block")
+    with pytest.raises(
+        ValueError, match=r"^FewStepCacheGateNative: input 'magcache_file': MagCache on a ComfyUI"
+    ):
+        _attach(nodes, patcher, method="magcache")
+    with pytest.raises(ValueError, match=r"^FewStepCacheGateNative: input 'threshold': 1.5 is out of range"):
+        _attach(nodes, patcher, threshold=1.5)
+    monkeypatch.delitem(sys.modules, "comfy.patcher_extension")
+    with pytest.raises(
+        ValueError, match=r"^FewStepCacheGateNative: input 'model': needs a ComfyUI ModelPatcher"
+    ):
+        _attach(nodes, patcher)
+
+
+# -- FewStepCacheGate on a FEWSTEP_MODEL, through FewStepSampler ---------------------------------------------------
+def _gate_node(pack, model, **inputs):
+    args = dict(method="first_block", threshold=0.08, start=0.1, end=1.0, force=False, cfg_cutoff=1.0)
+    args.update(inputs)
+    return importlib.import_module(f"{pack.__name__}.nodes.cache").FewStepCacheGate().attach(model, **args)[0]
+
+
+def _sampler_run(pack, model, cond, **inputs):
+    sampler = pack.NODE_CLASS_MAPPINGS["FewStepSampler"]()
+    args = dict(seed=0, steps=4, schedule="flux.1-schnell", sampler="euler", cfg=1.0, denoise=1.0)
+    args.update(inputs)
+    return sampler.sample(model, cond, {"samples": torch.zeros(1, 16, 8, 8)}, **args)
+
+
+def test_fewstep_gate_node_attaches_a_feature_and_the_sampler_reports(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = m["FewStepDiTLoader"]().load("dummy:flux-tiny")
+    (cond,) = m["FewStepSyntheticConditioning"]().make(16, 4096, 768, 3.5, 0)
+    gated = _gate_node(pack, model)
+    assert gated.model is model.model and model.feature("step_cache") is None
+    assert gated.feature("step_cache").method == "first_block"
+    plain, _ = _sampler_run(pack, model, cond)
+    out, report = _sampler_run(pack, gated, cond)
+    assert torch.equal(out["samples"], plain["samples"])
+    assert "step cache first_block (threshold 0.08): off: 4-step distilled few-step schedule" in report
+    _, report = _sampler_run(
+        pack, _gate_node(pack, model, threshold=0.9), cond, steps=28, schedule="flux.1-dev"
+    )
+    assert "step cache first_block (threshold 0.9): on: 28-step schedule" in report
+    assert "steps computed" in report and "change per step (* skipped): 0:- 1:" in report
+
+
+def test_fewstep_gate_node_errors(pack):
+    (model,) = pack.NODE_CLASS_MAPPINGS["FewStepDiTLoader"]().load("dummy:flux-tiny")
+    with pytest.raises(
+        ValueError, match=r"^FewStepCacheGate: input 'method': TeaCache needs a rescaling polynomial"
+    ):
+        _gate_node(pack, model, method="teacache", threshold=0.4)
+    with pytest.raises(
+        ValueError, match=r"^FewStepCacheGate: input 'threshold': 1.2 is out of range for first_block"
+    ):
+        _gate_node(pack, model, threshold=1.2)
+    with pytest.raises(
+        ValueError, match=r"^FewStepCacheGate: input 'magcache_file': MagCache needs per-step ratios"
+    ):
+        _gate_node(pack, model, method="magcache", threshold=0.24)

@@ -33,8 +33,7 @@ format: venv
 	$(BIN)/ruff check --fix .
 
 bench: venv
-	$(BIN)/python bench/dit_mfu.py
-	$(BIN)/python bench/sampler_overhead.py
+	$(BIN)/python bench/run_all
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache *.egg-info

@@ -2,6 +2,7 @@
 
     python bench/causal_stream.py                          # wan-mid, 192x192 px, chunk 3, window 9, sinks 0 and 3
     python bench/causal_stream.py --size 256x256 --window 12 --rounds 5 --lengths 2,4,6,8
+    python bench/causal_stream.py --quick                  # 2 streams per sink setting, lengths 2 and 4 (< 90 s)
 
 Stream: ``VideoSession(...).chunks(n)`` over ``n = 2 x window / chunk`` chunks, ``--rounds`` streams per sink
 setting (A/B interleaved), per chunk the median of ``ChunkResult.seconds`` over rounds. A chunk's time is its 4
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -33,6 +35,7 @@ from fewstep.engine.causal.reference import recompute_video
 STEPS = 4  # wan-dmd-4step
 TARGET_FLAT = 1.1
 MB = 2**20
+QUICK = {"rounds": 2, "lengths": "2,4", "recompute_rounds": 1}  # --quick defaults (explicit flags win)
 
 
 # -- FLOPs ---------------------------------------------------------------------------------------------------------
@@ -269,6 +272,52 @@ def print_recompute(rows: list[dict], check: dict, rounds: int) -> None:
     )
 
 
+def summary(res: list[dict], rows: list[dict], check: dict, preset: str, size: str) -> list[dict]:
+    """Rows for the suite table (bench/run_all): ratios measured side by side, and the analytic FLOP checks."""
+    out = []
+    for r in res:
+        if "last_over_full" in r:
+            out.append(
+                {
+                    "metric": f"causal stream flatness: last chunk / first full-window chunk time, {preset} {size}, "
+                    f"sinks {r['sinks']}",
+                    "value": f"{r['last_over_full']:.3f}x (best-of {r['last_over_full_best_of']:.3f}x)",
+                    "goal": f"<= {TARGET_FLAT}x",
+                    "met": r["last_over_full"] <= TARGET_FLAT,
+                }
+            )
+        out.append(
+            {
+                "metric": f"causal stream KV cache allocation constant over the stream, sinks {r['sinks']}",
+                "value": "yes" if r["kv_bytes_flat"] else "no",
+                "goal": "constant",
+                "met": r["kv_bytes_flat"],
+            }
+        )
+    for r in rows:
+        out.append(
+            {
+                "metric": f"no-cache recompute / cached video time, {r['chunks']} chunks ({r['frames']} latent frames)",
+                "value": f"{r['measured_ratio']:.2f}x (FLOP prediction {r['predicted_ratio']:.2f}x)",
+                "goal": None,
+                "met": None,
+            }
+        )
+    agree = all(
+        abs(check[f"{s}_counted"] - check[f"{s}_analytic"]) <= 1e-6 * check[f"{s}_analytic"]
+        for s in ("cached", "recompute")
+    )
+    out.append(
+        {
+            "metric": "causal video analytic linear FLOPs vs FlopCounterMode (cached and recompute)",
+            "value": "equal" if agree else "differ",
+            "goal": "equal",
+            "met": agree,
+        }
+    )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="wan-mid")
@@ -284,6 +333,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs before each part")
     ap.add_argument("--rope", default="cache")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
+    if "--quick" in sys.argv[1:]:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args()
 
     setup_threads(args.threads)
@@ -334,6 +386,8 @@ def main() -> None:
             "stream": res,
             "cached_vs_recompute": rows,
             "flop_check": check,
+            "quick": args.quick,
+            "summary": summary(res, rows, check, args.preset, args.size),
         },
     )
 

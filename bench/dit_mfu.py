@@ -2,6 +2,7 @@
 
     python bench/dit_mfu.py                       # flux-mid, 256x256 and 512x512 px, 128 text tokens
     python bench/dit_mfu.py --sizes 1024x1024 --txt 256 --rounds 5
+    python bench/dit_mfu.py --quick               # 256x256 only, 3 rounds (under a minute on 2 cores)
 
 FLOPs: every GEMM the forward executes (aten mm/addmm/bmm/baddbmm, in-place too, after decomposing ops such as
 ``linear``, recorded with a TorchDispatchMode) counts 2*M*K*N; every attention call counts 4*Nq*Nk*d*heads
@@ -17,6 +18,7 @@ kernel's own FLOP/s and a GEMM-only MFU = GEMM replay time / (forward time - SDP
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 
 import torch
@@ -36,6 +38,7 @@ ATTENTION = {
 }
 GEMM_NAMES = {f"aten::{op.__name__}" for op in GEMMS}
 TARGET_MFU = 0.85
+QUICK = {"sizes": "256x256", "rounds": 3, "warmup": 1}  # --quick defaults (explicit flags win)
 
 
 def gemm_flops(func, args) -> int:
@@ -232,6 +235,29 @@ def print_results(preset: str, rows: list[dict], always_profile: bool) -> None:
             print(f"| {name} | {ms:.2f} | {100 * ms / p['forward_ms']:.1f} |")
 
 
+def summary(preset: str, rows: list[dict]) -> list[dict]:
+    """Rows for the suite table (bench/run_all): ratios only, the CPU's absolute speed means nothing there."""
+    out = []
+    for r in rows:
+        out.append(
+            {
+                "metric": f"DiT forward MFU (forward vs its own GEMMs + 2-bmm attention), {preset} {r['size']}",
+                "value": f"{r['mfu']:.2f} (best-of {r['mfu_best_of']:.2f})",
+                "goal": f">= {TARGET_MFU}",
+                "met": r["mfu"] >= TARGET_MFU,
+            }
+        )
+        out.append(
+            {
+                "metric": f"DiT GEMM-only MFU (attention time taken out), {preset} {r['size']}",
+                "value": f"{r['mfu_gemm_only']:.2f}",
+                "goal": None,
+                "met": None,
+            }
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="flux-mid")
@@ -243,6 +269,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="rows of the non-GEMM breakdown")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--profile", action="store_true", help="print the non-GEMM breakdown even if MFU >= 0.85")
+    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
+    if "--quick" in sys.argv[1:]:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args()
 
     setup_threads(args.threads)
@@ -258,7 +287,17 @@ def main() -> None:
         for s in args.sizes.split(",")
     ]
     print_results(args.preset, rows, args.profile)
-    save("dit_mfu", {"env": env, "preset": args.preset, "target_mfu": TARGET_MFU, "results": rows})
+    save(
+        "dit_mfu",
+        {
+            "env": env,
+            "quick": args.quick,
+            "preset": args.preset,
+            "target_mfu": TARGET_MFU,
+            "results": rows,
+            "summary": summary(args.preset, rows),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/vae_decode.py                                  # 512x512 and 1024x1024, 3 rounds each
     python bench/vae_decode.py --sizes 512x512 --rounds 5 --no-video
+    python bench/vae_decode.py --quick                          # 512x512, 2 rounds, no video part (< 90 s)
 
 Both decoders get dummy weights (``dummy:taef1`` and ``dummy:flux1-ae``) and decode the same random raw
 FLUX.1 latent ``[1, 16, H/8, W/8]`` (TAEF1 after the FLUX.1 latent normalisation, since it works in the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import sys
 
 import torch
 from _common import header, median, parse_px, save, setup_threads, timed
@@ -29,6 +31,9 @@ from fewstep.engine.vae.flux_ae import load_flux_ae
 
 TARGET_SPEEDUP = 20.0
 VIDEO_LATENT = (1, 16, 3, 60, 104)  # [N, C, T, h, w]: 3 latent frames of 832x480 px
+# --quick defaults: the TAEHV part is left out (a 480p chunk takes tens of seconds on 2 cores, and frames per
+# second are absolute numbers, which the suite table does not show for a CPU)
+QUICK = {"sizes": "512x512", "rounds": 2, "min_time": 0.3, "no_video": True}
 
 
 def load_tiny(variant: str):
@@ -193,6 +198,31 @@ def print_results(rows: list[dict], video: dict | None) -> None:
     )
 
 
+def summary(rows: list[dict], video: dict | None) -> list[dict]:
+    """Rows for the suite table (bench/run_all): speed-ups measured side by side; frames per second are
+    absolute numbers of this CPU, so they stay out of it."""
+    out = [
+        {
+            "metric": f"tiny (TAEF1) vs full FLUX.1 AE decode speed-up, {r['size']}",
+            "value": f"{r['speedup']:.1f}x (best-of {r['speedup_best_of']:.1f}x, FLOP ratio {r['flop_ratio']:.0f}x)",
+            "goal": f">= {TARGET_SPEEDUP:.0f}x",
+            "met": r["speedup"] >= TARGET_SPEEDUP,
+        }
+        for r in rows
+    ]
+    if video and "skipped" not in video:
+        per_frame = (video["chunk_ms"] / video["chunk_frames"]) / (video["push_ms"] / video["push_frames"])
+        out.append(
+            {
+                "metric": "TAEHV (taew2_1) 480p: time per frame of a whole-chunk decode / of a stream push",
+                "value": f"{per_frame:.2f}x",
+                "goal": None,
+                "met": None,
+            }
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="512x512,1024x1024", help="image sizes in px, WxH, comma-separated")
@@ -202,6 +232,9 @@ def main() -> None:
     ap.add_argument("--video-rounds", type=int, default=3)
     ap.add_argument("--no-video", action="store_true", help="skip the TAEHV frames-per-second part")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
+    if "--quick" in sys.argv[1:]:
+        ap.set_defaults(**QUICK)
     args = ap.parse_args()
 
     setup_threads(args.threads)
@@ -218,7 +251,17 @@ def main() -> None:
         ]
     video = None if args.no_video else video_decode(args.video_rounds, args.min_time)
     print_results(rows, video)
-    save("vae_decode", {"env": env, "target_speedup": TARGET_SPEEDUP, "image": rows, "video": video})
+    save(
+        "vae_decode",
+        {
+            "env": env,
+            "quick": args.quick,
+            "target_speedup": TARGET_SPEEDUP,
+            "image": rows,
+            "video": video,
+            "summary": summary(rows, video),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Command line: ``python -m fewstep <command>``.
 
 Commands: ``generate`` (one text-to-image sample, latent + per-stage timings), ``stream`` (causal video chunk by
-chunk), ``demo`` (the showcase on dummy weights). Each command lives in its own module and registers its arguments here.
+chunk), ``queue`` (run a workflow on a ComfyUI server), ``plan`` (the cost bill of a configuration), ``worker``
+(join a sequence-parallel worker pool), ``demo`` (the showcase on dummy weights). Each command lives in its own module and registers its arguments here.
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ import logging
 import sys
 
 from ..engine.errors import FewStepError
-from . import demo, generate, queue, stream
+from . import demo, generate, plan, queue, stream, worker
 
-COMMANDS = {"generate": generate, "stream": stream, "queue": queue, "demo": demo}
+COMMANDS = {
+    "generate": generate,
+    "stream": stream,
+    "queue": queue,
+    "plan": plan,
+    "worker": worker,
+    "demo": demo,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,9 @@
 Everything a sampler node or the CLI needs between a ComfyUI-style raw latent and the sampler loop: input
 validation, the schedule, seeded noise (identical to ComfyUI's KSampler noise for the same seed), the latent
 format in and out, CFG, per-step callback and timing. A step-cache gate carried by the handle (feature
-``step_cache``, see ``engine.cache``) is applied here: one holder per run, its telemetry in the report.
+``step_cache``, see ``engine.cache``) is applied here: one holder per run, its telemetry in the report. So is a
+compiled / CUDA-graph forward (feature ``compile``, see ``engine.compile``): the denoiser gets the run's stand-in
+for the model, and the report shows compile time, recompiles and graph hits / misses.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 
 from .attention import use_attention_backend
 from .cache import STEP_CACHE_FEATURE, CacheTelemetry
+from .compile.feature import start_compile_run
+from .compile.telemetry import CompileTelemetry
 from .conditioning import TextCondition
 from .denoiser import FlowDenoiser
 from .errors import InputError
@@ -37,6 +41,8 @@ class SampleReport:
     notes: list[str] = field(default_factory=list)
     cache_probes: int = 0  # forwards a step cache served from kept residuals (block 0 and the head at most)
     cache: CacheTelemetry | None = None
+    # the compile feature (engine.compile): compile time, recompiles and their reasons, graph hits / misses
+    compile: CompileTelemetry | None = None
 
     def summary(self) -> str:
         per = ", ".join(f"{s * 1000:.0f}" for s in self.seconds_per_step)
@@ -48,7 +54,8 @@ class SampleReport:
             f"sampling {self.seconds_total:.3f} s; per step ms: {per}",
         ]
         cache = self.cache.summary_lines() if self.cache is not None else []
-        return "\n".join(lines + cache + self.notes)
+        compiled = self.compile.summary_lines() if self.compile is not None else []
+        return "\n".join(lines + cache + compiled + self.notes)
 
 
 def noise_for(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None = None) -> torch.Tensor:
@@ -126,6 +133,23 @@ def build_sigmas(
     return schedule_sigmas(schedule, steps, image_seq_len=image_seq_len, denoise=denoise)
 
 
+def check_sample_inputs(handle: ModelHandle, positive, negative, latent: torch.Tensor, sampler: str) -> None:
+    """What ``sample_latent`` (and the worker pool's version of it) refuses before any work starts."""
+    if sampler not in SAMPLERS:
+        raise InputError("sampler", f"unknown sampler {sampler!r}; known: {', '.join(SAMPLERS)}")
+    if not positive:
+        raise InputError("positive", "no conditioning given")
+    check_latent(handle, latent)
+    for name, conds in (("positive", positive), ("negative", negative or [])):
+        for c in conds:
+            check_condition(handle, c, name)
+            if latent.shape[0] % c.context.shape[0]:
+                raise InputError(
+                    name,
+                    f"conditioning batch {c.context.shape[0]} does not divide the latent batch {latent.shape[0]}",
+                )
+
+
 def sample_latent(
     handle: ModelHandle,
     positive: Sequence[TextCondition],
@@ -145,23 +169,7 @@ def sample_latent(
     sampler_options: dict | None = None,
 ) -> tuple[torch.Tensor, SampleReport]:
     """Sample from ``latent`` (ComfyUI raw VAE space, zeros for text-to-image) and return the raw latent."""
-    if sampler not in SAMPLERS:
-        raise InputError("sampler", f"unknown sampler {sampler!r}; known: {', '.join(SAMPLERS)}")
-    if not positive:
-        raise InputError("positive", "no conditioning given")
-    check_latent(handle, latent)
-    for c in positive:
-        check_condition(handle, c, "positive")
-    for c in negative or []:
-        check_condition(handle, c, "negative")
-    for name, conds in (("positive", positive), ("negative", negative or [])):
-        for c in conds:
-            if latent.shape[0] % c.context.shape[0]:
-                raise InputError(
-                    name,
-                    f"conditioning batch {c.context.shape[0]} does not divide the latent "
-                    f"batch {latent.shape[0]}",
-                )
+    check_sample_inputs(handle, positive, negative, latent, sampler)
     if sigmas is None:
         sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
     sigmas = sigmas.to(torch.float32)
@@ -177,9 +185,11 @@ def sample_latent(
     run = None
     if gate is not None:
         run = gate.start_run(handle.model, sigmas, sampler, uses_cfg=bool(negative) and cfg != 1.0)
+    step_cache = run if run is not None and run.active else None
+    compiled = start_compile_run(handle, step_cache_active=step_cache is not None)
     denoiser = FlowDenoiser(
-        handle.model, handle.family, positive, negative, cfg, dtype=dtype,
-        step_cache=run if run is not None and run.active else None,
+        handle.model if compiled is None else compiled.model, handle.family, positive, negative, cfg,
+        dtype=dtype, step_cache=step_cache,
     )  # fmt: skip
     notes = []
     if cfg != 1.0 and not negative:
@@ -210,6 +220,8 @@ def sample_latent(
     except BaseException:
         if run is not None:
             run.reset()
+        if compiled is not None:
+            compiled.finish()
         raise
     seconds = time.perf_counter() - t0
     report = SampleReport(
@@ -224,5 +236,6 @@ def sample_latent(
         notes=notes,
         cache_probes=denoiser.cache_probes,
         cache=run.finish() if run is not None else None,
+        compile=compiled.finish() if compiled is not None else None,
     )
     return fmt.process_out(out.float()).cpu(), report

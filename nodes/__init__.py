@@ -18,6 +18,10 @@ NODE_MODULES = {
     "vae": ["FewStepTinyVAELoader", "FewStepTinyVAEDecode", "FewStepTinyVAEEncode"],
     "video": ["FewStepCausalVideoSampler", "FewStepCausalContinue"],
     "cache": ["FewStepCacheGate", "FewStepCacheGateNative"],
+    "compile": ["FewStepCompile"],
+    "parallel": ["FewStepParallelLauncher"],
+    "stream": ["FewStepStreamBatch"],
+    "plan": ["FewStepCostPlan"],
 }
 DISPLAY_NAMES = {
     "FewStepDiTLoader": "FewStep DiT Loader",
@@ -32,6 +36,10 @@ DISPLAY_NAMES = {
     "FewStepCausalContinue": "FewStep Causal Video Continue",
     "FewStepCacheGate": "FewStep Cache Gate",
     "FewStepCacheGateNative": "FewStep Cache Gate (native MODEL)",
+    "FewStepCompile": "FewStep Compile / CUDA Graph",
+    "FewStepParallelLauncher": "FewStep Parallel Launcher",
+    "FewStepStreamBatch": "FewStep Stream Batch",
+    "FewStepCostPlan": "FewStep Cost Plan",
 }
 
 NODE_CLASS_MAPPINGS: dict[str, type] = {}

@@ -4,6 +4,8 @@ conditioning source for running workflows without a text encoder."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..engine.conditioning import TextCondition
@@ -14,6 +16,7 @@ from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
 from .conditioning import from_comfy, to_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
+from .parallel import FEWSTEP_PARALLEL, run_parallel_sample
 
 SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
@@ -124,6 +127,13 @@ class FewStepSampler:
                         "(needs preview_vae).",
                     },
                 ),
+                "parallel": (
+                    FEWSTEP_PARALLEL,
+                    {
+                        "tooltip": "A worker pool from FewStepParallelLauncher: sample on it (sequence or data "
+                        "parallel) instead of in this process. No per-step previews then."
+                    },
+                ),
             },
         }
 
@@ -143,6 +153,7 @@ class FewStepSampler:
         custom_sigmas="",
         preview_vae=None,
         preview=False,
+        parallel=None,
     ):
         pos = from_comfy(positive, "positive")
         neg = from_comfy(negative, "negative") if negative is not None else None
@@ -153,8 +164,9 @@ class FewStepSampler:
                 "carries a noise mask (inpainting); FewStepSampler does not apply "
                 "masks: use ComfyUI's samplers with FewStepSchedule / FewStepSamplerSelect",
             )
-        previewer = step_previewer(model, preview_vae) if preview else None
-        load_for_run(model)
+        previewer = step_previewer(model, preview_vae) if preview and parallel is None else None
+        if parallel is None:  # with a pool the workers hold the model; this process does not run it
+            load_for_run(model)
         sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
         progress = Progress(len(sigmas) - 1, desc="FewStepSampler")
 
@@ -162,8 +174,9 @@ class FewStepSampler:
             check_interrupt()
             progress.update(info["i"] + 1, previewer(info["denoised"]) if previewer else None)
 
+        run = sample_latent if parallel is None else functools.partial(run_parallel_sample, parallel)
         try:
-            out, report = sample_latent(
+            out, report = run(
                 model,
                 pos,
                 latent,

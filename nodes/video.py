@@ -28,6 +28,7 @@ from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
 from .conditioning import from_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
+from .parallel import FEWSTEP_PARALLEL, open_parallel_session
 from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
@@ -52,14 +53,15 @@ class SessionRecipe:
     seed: int = 0
     tiny_vae: object = field(default=None, repr=False)
     prompts: tuple = field(default=(), repr=False)  # ((first latent frame, context [B, L, 4096]), ...)
+    parallel: object = field(default=None, repr=False)  # FEWSTEP_PARALLEL: the session runs on a worker pool
 
     def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
         return dataclasses.replace(self, prompts=(*self.prompts, (frame, context)))
 
     def rebuild(self, position: int, where: str) -> VideoSession:
         """A new session advanced to ``position`` latent frames, prompt switches replayed."""
-        session = VideoSession(self.model.model, self.prompts[0][1], self.height, self.width, self.config,
-                               self.seed, self.tiny_vae, where=where, step_cache=self.model.feature(STEP_CACHE_FEATURE))  # fmt: skip
+        session = _open_session(self.model, self.prompts[0][1], self.height, self.width, self.config, self.seed,
+                                self.tiny_vae, where, self.parallel)  # fmt: skip
         for frame, context in (*self.prompts[1:], (position, None)):
             missing = frame - session.frames_generated
             if missing:
@@ -79,6 +81,14 @@ class SessionRef:
 
 
 _SESSION_OF: dict[str, str] = {}  # sampler node id -> the session it made
+
+
+def _open_session(model, context, height, width, config, seed, tiny_vae, where, parallel=None):
+    """A session in this process, or on the launcher's worker pool when ``parallel`` is connected."""
+    if parallel is not None:
+        return open_parallel_session(parallel, model, context, height, width, config, seed, tiny_vae, where)
+    return VideoSession(model.model, context, height, width, config, seed, tiny_vae, where=where,
+                        step_cache=model.feature(STEP_CACHE_FEATURE))  # fmt: skip
 
 
 def _free_sessions_on_unload(handle) -> None:
@@ -289,6 +299,13 @@ class FewStepCausalVideoSampler:
                         "(they must fit the window next to it and the sinks).",
                     },
                 ),
+                "parallel": (
+                    FEWSTEP_PARALLEL,
+                    {
+                        "tooltip": "A worker pool from FewStepParallelLauncher (mode sp): each rank holds its "
+                        "share of every frame's tokens and of the KV cache; chunks stream back from rank 0."
+                    },
+                ),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -303,21 +320,22 @@ class FewStepCausalVideoSampler:
     @reports_input_errors("FewStepCausalVideoSampler")
     def generate(self, model, positive, width, height, num_chunks, chunk_frames, window_frames, sink_frames,
                  schedule, steps, seed, tiny_vae=None, context_noise=0.0, rope="cache", kv_dtype="bf16",
-                 keep_recent_chunks=1, unique_id=None):  # fmt: skip
+                 keep_recent_chunks=1, parallel=None, unique_id=None):  # fmt: skip
         _check_wan(model, "FewStepCausalVideoSampler")
         config = CausalConfig(chunk_frames=chunk_frames, window_frames=window_frames, sink_frames=sink_frames,
                               schedule=schedule, steps=steps, context_noise=context_noise, rope=rope,
                               kv_dtype=kv_dtype, keep_recent_chunks=keep_recent_chunks)  # fmt: skip
         context = _prompt(positive, "positive")
-        load_for_run(model)
-        session = VideoSession(model.model, context, height, width, config, seed, tiny_vae,
-                               where="FewStepCausalVideoSampler", step_cache=model.feature(STEP_CACHE_FEATURE))  # fmt: skip
+        if parallel is None:  # with a pool the workers hold the model; this process does not run it
+            load_for_run(model)
+        session = _open_session(model, context, height, width, config, seed, tiny_vae, "FewStepCausalVideoSampler",
+                                parallel)  # fmt: skip
         key = SESSIONS.add(session)
         _SESSION_OF[unique_id] = key
         _free_sessions_on_unload(model)
         latent, images, report = _run(session, num_chunks, "FewStepCausalVideoSampler")
         SESSIONS.touch(key)
-        recipe = SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context.cpu()),))
+        recipe = SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context.cpu()),), parallel)
         return ({"samples": latent}, images, SessionRef(key, session.frames_generated, recipe), report)
 
 
@@ -355,7 +373,8 @@ class FewStepCausalContinue:
             raise InputError("session", "expected a FEWSTEP_SESSION from FewStepCausalVideoSampler")
         where = "FewStepCausalContinue"
         live, key, recipe = SESSIONS.get(session.key, where), session.key, session.recipe
-        load_for_run(recipe.model)
+        if recipe.parallel is None:
+            load_for_run(recipe.model)
         if live.frames_generated != session.position:  # moved on since this reference was made: rebuild
             live = recipe.rebuild(session.position, where)
             key = SESSIONS.add(live)

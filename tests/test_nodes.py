@@ -111,6 +111,19 @@ def test_each_function_returns_its_return_types(pack, monkeypatch):
     assert outputs["FewStepCacheGate"][0].feature("step_cache") is not None
     assert outputs["FewStepCacheGate"][0].model is model.model  # shared, not copied
     assert outputs["FewStepCacheGateNative"][0] is not native and native.wrappers == {}  # a clone was patched
+    frames = torch.rand(3, 32, 32, 3)
+    outputs.update(
+        FewStepCompile=_run(m["FewStepCompile"], model=model, compile="off"),
+        FewStepParallelLauncher=_run(m["FewStepParallelLauncher"], enabled=False),
+        FewStepStreamBatch=_run(
+            m["FewStepStreamBatch"], model=model, tiny_vae=tiny, frames=frames, positive=cond
+        ),
+        FewStepCostPlan=_run(m["FewStepCostPlan"], model=model),
+    )
+    assert outputs["FewStepCompile"][0].model is model.model
+    assert outputs["FewStepParallelLauncher"][0] is None
+    assert outputs["FewStepStreamBatch"][0].shape == (3, 32, 32, 3)
+    assert "FLOPs" in outputs["FewStepCostPlan"][0]
     assert set(outputs) == set(m), "a new node needs a case here"
     for node_id, out in outputs.items():
         assert isinstance(out, tuple) and len(out) == len(m[node_id].RETURN_TYPES), node_id

@@ -25,7 +25,7 @@ WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_NAMES = {"seed", "noise_seed"}  # the frontend adds a control widget to these even without the flag
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
-IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".mp4", ".webm", ".mov", ".mkv")
 DUMMY_PREFIX = "dummy:"
 # Frontend-only nodes: they have no backend class and are left out of the API format.
 VIRTUAL_NODES = {"Note", "MarkdownNote"}
@@ -221,6 +221,12 @@ CORE_NODES = {
         {"samples": ("LATENT",), "filename_prefix": ("STRING", {"default": "latents/ComfyUI"})}
     ),
     "PreviewAny": core({"source": ("*", {})}),
+    "LoadVideo": core(
+        {"file": ([], {"model_files": "input", "video_upload": True})}, outputs={"VIDEO": "VIDEO"}
+    ),
+    "GetVideoComponents": core(
+        {"video": ("VIDEO",)}, outputs={"images": "IMAGE", "audio": "AUDIO", "fps": "FLOAT"}
+    ),
     "BasicGuider": core(
         {"model": ("MODEL",), "conditioning": ("CONDITIONING",)}, outputs={"GUIDER": "GUIDER"}
     ),

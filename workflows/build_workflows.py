@@ -902,6 +902,399 @@ Needs no files."""
     )
 
 
+@workflow("native_flux_dev_cache_gate")
+def native_flux_dev_cache_gate(g: Graph) -> None:
+    g.note = f"""FLUX.1-dev in 28 steps on ComfyUI's own model, with the FewStep cache gate.
+
+FewStep Cache Gate (native MODEL) patches a clone of the model through ComfyUI's wrappers (no copy, no
+monkeypatch): before sampling it reads the schedule and decides whether skipping steps can pay. At 28 steps
+it is on and skips the steps where the model's input changed by less than the threshold; with a 4-step
+schedule it turns itself off and says why in the console. LoRAs and other patches still apply.
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-dev.safetensors
+{FLUX_SIDE_FILES}"""
+    model = g.add("UNETLoader", "Load Diffusion Model (FLUX.1-dev)", 1, unet_name="flux1-dev.safetensors")
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
+    gate = g.add(
+        "FewStepCacheGateNative", "FewStep Cache Gate (native)", 3, model=model[0], method="input_change",
+        threshold=0.1, start=0.1, end=1.0, force=False, cfg_cutoff=1.0,
+    )  # fmt: skip
+    guider = g.add("BasicGuider", "Guider (no CFG)", 3, model=gate[0], conditioning=cond[0])
+    noise = g.add("RandomNoise", "Noise", 3, noise_seed=42)
+    sigmas = g.add(
+        "FewStepSchedule", "FewStep Schedule (28 steps)", 3, schedule="flux.1-dev", steps=28, width=1024,
+        height=1024,
+    )  # fmt: skip
+    sampler = g.add("FewStepSamplerSelect", "FewStep Sampler Select", 3, sampler="euler")
+    out = g.add(
+        "SamplerCustomAdvanced", "SamplerCustomAdvanced", 4, noise=noise[0], guider=guider[0], sampler=sampler[0],
+        sigmas=sigmas[0], latent_image=latent[0],
+    )  # fmt: skip
+    decode_and_save(g, out[0], 5, "fewstep/native_dev_cache_gate")
+
+
+# ---- quantized KV cache for long streams (issue 5) ----
+
+
+@workflow("wan_causal_long_int8")
+def wan_causal_long_int8(g: Graph) -> None:
+    g.note = f"""A long causal video with the KV window stored in int8.
+
+20 chunks of 3 latent frames (237 video frames, ~15 s at 16 fps) through a 21-frame rolling window with 3
+sink frames. The newest completed chunk stays in bf16; older chunks are quantized to int8 once, when they
+age out (about half the KV memory; int4 is about a quarter). The report shows KV bytes and how many frames
+are quantized. Memory stays flat however long the stream runs.
+
+Files (ComfyUI/models/...):
+{WAN_FILES}
+
+No files? Open wan_causal_long_int8_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (Self-Forcing)", 1, model_name="self_forcing_dmd.pt"
+    )
+    _, cond = wan_text(g, 1, VIDEO_PROMPT)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.pth")
+    video = g.add(
+        "FewStepCausalVideoSampler", "FewStep Causal Video Sampler (int8 KV)", 3, model=model[0],
+        positive=cond[0], width=832, height=480, num_chunks=20, chunk_frames=3, window_frames=21, sink_frames=3,
+        seed=7, tiny_vae=tiny[0], kv_dtype="int8", keep_recent_chunks=1,
+    )  # fmt: skip
+    g.add("PreviewAny", "Report (KV bytes)", 4, ui_height=200, source=video[3])
+    save_video(g, video[1], 4, "fewstep/wan_long_int8")
+
+
+@workflow("wan_causal_long_int8_dummy")
+def wan_causal_long_int8_dummy(g: Graph) -> None:
+    g.note = """A quantized KV window with no files (random weights, CPU): 6 chunks through a 6-frame window,
+older chunks in int4 (keep_recent_chunks 1). The report gives KV bytes and the frames quantized. Noise output.
+
+Needs no files. For real video open wan_causal_long_int8.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic umT5 prompt", 1, pooled_width=0, guidance=0.0)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    video = g.add(
+        "FewStepCausalVideoSampler", "FewStep Causal Video Sampler (int4 KV)", 2, model=model[0],
+        positive=cond[0], width=96, height=64, num_chunks=6, chunk_frames=2, window_frames=6, sink_frames=1,
+        seed=7, tiny_vae=tiny[0], kv_dtype="int4", keep_recent_chunks=1,
+    )  # fmt: skip
+    g.add("PreviewAny", "Report (KV bytes)", 3, ui_height=200, source=video[3])
+    save_video(g, video[1], 3, "fewstep/wan_long_int4_dummy")
+
+
+# ---- stream batch (issue 9) ----
+
+STREAM_FILES = """- diffusion_models/flux1-schnell.safetensors
+- vae_approx/taef1_encoder.pth and taef1_decoder.pth (github.com/madebyollin/taesd): both halves are used
+- text_encoders/t5xxl_fp16.safetensors and text_encoders/clip_l.safetensors
+- input/: a short video to stylise (frames of equal size, multiples of 16 px)"""
+
+
+def stream_batch(g: Graph, model: Out, tiny: Out, frames: Out, cond: Out, col: int, **widgets) -> Node:
+    return g.add(
+        "FewStepStreamBatch",
+        "FewStep Stream Batch (2 steps per frame)",
+        col,
+        model=model,
+        tiny_vae=tiny,
+        frames=frames,
+        positive=cond,
+        **widgets,
+    )
+
+
+@workflow("flux_schnell_stream_batch")
+def flux_schnell_stream_batch(g: Graph) -> None:
+    g.note = f"""Stylise a frame sequence in realtime style: StreamDiffusion's stream batch on FLUX.1-schnell.
+
+Each frame is encoded by TAEF1, noised to the first of the t_index_list steps and denoised through the
+listed steps (here steps 2 and 3 of schnell's own 4-step grid: sigmas 0.5 and 0.25, like img2img at denoise
+0.5; "1,2,3" keeps more of the prompt, "3" more of the input); frames at different steps share one batched forward, so the throughput is one frame per DiT
+forward while each frame still gets every listed step. Near-identical consecutive frames are skipped
+(similarity_threshold < 1). The report gives frames per second and frames skipped. The output has as many
+frames as the input.
+
+Files (ComfyUI/models/... and ComfyUI/input/):
+{STREAM_FILES}
+
+No files? Open flux_schnell_stream_batch_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+    )
+    cond = flux_text(g, 1)
+    video = g.add("LoadVideo", "Input video", 1, file="input.mp4")
+    frames = g.add("GetVideoComponents", "Video frames", 2, video=video[0])
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 2, vae_name="taef1_encoder.pth")
+    out = stream_batch(
+        g, model[0], tiny[0], frames[0], cond[0], 3,
+        t_index_list="2,3", schedule="flux.1-schnell", schedule_steps=4, similarity_threshold=0.98,
+        max_skip_frames=10, seed=42,
+    )  # fmt: skip
+    g.add("PreviewAny", "Report (fps, frames skipped)", 4, ui_height=200, source=out[1])
+    save_video(g, out[0], 4, "fewstep/stream_batch")
+
+
+@workflow("flux_schnell_stream_batch_dummy")
+def flux_schnell_stream_batch_dummy(g: Graph) -> None:
+    g.note = """The stream batch with no model files (random weights, CPU, seconds).
+
+Six 64x64 frames: three blue, then three orange. With similarity_threshold 0.98 the filter skips repeats of
+a near-identical frame (seeded, so the same frames every run) and the report says which. Random weights: the
+output frames are noise.
+
+Needs no files. For real stylisation open flux_schnell_stream_batch.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEF1)", 1, vae_name="dummy:taef1")
+    blue = g.add("EmptyImage", "Frames 1-3 (blue)", 2, width=64, height=64, batch_size=3, color=0x3366CC)
+    orange = g.add("EmptyImage", "Frames 4-6 (orange)", 2, width=64, height=64, batch_size=3, color=0xEE8833)
+    frames = g.add("ImageBatch", "Frame sequence", 2, image1=blue[0], image2=orange[0])
+    out = stream_batch(
+        g, model[0], tiny[0], frames[0], cond[0], 3,
+        t_index_list="20,35", schedule="flux.1-schnell", schedule_steps=50, similarity_threshold=0.98,
+        max_skip_frames=10, seed=42,
+    )  # fmt: skip
+    g.add("PreviewAny", "Report (fps, frames skipped)", 4, ui_height=200, source=out[1])
+    save_video(g, out[0], 4, "fewstep/stream_batch_dummy")
+
+
+# ---- compile / CUDA graphs (issue 7) ----
+
+
+def compiled_sampler(g: Graph, model: Out, cond: Out, latent: Out, col: int) -> Node:
+    return g.add(
+        "FewStepSampler",
+        "FewStep Sampler (4 steps)",
+        col,
+        model=model,
+        positive=cond,
+        latent_image=latent,
+        seed=42,
+        steps=4,
+        schedule="flux.1-schnell",
+        sampler="euler",
+        cfg=1.0,
+    )
+
+
+@workflow("flux_schnell_compiled")
+def flux_schnell_compiled(g: Graph) -> None:
+    g.note = f"""FLUX.1-schnell with a compiled DiT and a CUDA graph.
+
+FewStep Compile compiles the repeated transformer block once (regional: seconds, not minutes), with the
+token dimension dynamic so a new prompt length or resolution does not recompile, and replays the whole
+forward as a CUDA graph (one per shape, kept in a small LRU). The first run pays compile and capture; later
+runs replay. The sampler report shows compile time, recompiles with their reasons, and graph hits / misses.
+On a machine without a GPU the graph is skipped (allow_fallback) and the report says why.
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-schnell.safetensors
+{FLUX_SIDE_FILES}
+
+No files? Open flux_schnell_compiled_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+    )
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
+    fast = g.add(
+        "FewStepCompile", "FewStep Compile (regional + CUDA graph)", 3, model=model[0], compile="regional",
+        cuda_graph="whole", dynamic=True, backend="inductor", allow_fallback=True,
+    )  # fmt: skip
+    sampler = compiled_sampler(g, fast[0], cond[0], latent[0], 3)
+    g.add("PreviewAny", "Sampler report (compile, graphs)", 4, ui_height=260, source=sampler[1])
+    decode_and_save(g, sampler[0], 4, "fewstep/schnell_compiled")
+
+
+@workflow("flux_schnell_compiled_dummy")
+def flux_schnell_compiled_dummy(g: Graph) -> None:
+    g.note = """Compile and CUDA-graph switches with no model files (random weights, CPU).
+
+Compiles the tiny FLUX block with the aot_eager backend (traced by dynamo, no C++ compiler needed); the
+CUDA graph is requested, and on a CPU it falls back to eager with the reason in the report (allow_fallback).
+The report lists compile time and recompiles. The output is noise.
+
+Needs no files. For the real model open flux_schnell_compiled.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    fast = g.add(
+        "FewStepCompile", "FewStep Compile (regional + CUDA graph)", 2, model=model[0], compile="regional",
+        cuda_graph="whole", dynamic=True, backend="aot_eager", allow_fallback=True,
+    )  # fmt: skip
+    sampler = compiled_sampler(g, fast[0], cond[0], latent[0], 2)
+    g.add("PreviewAny", "Sampler report (compile, graphs)", 3, ui_height=260, source=sampler[1])
+    g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/compiled_dummy")
+
+
+# ---- sequence parallel (issue 8) ----
+
+
+def launcher(g: Graph, col: int, **widgets) -> Node:
+    return g.add(
+        "FewStepParallelLauncher", "FewStep Parallel Launcher (Ulysses x2)", col, mode="sp", ulysses_degree=2,
+        ring_degree=1, backend="auto", timeout=120.0, **widgets,
+    )  # fmt: skip
+
+
+@workflow("flux_sequence_parallel")
+def flux_sequence_parallel(g: Graph) -> None:
+    g.note = f"""FLUX.1-schnell at 2048x2048 on two GPUs with sequence parallelism (Ulysses, degree 2).
+
+The launcher starts two worker processes on torch.distributed (NCCL); each loads the model once and keeps it.
+Every forward runs on half of the image tokens per rank (text tokens replicated); attention exchanges heads
+for tokens with an all-to-all. The sampler sends the job to the pool and gets the latent back from rank 0.
+Unload models (or switch the launcher off) to stop the workers. For more ranks raise ulysses_degree (it must
+divide FLUX's 24 heads) or ring_degree.
+
+Files (ComfyUI/models/...):
+- diffusion_models/flux1-schnell.safetensors
+{FLUX_SIDE_FILES}
+
+No GPUs? Open flux_sequence_parallel_dummy.json (two CPU workers on gloo)."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+    )
+    cond = flux_text(g, 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=2048, height=2048, batch_size=1)
+    pool = launcher(g, 3)
+    sampler = g.add(
+        "FewStepSampler", "FewStep Sampler (4 steps, on the pool)", 3, model=model[0], positive=cond[0],
+        latent_image=latent[0], seed=42, steps=4, schedule="flux.1-schnell", sampler="euler", cfg=1.0,
+        parallel=pool[0],
+    )  # fmt: skip
+    g.add("PreviewAny", "Pool", 4, ui_height=140, source=pool[1])
+    g.add("PreviewAny", "Sampler report", 4, ui_height=200, source=sampler[1])
+    decode_and_save(g, sampler[0], 5, "fewstep/schnell_sp")
+
+
+@workflow("flux_sequence_parallel_dummy")
+def flux_sequence_parallel_dummy(g: Graph) -> None:
+    g.note = """Sequence parallelism with no model files and no GPU: two CPU worker processes (gloo).
+
+The tiny random-weight FLUX runs with its image tokens split over two ranks (Ulysses all-to-all). The result
+equals the single-process run. The first run starts the workers (a few seconds); unload models to stop them.
+
+Needs no files. For the real model open flux_sequence_parallel.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    pool = launcher(g, 2, threads_per_rank=1)
+    sampler = g.add(
+        "FewStepSampler", "FewStep Sampler (4 steps, on the pool)", 2, model=model[0], positive=cond[0],
+        latent_image=latent[0], seed=42, steps=4, schedule="flux.1-schnell", sampler="euler", cfg=1.0,
+        parallel=pool[0],
+    )  # fmt: skip
+    g.add("PreviewAny", "Pool", 3, ui_height=140, source=pool[1])
+    g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
+    g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/sp_dummy")
+
+
+@workflow("wan_causal_sequence_parallel")
+def wan_causal_sequence_parallel(g: Graph) -> None:
+    g.note = f"""Causal streaming video on two GPUs with sequence parallelism (Ulysses, degree 2).
+
+Each rank holds half of every frame's tokens and its share of the rolling KV cache; chunks stream back from
+rank 0 and are decoded by TAEW2.1 here. Use it for resolutions or windows one GPU cannot hold. ulysses_degree
+must divide Wan-1.3B's 12 heads.
+
+Files (ComfyUI/models/...):
+{WAN_FILES}
+
+No GPUs? Open wan_causal_sequence_parallel_dummy.json."""
+    model = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (Self-Forcing)", 1, model_name="self_forcing_dmd.pt"
+    )
+    _, cond = wan_text(g, 1, VIDEO_PROMPT)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.pth")
+    pool = launcher(g, 3)
+    video = g.add(
+        "FewStepCausalVideoSampler", "FewStep Causal Video Sampler (on the pool)", 3, model=model[0],
+        positive=cond[0], width=832, height=480, num_chunks=7, chunk_frames=3, window_frames=21, sink_frames=0,
+        seed=7, tiny_vae=tiny[0], parallel=pool[0],
+    )  # fmt: skip
+    g.add("PreviewAny", "Report", 4, ui_height=200, source=video[3])
+    save_video(g, video[1], 4, "fewstep/wan_stream_sp")
+
+
+@workflow("wan_causal_sequence_parallel_dummy")
+def wan_causal_sequence_parallel_dummy(g: Graph) -> None:
+    g.note = """Causal video under sequence parallelism with no files and no GPU (two CPU workers, gloo).
+
+The tiny random-weight Wan runs chunk by chunk with each rank caching its share of the KV window; chunks
+equal the single-process ones. The output is noise.
+
+Needs no files. For the real model open wan_causal_sequence_parallel.json."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic umT5 prompt", 1, pooled_width=0, guidance=0.0)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    pool = launcher(g, 2, threads_per_rank=1)
+    video = g.add(
+        "FewStepCausalVideoSampler", "FewStep Causal Video Sampler (on the pool)", 2, model=model[0],
+        positive=cond[0], width=96, height=64, num_chunks=3, chunk_frames=2, window_frames=6, sink_frames=1,
+        seed=7, tiny_vae=tiny[0], parallel=pool[0],
+    )  # fmt: skip
+    g.add("PreviewAny", "Report", 3, ui_height=200, source=video[3])
+    save_video(g, video[1], 3, "fewstep/wan_stream_sp_dummy")
+
+
+# ---- cost planner (issue 10) ----
+
+
+@workflow("cost_plan")
+def cost_plan(g: Graph) -> None:
+    g.note = """The bill of a job before you queue it: FLOPs per DiT forward, number of forwards, weight and
+KV-cache bytes, and predicted seconds on a chosen GPU at a chosen efficiency (MFU).
+
+Left: FLUX.1-schnell at 1024x1024 in 4 steps on an H200. Right: causal Wan 2.1-1.3B, 81 frames at 832x480,
+chunks of 3 latent frames, a 21-frame window, KV in int8. Width / height / steps 0 mean "the model's usual".
+The planner reads only the model's configuration (load the file you would sample with).
+
+Files (ComfyUI/models/diffusion_models/): flux1-schnell.safetensors, self_forcing_dmd.pt.
+No files? Open cost_plan_dummy.json."""
+    flux = g.add(
+        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+    )
+    bill = g.add(
+        "FewStepCostPlan", "Cost plan: schnell 1024 px, 4 steps", 2, model=flux[0], width=1024, height=1024,
+        steps=4, gpu="h200",
+    )  # fmt: skip
+    g.add("PreviewAny", "Bill (FLUX)", 3, ui_height=320, source=bill[0])
+    wan = g.add("FewStepDiTLoader", "FewStep DiT Loader (Self-Forcing)", 1, model_name="self_forcing_dmd.pt")
+    video = g.add(
+        "FewStepCostPlan", "Cost plan: causal video 81 frames", 2, model=wan[0], width=832, height=480, steps=4,
+        gpu="h200", frames=81, chunk_frames=3, window_frames=21, kv_dtype="int8",
+    )  # fmt: skip
+    g.add("PreviewAny", "Bill (video)", 3, ui_height=320, source=video[0])
+
+
+@workflow("cost_plan_dummy")
+def cost_plan_dummy(g: Graph) -> None:
+    g.note = """The cost planner on the tiny dummy presets (no files): FLUX-tiny at 256x256 in 4 steps, and
+Wan-tiny causal video with an int4 KV cache. The same node gives the bill of the real models (cost_plan.json).
+The JSON output is what `python -m fewstep plan --json` prints."""
+    flux = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy FLUX)", 1, model_name="dummy:flux-tiny")
+    bill = g.add(
+        "FewStepCostPlan",
+        "Cost plan: FLUX-tiny",
+        2,
+        model=flux[0],
+        width=256,
+        height=256,
+        steps=4,
+        gpu="h100",
+    )
+    g.add("PreviewAny", "Bill (FLUX-tiny)", 3, ui_height=320, source=bill[0])
+    g.add("PreviewAny", "Bill as JSON", 3, ui_height=200, source=bill[1])
+    wan = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
+    video = g.add(
+        "FewStepCostPlan", "Cost plan: Wan-tiny video", 2, model=wan[0], width=96, height=64, steps=4,
+        gpu="h100", frames=29, chunk_frames=2, window_frames=6, sink_frames=1, kv_dtype="int4",
+    )  # fmt: skip
+    g.add("PreviewAny", "Bill (Wan-tiny)", 3, ui_height=320, source=video[0])
+
+
 # ---- writing ----
 
 

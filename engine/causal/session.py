@@ -81,7 +81,10 @@ class VideoSession:
         tiny_vae=None,
         where: str | None = None,
         step_cache=None,
+        parallel=None,
     ):
+        """``parallel``: a sequence-parallel layout (``engine.parallel.CausalSharding``) when this session is one
+        rank of a worker pool; its cache then holds this rank's share of each frame's tokens and of the heads."""
         p = model.params
         config = config or CausalConfig()
         self.model, self.config, self.where = model, config, where
@@ -94,9 +97,13 @@ class VideoSession:
         device = next(model.parameters()).device
         self.dtype = model.patch_embedding.weight.dtype
         self.batch = context.shape[0]
+        self.parallel = parallel
+        tokens_per_frame, heads = self.grid_hw[0] * self.grid_hw[1], p.num_heads
+        if parallel is not None:
+            tokens_per_frame, heads = parallel.kv_layout(tokens_per_frame, heads)
         self.cache = KVCache(
-            layers=p.num_layers, batch=self.batch, tokens_per_frame=self.grid_hw[0] * self.grid_hw[1],
-            heads=p.num_heads, head_dim=p.head_dim, window=config.window, dtype=self.dtype, device=device,
+            layers=p.num_layers, batch=self.batch, tokens_per_frame=tokens_per_frame,
+            heads=heads, head_dim=p.head_dim, window=config.window, dtype=self.dtype, device=device,
             rope=config.rope, kv_dtype=config.kv_dtype, keep_recent_chunks=config.keep_recent_chunks,
         )  # fmt: skip
         self.cross = CrossAttentionCache()
@@ -149,7 +156,13 @@ class VideoSession:
         self, x: torch.Tensor, timestep: float | torch.Tensor, start: int, block_runner=None
     ) -> torch.Tensor:
         c = self.config.chunk_frames
-        self.cache.begin(start, c, self.grid_hw, self.model.frame_rope)
+        rope_fn = self.model.frame_rope
+        if self.parallel is not None:
+            rope_fn, block_runner = (
+                self.parallel.frame_rope(rope_fn),
+                self.parallel.block_runner(block_runner),
+            )
+        self.cache.begin(start, c, self.grid_hw, rope_fn)
         t = (
             torch.as_tensor(timestep, dtype=torch.float32, device=x.device)
             .reshape(-1, 1)

@@ -147,7 +147,7 @@ class Flux(nn.Module):
             else:
                 if joint is None:
                     joint = torch.cat((txt, img), dim=1)
-                joint = self.single_blocks[i - n_double](joint, h.vec, h.freqs)
+                joint = self.single_blocks[i - n_double](joint, h.vec, h.freqs, txt.shape[1])
         return dataclasses.replace(h, img=img, txt=txt, joint=joint)
 
     def finish(self, h: FluxHidden) -> torch.Tensor:

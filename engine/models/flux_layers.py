@@ -110,9 +110,13 @@ def _mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
     )
 
 
-def rope_attention(q, k, v, freqs: RopeFreqs) -> torch.Tensor:
-    """RoPE on q and k, attention, heads merged: ``[B, L, H, D]`` -> ``[B, L, H * D]``."""
-    return attention(apply_rope(q, freqs), apply_rope(k, freqs), v).flatten(2)
+def rope_attention(q, k, v, freqs: RopeFreqs, txt_tokens: int = 0) -> torch.Tensor:
+    """RoPE on q and k, attention, heads merged: ``[B, L, H, D]`` -> ``[B, L, H * D]``.
+
+    ``txt_tokens``: the text tokens in front of the image tokens, whole on every rank under sequence
+    parallelism (the image tokens may be a shard; see ``engine.attention``)."""
+    q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+    return attention(q, k, v, replicated_prefix=txt_tokens).flatten(2)
 
 
 class DoubleStreamBlock(nn.Module):
@@ -145,7 +149,7 @@ class DoubleStreamBlock(nn.Module):
         q = torch.cat((txt_q, img_q), dim=1)
         k = torch.cat((txt_k, img_k), dim=1)
         v = torch.cat((txt_v, img_v), dim=1)
-        attn = rope_attention(q, k, v, freqs)
+        attn = rope_attention(q, k, v, freqs, txt.shape[1])
         txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 
         img = img + i_gate1 * self.img_attn.proj(img_attn)
@@ -170,7 +174,8 @@ class SingleStreamBlock(nn.Module):
         self.mlp_act = nn.GELU(approximate="tanh")
         self.modulation = Modulation(hidden_size, double=False)
 
-    def forward(self, x, vec, freqs: RopeFreqs):
+    def forward(self, x, vec, freqs: RopeFreqs, txt_tokens: int = 0):
+        """``x [B, txt_tokens + L_img, C]``: the text tokens first, then the image tokens."""
         shift, scale, gate = self.modulation(vec)
         qkv, mlp = torch.split(
             self.linear1(norm_modulate(self.pre_norm, x, shift, scale)),
@@ -179,7 +184,7 @@ class SingleStreamBlock(nn.Module):
         )
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(2)
         q, k = self.norm(q, k)
-        attn = rope_attention(q, k, v, freqs)
+        attn = rope_attention(q, k, v, freqs, txt_tokens)
         return x + gate * self.linear2(torch.cat((attn, self.mlp_act(mlp)), dim=2))
 
 

@@ -90,7 +90,8 @@ class WanCrossAttention(nn.Module):
         b = x.shape[0]
         q = self.norm_q(self.q(x)).view(b, -1, self.num_heads, x.shape[-1] // self.num_heads)
         k, v = self.context_kv(context) if kv is None else kv
-        return self.o(attention(q, k, v).flatten(2))
+        # every rank holds the whole prompt: under sequence parallelism this needs no communication
+        return self.o(attention(q, k, v, replicated_kv=True).flatten(2))
 
 
 def modulate_frames(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, frames: int) -> torch.Tensor:

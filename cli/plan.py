@@ -1,0 +1,100 @@
+"""``python -m fewstep plan``: the bill of a job before it runs (FLOPs, forwards, KV and weight bytes, seconds)."""
+
+from __future__ import annotations
+
+import json
+
+from ..engine.errors import InputError
+from ..engine.plan import DEFAULT_MFU, GPUS, KV_LAYOUTS, WEIGHT_DTYPE_BYTES, known_models, plan_preset
+
+HELP = (
+    "cost plan of a job: FLOPs per DiT forward, forwards, KV-cache and weight bytes, predicted seconds on a GPU "
+    "(no weights needed)"
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"model preset: {', '.join(known_models())} (a 'dummy:' prefix is accepted)",
+    )
+    p.add_argument("--height", type=int, default=None, help="px (default: 1024 for FLUX, 480 for Wan)")
+    p.add_argument("--width", type=int, default=None, help="px (default: 1024 for FLUX, 832 for Wan)")
+    p.add_argument("--steps", type=int, default=None, help="default: 4 (schnell, Wan students), 28 (dev)")
+    p.add_argument(
+        "--cfg",
+        type=float,
+        default=1.0,
+        help="CFG scale; != 1 means a negative prompt too: 2 rows per step (FLUX only)",
+    )
+    p.add_argument("--batch", type=int, default=1, help="images / videos per job")
+    p.add_argument(
+        "--text-tokens",
+        type=int,
+        default=None,
+        help="FLUX: T5 tokens (default 256 without a guidance embedding, 512 with); Wan always reads 512",
+    )
+    p.add_argument("--frames", type=int, default=None, help="Wan: video frames, 4k + 1 (default 81)")
+    p.add_argument("--latent-frames", type=int, default=None, help="Wan: latent frames instead of --frames")
+    p.add_argument("--chunk-frames", type=int, default=None, help="Wan: latent frames per chunk (default 3)")
+    p.add_argument(
+        "--window-frames", type=int, default=None, help="Wan: latent frames a chunk sees (default 21)"
+    )
+    p.add_argument("--sink-frames", type=int, default=None, help="Wan: first frames kept forever (default 0)")
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help=f"Wan: KV cache storage, {'/'.join(KV_LAYOUTS)} (default bf16, the compute dtype)",
+    )
+    p.add_argument(
+        "--keep-recent-chunks",
+        type=int,
+        default=None,
+        help="Wan, int8/int4: completed chunks kept unquantized besides the current one (default 1)",
+    )
+    p.add_argument(
+        "--weight-dtype",
+        default="bf16",
+        help=f"weight storage for the memory check: {'/'.join(WEIGHT_DTYPE_BYTES)} (fp8: linear weights)",
+    )
+    p.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)} (dense bf16 peak)")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help=f"model FLOP utilisation assumed for predicted seconds (default {DEFAULT_MFU})",
+    )
+    p.add_argument(
+        "--no-vae", action="store_true", help="skip the VAE decode FLOPs (counted on the meta device)"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args) -> int:
+    settings = {
+        "height": args.height,
+        "width": args.width,
+        "steps": args.steps,
+        "cfg": args.cfg,
+        "batch": args.batch,
+        "text_tokens": args.text_tokens,
+        "frames": args.frames,
+        "latent_frames": args.latent_frames,
+        "chunk_frames": args.chunk_frames,
+        "window_frames": args.window_frames,
+        "sink_frames": args.sink_frames,
+        "kv_dtype": args.kv_dtype,
+        "keep_recent_chunks": args.keep_recent_chunks,
+        "weight_dtype": args.weight_dtype,
+        "gpu": args.gpu,
+        "mfu": args.mfu,
+        "vae": not args.no_vae,
+    }
+    try:
+        plan = plan_preset(args.model, **settings)
+    except InputError as err:  # name the command-line option
+        err.input_name = "--" + err.input_name.replace("_", "-")
+        raise err.located("plan") from None
+    print(json.dumps(plan.fields, indent=2) if args.json else plan.table())
+    return 0

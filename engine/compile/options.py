@@ -1,0 +1,196 @@
+"""What the user can ask for (compile mode, CUDA-graph mode, backend, buckets) and the checks on it.
+
+Every bad choice is an :class:`~..errors.InputError` naming the input: an unknown mode, a torch too old for a
+feature (with the version it needs), CUDA graphs without a CUDA device (unless ``allow_fallback``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+
+COMPILE_MODES = ("off", "regional", "full")
+GRAPH_MODES = ("off", "whole", "breakable")
+# torch.compile backends offered: inductor generates kernels; aot_eager traces and runs the captured graph with
+# eager kernels (quick to compile: tests, debugging); eager stops after dynamo (graph breaks and guards only).
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+BREAK_KINDS = ("kv", "collective", "attention")
+DEFAULT_BREAKS = (
+    "kv",
+    "collective",
+)  # what must run eagerly; plain attention has fixed shapes and can be captured
+
+# Oldest torch each feature needs, and why.
+MIN_TORCH = {
+    "compile": (
+        (2, 5),
+        "torch.compile inlines nn.Module calls by default from 2.5 (inline_inbuilt_nn_modules), which is what "
+        "lets every block reuse one compiled block graph instead of compiling one per layer",
+    ),
+    "cuda_graph": (
+        (2, 1),
+        "torch.cuda.CUDAGraph with private memory pools and thread-local capture errors",
+    ),
+    "breakable": (
+        (2, 1),
+        "TorchFunctionMode sees torch.ops calls (the attention and collective break points)",
+    ),
+}
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """``"2.13.0+cpu"`` -> ``(2, 13)`` (the running torch by default)."""
+    text = str(version if version is not None else torch.__version__)
+    major, minor = text.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_torch(feature: str, input_name: str, version: str | None = None) -> None:
+    """Raise when the running torch (or ``version``) is older than ``feature`` needs."""
+    needed, why = MIN_TORCH[feature]
+    have = torch_version(version)
+    if have < needed:
+        raise InputError(
+            input_name,
+            f"{feature} needs torch >= {needed[0]}.{needed[1]} ({why}); this is torch "
+            f"{version if version is not None else torch.__version__}: upgrade torch or turn {input_name} off",
+        )
+
+
+def parse_buckets(text: str | None, input_name: str = "buckets") -> tuple[tuple[int, int], ...] | None:
+    """``"1024x1024, 768x1344"`` (width x height in px, multiples of 16) -> ``((1024, 1024), (768, 1344))``."""
+    if text is None or not str(text).strip():
+        return None
+    out = []
+    for part in str(text).replace(";", ",").split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        try:
+            w, h = (int(v) for v in part.split("x"))
+        except ValueError:
+            raise InputError(
+                input_name, f"{part!r} is not a size; expected WIDTHxHEIGHT in px, e.g. 1024x1024,768x1344"
+            ) from None
+        if w <= 0 or h <= 0 or w % 16 or h % 16:
+            raise InputError(input_name, f"{w}x{h} px: width and height must be positive multiples of 16")
+        out.append((w, h))
+    return tuple(out) or None
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """The user's choice for one model; each feature can be off on its own.
+
+    ``buckets``: the image sizes (width, height px) a workflow expects. No padding is done (FLUX's joint
+    attention has no mask, so padding tokens would change every real token's result). They bound what is
+    specialised: with ``dynamic=False`` a size outside the buckets runs uncompiled instead of compiling one more
+    static graph, and CUDA graphs are captured only for bucket sizes (others run without a graph). A bucket is a
+    set of tensor shapes, so for FLUX it covers every size with the same number of image tokens
+    (1024x1024 and 512x2048 both give 4096).
+    """
+
+    mode: str = "regional"
+    cuda_graph: str = "off"
+    dynamic: bool = True
+    buckets: tuple[tuple[int, int], ...] | None = None
+    backend: str = "inductor"
+    allow_fallback: bool = False
+    max_graphs: int = 4
+    warmup: int = 1
+    break_at: tuple[str, ...] = DEFAULT_BREAKS
+    emulate_graphs: bool = False  # record/replay a tape instead of CUDA graphs (tests of the graph logic)
+
+    def __post_init__(self):
+        if self.mode not in COMPILE_MODES:
+            raise InputError(
+                "compile",
+                f"unknown compile mode {self.mode!r}; expected one of {', '.join(COMPILE_MODES)} (regional: "
+                "one compiled block graph reused by every block; full: the whole forward)",
+            )
+        if self.cuda_graph not in GRAPH_MODES:
+            raise InputError(
+                "cuda_graph",
+                f"unknown CUDA-graph mode {self.cuda_graph!r}; expected one of {', '.join(GRAPH_MODES)} (whole: "
+                "the forward as one graph per shape; breakable: graph segments with KV-cache calls and "
+                "collectives run eagerly between them)",
+            )
+        if self.backend not in COMPILE_BACKENDS:
+            raise InputError(
+                "backend",
+                f"unknown compile backend {self.backend!r}; expected one of {', '.join(COMPILE_BACKENDS)}",
+            )
+        if not isinstance(self.max_graphs, int) or self.max_graphs < 1:
+            raise InputError("max_graphs", f"{self.max_graphs}: expected at least 1 graph kept")
+        if not isinstance(self.warmup, int) or self.warmup < 1:
+            raise InputError(
+                "warmup", f"{self.warmup}: expected at least 1 eager warm-up call before a capture"
+            )
+        unknown = [k for k in self.break_at if k not in BREAK_KINDS]
+        if unknown:
+            raise InputError(
+                "break_at", f"unknown break points {unknown}; expected some of {', '.join(BREAK_KINDS)}"
+            )
+        if self.mode != "off":
+            check_torch("compile", "compile")
+        if self.cuda_graph != "off":
+            check_torch("cuda_graph", "cuda_graph")
+        if self.cuda_graph == "breakable":
+            check_torch("breakable", "cuda_graph")
+
+    @property
+    def graphs_requested(self) -> bool:
+        return self.cuda_graph != "off"
+
+    def describe(self) -> str:
+        parts = [f"compile {self.mode}"]
+        if self.mode != "off":
+            parts.append(f"backend {self.backend}, {'dynamic' if self.dynamic else 'static'} shapes")
+        parts.append(f"CUDA graph {self.cuda_graph}" + (" (emulated)" if self.emulate_graphs else ""))
+        if self.buckets:
+            parts.append("buckets " + ", ".join(f"{w}x{h}" for w, h in self.buckets))
+        return "; ".join(parts)
+
+
+def graph_device_problem(emulate: bool = False) -> str | None:
+    """Why CUDA graphs cannot run in this process (None: they can)."""
+    if emulate:
+        return None
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
+        return f"CUDA graphs need a CUDA GPU; this torch {torch.__version__} has {build}"
+    return None
+
+
+__all__ = [
+    "BREAK_KINDS",
+    "COMPILE_BACKENDS",
+    "COMPILE_MODES",
+    "CompileConfig",
+    "DEFAULT_BREAKS",
+    "GRAPH_MODES",
+    "MIN_TORCH",
+    "check_torch",
+    "graph_device_problem",
+    "parse_buckets",
+    "torch_version",
+]
+
+
+_HIDDEN_FROM_DYNAMO: set = set()
+
+
+def run_outside_dynamo(cls: type, *methods: str) -> None:
+    """Make dynamo run these methods of ``cls`` eagerly (graph breaks), applied once, at first use.
+
+    Not a decorator: ``torch.compiler.disable`` imports dynamo (and triton with it), and importing the engine
+    must stay light for users who never compile.
+    """
+    if cls in _HIDDEN_FROM_DYNAMO:
+        return
+    for name in methods:
+        setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
+    _HIDDEN_FROM_DYNAMO.add(cls)

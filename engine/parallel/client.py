@@ -1,0 +1,352 @@
+"""The host's API on a pool: sampling and causal video that look like their single-process versions.
+
+``parallel_sample(pool, handle, ...)`` takes ``sample_latent``'s arguments and returns the same ``(latent,
+SampleReport)``; :class:`RemoteVideoSession` behaves like a ``VideoSession`` whose chunks are computed by the
+pool. Everything that can be checked here is checked before a job is sent (inputs, divisibility of heads and
+tokens by the degrees, memory for the local workers), so bad input is an ``InputError`` naming the input and the
+workers never see it. The workers load the model from ``handle.source`` (a file path, which must exist on every
+machine of the pool, or ``dummy:<preset>``) in the handle's dtypes, once, and check that their weights match the
+host's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..cache import STEP_CACHE_FEATURE
+from ..causal.kv_cache import check_kv_storage
+from ..causal.session import (
+    CausalConfig,
+    ChunkResult,
+    SessionStats,
+    VideoSession,
+    check_context,
+    check_size,
+    check_tiny_vae,
+)
+from ..conditioning import TextCondition
+from ..errors import InputError
+from ..handle import ModelHandle
+from ..latent_formats import WAN21
+from ..ops import Linear, weight_bytes
+from ..sampling import schedule_sigmas
+from ..text_to_image import SampleReport, build_sigmas, check_sample_inputs
+from .jobs import dtype_name, fingerprint
+from .pool import WorkerPool
+from .worker import available_memory
+
+_FINGERPRINTS: dict[int, tuple[object, float]] = {}
+
+
+def model_spec(handle: ModelHandle) -> dict:
+    """How a worker loads the same model: source, dtypes, attention backend, and a checksum to compare."""
+    model = handle.model
+    cached = _FINGERPRINTS.get(id(model))
+    if cached is None or cached[0] is not model:
+        cached = (model, fingerprint(model))
+        _FINGERPRINTS[id(model)] = cached
+    linear = next((m.weight.dtype for m in model.modules() if isinstance(m, Linear)), handle.dtype)
+    return {
+        "source": handle.source, "dtype": dtype_name(handle.dtype), "weight_dtype": dtype_name(linear),
+        "attention": handle.attention_backend, "seed": 0, "fingerprint": cached[1],
+        "weight_bytes": weight_bytes(model),
+    }  # fmt: skip
+
+
+def check_sequence_parallel(
+    degrees: tuple[int, int], heads: int, tokens: int, what: str, input_name: str
+) -> None:
+    """Heads must split over the Ulysses degree, the sharded tokens over every rank."""
+    u, r = degrees
+    if heads % u:
+        raise InputError(
+            "ulysses_degree",
+            f"the model has {heads} attention heads, which do not split over ulysses degree {u}; choose a "
+            f"divisor of {heads} (the ring degree has no such limit)",
+        )
+    if tokens % (u * r):
+        raise InputError(
+            input_name,
+            f"{tokens} {what} do not split over ulysses {u} x ring {r} = {u * r} ranks; choose a size whose "
+            f"{what} are a multiple of {u * r}",
+        )
+
+
+def _check_pool_memory(pool: WorkerPool, spec: dict) -> None:
+    """Before a CPU pool loads a model: the local workers together must fit in this machine's memory."""
+    key = (spec["source"], spec["dtype"], spec["weight_dtype"], spec["attention"])
+    if pool.model_key == key or pool.backend != "gloo":
+        return  # GPU workers check their own device before loading
+    available = available_memory()
+    need = len(pool.procs) * spec["weight_bytes"]
+    if available is not None and need > available:
+        raise InputError(
+            "parallel",
+            f"{len(pool.procs)} local workers each load the model ({spec['weight_bytes'] / 2**30:.2f} GiB): "
+            f"{need / 2**30:.2f} GiB, but {available / 2**30:.2f} GiB of memory is available",
+        )
+    pool.model_key = key
+
+
+def _refuse_step_cache(handle: ModelHandle) -> None:
+    if handle.feature(STEP_CACHE_FEATURE) is not None:
+        raise InputError(
+            "model",
+            "a step cache (FewStepCacheGate) and the worker pool cannot be combined: each rank would decide on "
+            "its own tokens; remove the gate or the parallel input",
+        )
+
+
+def _cond_dict(c: TextCondition) -> dict:
+    return {"context": c.context.cpu(), "pooled": None if c.pooled is None else c.pooled.cpu(),
+            "guidance": None if c.guidance is None else float(c.guidance)}  # fmt: skip
+
+
+def parallel_sample(
+    pool: WorkerPool,
+    handle: ModelHandle,
+    positive: Sequence[TextCondition],
+    latent: torch.Tensor,
+    *,
+    negative: Sequence[TextCondition] | None = None,
+    seed: int = 0,
+    steps: int = 4,
+    schedule: str = "flux.1-schnell",
+    sampler: str = "euler",
+    cfg: float = 1.0,
+    denoise: float = 1.0,
+    sigmas: torch.Tensor | None = None,
+    custom_sigmas: str = "",
+    batch_index: Sequence[int] | None = None,
+    callback: Callable[[dict], None] | None = None,
+    sampler_options: dict | None = None,
+    degrees: tuple[int, int] | None = None,
+    mode: str | None = None,
+    comm: dict | None = None,
+) -> tuple[torch.Tensor, SampleReport]:
+    """``sample_latent`` on the pool: the same arguments, the same result (see the module docstring).
+
+    ``callback`` receives ``{"i": step}`` per finished step (no intermediate latents cross the pool);
+    an exception it raises cancels the job on every rank and propagates. ``mode`` ("sp" / "dp") and ``degrees``
+    override the pool's for this job (the degrees' product must stay the pool's size). ``comm``, when given, is
+    filled with rank 0's communication counts (``CommStats.snapshot()``: bytes sent and calls per collective)."""
+    check_sample_inputs(handle, positive, negative, latent, sampler)
+    _refuse_step_cache(handle)
+    if sigmas is None:
+        sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
+    config = pool.config
+    mode = mode or config.mode
+    degrees = job_degrees(pool, degrees)
+    if mode == "sp":
+        tokens = (latent.shape[-2] // 2) * (latent.shape[-1] // 2)
+        check_sequence_parallel(
+            degrees, handle.params.num_heads, tokens, "image tokens (16x16 px each)", "latent"
+        )
+    spec = model_spec(handle)
+    _check_pool_memory(pool, spec)
+    job = {
+        "kind": "sample", "model": spec, "positive": [_cond_dict(c) for c in positive],
+        "negative": [_cond_dict(c) for c in negative] if negative else None, "latent": latent.float().cpu(),
+        "seed": int(seed), "sampler": sampler, "cfg": float(cfg), "sigmas": sigmas.float().cpu(),
+        "batch_index": list(batch_index) if batch_index is not None else None,
+        "sampler_options": dict(sampler_options or {}), "degrees": list(degrees), "mode": mode,
+    }  # fmt: skip
+
+    def on_progress(count: int) -> None:
+        for i in range(seen[0], count):
+            if callback is not None:
+                callback({"i": i})
+        seen[0] = count
+
+    seen = [0]
+    t0 = time.perf_counter()
+    result = pool.run(job, on_progress=on_progress)
+    on_progress(result["report"]["steps"])
+    wall = time.perf_counter() - t0
+    report = SampleReport(**result["report"])
+    if comm is not None:
+        comm.update(result.get("comm", {}))
+    sent = result.get("comm", {}).get("total", 0)
+    report.notes = [
+        *report.notes,
+        f"parallel: {_describe(mode, pool.world, degrees)}, backend {pool.backend}; {wall:.3f} s with dispatch; rank 0 sent "
+        f"{sent / 2**20:.2f} MiB ({sent / max(1, report.model_calls) / 2**20:.2f} MiB per forward)",
+    ]
+    return result["latent"], report
+
+
+def _describe(mode: str, world: int, degrees) -> str:
+    if mode == "dp":
+        return f"data parallel over {world} ranks"
+    return f"sequence parallel ulysses {degrees[0]} x ring {degrees[1]}"
+
+
+def job_degrees(pool: WorkerPool, degrees) -> tuple[int, int]:
+    """The (ulysses, ring) split of a job: the pool's, or an override that uses all of its ranks."""
+    if not degrees:
+        u, r = pool.config.degrees
+        return (u, r) if u * r == pool.world else (1, pool.world)
+    u, r = (int(d) for d in degrees)
+    if u < 1 or r < 1 or u * r != pool.world:
+        raise InputError(
+            "parallel", f"ulysses {u} x ring {r} = {u * r} ranks, but the pool has {pool.world}; the degrees' "
+            "product must equal the world size",
+        )  # fmt: skip
+    return u, r
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteCacheInfo:
+    """What the video report reads from a session's KV cache, for one rank's share."""
+
+    per_token: int
+    tokens_per_frame: int
+
+    def bytes_per_token(self) -> int:
+        return self.per_token
+
+
+class RemoteVideoSession:
+    """A causal video session computed by a pool (sequence parallel): the interface of ``VideoSession`` that
+    the video nodes use. Each rank holds its share of the KV cache; rank 0 streams the chunks back."""
+
+    _keys = itertools.count(1)
+
+    def __init__(self, pool: WorkerPool, handle: ModelHandle, context: torch.Tensor, height: int, width: int,
+                 config: CausalConfig | None = None, seed: int = 0, tiny_vae=None, where: str | None = None,
+                 degrees: tuple[int, int] | None = None):  # fmt: skip
+        config = config or CausalConfig()
+        p = handle.params
+        if pool.config.mode != "sp":
+            raise InputError(
+                "parallel",
+                "the causal video sampler runs sequence parallel: set the launcher's mode to sp",
+                where,
+            )
+        _refuse_step_cache(handle)
+        config.window.check(where)
+        check_kv_storage(config.kv_dtype, config.keep_recent_chunks, config.window, p.head_dim, where)
+        check_size(p, height, width, where)
+        check_context(p, context, None, where)
+        self.degrees = job_degrees(pool, degrees)
+        u, r = self.degrees
+        grid = (height // 8 // p.patch_size[1], width // 8 // p.patch_size[2])
+        tokens = grid[0] * grid[1]
+        check_sequence_parallel(
+            self.degrees, p.num_heads, tokens, "tokens per latent frame (16x16 px each)", "width"
+        )
+        if r > 1 and config.kv_dtype != "bf16":
+            raise InputError(
+                "kv_dtype",
+                f"{config.kv_dtype} KV storage with ring degree {r}: use ulysses only, or bf16",
+                where,
+            )
+        if tiny_vae is not None:
+            check_tiny_vae(tiny_vae, p, where)
+        self.pool, self.handle, self.model = pool, handle, handle.model
+        self.config, self.seed, self.where = config, int(seed), where
+        self.height, self.width, self.batch = height, width, context.shape[0]
+        self.sigmas = schedule_sigmas(config.schedule, config.steps, input_name="schedule")
+        self.key = f"{pool.id}-video{next(self._keys)}"
+        self.tiny_vae = tiny_vae
+        self.decoder = tiny_vae.stream_decoder() if tiny_vae is not None else None
+        self.stats = SessionStats()
+        elt = torch.empty((), dtype=handle.dtype).element_size()
+        self.cache = RemoteCacheInfo(2 * (p.num_heads // u) * p.head_dim * p.num_layers * elt, tokens // r)
+        self.cache_decision = None
+        self.frames_generated = 0
+        self.started = False
+        self._context = context.float().cpu()
+        self._new_prompt = None
+        self._disposed = False
+
+    @property
+    def disposed(self) -> bool:
+        return self._disposed or self.pool.closed
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV cache the session holds on each rank (the store's LRU counts this)."""
+        return self.cache.per_token * self.cache.tokens_per_frame * self.config.window_frames * self.batch
+
+    def set_prompt(self, context: torch.Tensor) -> None:
+        self._check_alive()
+        check_context(self.handle.params, context, self.batch, self.where)
+        self._new_prompt = context.float().cpu()
+
+    def dispose(self) -> None:
+        if not self._disposed and not self.pool.closed:
+            self.pool.drop_sessions.append(self.key)  # freed on the workers with the next job
+        self._disposed = True
+        self.decoder = None
+
+    def _check_alive(self) -> None:
+        if self.disposed:
+            raise InputError(
+                "session",
+                "this session was disposed, or its worker pool was stopped (freed memory, an error, or the "
+                "launcher's settings changed); run the video sampler again",
+                self.where,
+            )
+
+    def chunks(self, n: int):
+        """Generate ``n`` more chunks on the pool, yielding each as rank 0 streams it back."""
+        self._check_alive()
+        if n < 1:
+            raise InputError("chunks", f"expected at least 1 chunk, got {n}", self.where)
+        job = {"kind": "video", "model": model_spec(self.handle), "key": self.key, "chunks": int(n),
+               "degrees": list(self.degrees)}  # fmt: skip
+        if not self.started:
+            job.update(start=True, context=self._context, height=self.height, width=self.width, seed=self.seed,
+                       config=dataclasses.asdict(self.config))  # fmt: skip
+        elif self._new_prompt is not None:
+            job["context"] = self._new_prompt
+        _check_pool_memory(self.pool, job["model"])
+        pool = self.pool
+        n_job = pool.submit(job)
+        self.started, self._new_prompt = True, None
+        events = pool.events(n_job, "causal video")
+        try:
+            while True:
+                try:
+                    kind, payload = next(events)
+                except StopIteration as done:
+                    self.frames_generated = done.value["frames_generated"]
+                    return
+                if kind == "chunk":
+                    yield self._chunk(payload)
+        except GeneratorExit:
+            pool.cancel(n_job)  # the consumer stopped (ComfyUI's interrupt): stop the ranks at the next chunk
+            self._disposed = True
+            raise
+        except InputError:
+            raise
+        except BaseException:
+            pool.cancel(n_job)
+            self._disposed = True
+            raise
+
+    def _chunk(self, payload: dict) -> ChunkResult:
+        latents = payload["latents"]
+        frames = None
+        if self.decoder is not None:  # as VideoSession decodes, here on the host (push moves it to the VAE)
+            raw = WAN21.process_out(latents.float())
+            with torch.inference_mode():
+                frames = self.decoder.push(self.tiny_vae.raw_to_latent(raw)).float().cpu()
+        chunk = ChunkResult(
+            index=payload["index"], start_frame=payload["start_frame"], latents=latents, frames=frames,
+            seconds=payload["seconds"], commit_seconds=payload["commit_seconds"], kv_bytes=payload["kv_bytes"],
+            kv_bytes_used=payload["kv_bytes_used"],
+        )  # fmt: skip
+        self.frames_generated = chunk.start_frame + self.config.chunk_frames
+        if self.stats.first_chunk_seconds is None:
+            self.stats.first_chunk_seconds = chunk.seconds
+        self.stats.chunks.append(chunk)
+        return chunk
+
+    run = VideoSession.run  # the same loop over ``self.chunks(n)``

@@ -1,0 +1,374 @@
+"""What workers do with a job, and the model cache that lets them keep a model across jobs.
+
+Job ``n`` (a dict, ``kind`` plus arguments; see ``engine.parallel.client`` for the host side) is read by every
+rank. Ranks report to the store: ``step/<n>/<rank>`` counts each unit of progress (the model being ready, each
+sampling step, each video chunk), rank 0 also bumps ``progress/<n>`` per step or chunk and writes ``chunk/<n>/<i>`` (video) and
+``result/<n>``. A failure writes ``error/<n>/<rank>`` and bumps ``failed/<n>``; every rank bumps
+``finished/<n>`` when it is done with the job, whatever happened. Each of these writes is followed by a bump of
+``events/<n>``, the one counter the host polls while it waits. ``cancel/<n>``, set by the host, stops every
+rank at the same step: sequence-parallel ranks agree on it with one all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections import OrderedDict
+from datetime import timedelta
+
+import torch
+
+from ..causal import CausalConfig, VideoSession
+from ..conditioning import TextCondition
+from ..errors import InputError
+from ..handle import ModelHandle, open_model
+from ..text_to_image import sample_latent
+from . import transport
+from .config import ParallelConfig
+from .mesh import SequenceMesh
+from .sharding import CausalSharding, ShardedHandle
+from .worker import JobCancelledError, _error_record, available_memory
+
+log = logging.getLogger(__name__)
+
+MAX_SESSIONS = 8
+JOB_WAIT = 30.0  # s an idle worker blocks on the store before checking for shutdown on its own
+SHUTDOWN = b"shutdown"  # written by the host in place of the next job's header when it stops the pool
+
+
+def fingerprint(model: torch.nn.Module) -> float:
+    """A cheap checksum of the weights (the first elements of every tensor): two processes that loaded the same
+    file in the same dtypes agree on it; a different file or dummy seed does not."""
+    total = 0.0
+    for i, (name, t) in enumerate(sorted(model.state_dict().items())):
+        head = t.detach().flatten()[:32].to("cpu", torch.float64)
+        total += float((head * (1.0 + 0.01 * (i % 97))).sum()) + 1e-3 * len(name)
+    return total
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InputError("model", f"unknown dtype {name!r}")
+    return dtype
+
+
+class WorkerContext:
+    """One rank's state between jobs: process groups per (ulysses, ring), the loaded model, video sessions."""
+
+    def __init__(
+        self, store, config: ParallelConfig, rank: int, world: int, device: torch.device, backend: str
+    ):
+        self.store, self.config, self.rank, self.world = store, config, rank, world
+        self.device, self.backend = device, backend
+        self.meshes: dict[tuple[int, int], SequenceMesh] = {}
+        self.model_key = None
+        self.model_fingerprint: float | None = None
+        self.handle: ModelHandle | None = None
+        self.sessions: OrderedDict[str, VideoSession] = OrderedDict()
+        self.models_loaded = 0
+        self.job = 0
+
+    # -- the job loop ----------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        n = 1
+        while True:
+            if self._wait_for_job(n):
+                if self.store.get(f"job/{n}") == SHUTDOWN:
+                    break
+                self.run(n)
+                n += 1
+            elif self.store.check(["shutdown"]):
+                break
+        log.info("rank %d: shutting down", self.rank)
+
+    def _wait_for_job(self, n: int) -> bool:
+        """Block until job ``n`` is there (the store wakes us at once; the host writes a shutdown marker in its
+        place when it stops the pool). False after ``JOB_WAIT`` seconds without one."""
+        t0 = time.monotonic()
+        try:
+            self.store.wait([f"job/{n}"], timedelta(seconds=JOB_WAIT))
+            return True
+        except RuntimeError:  # DistStoreError: the wait timed out, or the store is failing
+            if time.monotonic() - t0 < 0.1 * JOB_WAIT:
+                time.sleep(0.1)  # failing fast: the next check raises if the host's store is gone
+            return False
+
+    def run(self, n: int) -> None:
+        self.job = n
+        try:
+            job = transport.get(self.store, f"job/{n}")
+            for key in job.get("drop_sessions", ()):
+                session = self.sessions.pop(key, None)
+                if session is not None:
+                    session.dispose()
+            handler = HANDLERS.get(job["kind"])
+            if handler is None:
+                raise InputError("job", f"unknown job kind {job['kind']!r}")
+            result = handler(self, job)
+            if self.rank == 0:
+                transport.put(self.store, f"result/{n}", result if result is not None else {})
+        except JobCancelledError:
+            self.store.set(f"cancelled/{n}/{self.rank}", "1")
+        except Exception as err:  # noqa: BLE001 - every failure is reported to the host, which decides
+            log.error("rank %d: job %d failed: %s", self.rank, n, err)
+            transport.put(self.store, f"error/{n}/{self.rank}", _error_record(err, self.rank))
+            self.store.add(f"failed/{n}", 1)
+        finally:
+            self.store.set(f"done/{n}/{self.rank}", "1")
+            self.store.add(f"finished/{n}", 1)
+            self.event()
+
+    # -- helpers for handlers --------------------------------------------------------------------------------------
+    def progress(self, step: bool = True) -> None:
+        """A unit of progress for the host's watch; ``step``: also a step (or chunk) the caller reports."""
+        self.store.add(f"step/{self.job}/{self.rank}", 1)
+        if step and self.rank == 0:
+            self.store.add(f"progress/{self.job}", 1)
+            self.event()
+
+    def event(self) -> None:
+        """Tell the host that something of this job changed (it polls this one counter; written last)."""
+        self.store.add(f"events/{self.job}", 1)
+
+    def cancel_requested(self) -> bool:
+        return self.store.check([f"cancel/{self.job}"])
+
+    def mesh(self, degrees=None) -> SequenceMesh:
+        u, r = tuple(degrees) if degrees else self.config.degrees
+        if u * r != self.world:
+            raise InputError("parallel", f"ulysses {u} x ring {r} does not use the pool's {self.world} ranks")
+        key = (u, r)
+        if key not in self.meshes:  # collective: every rank gets the same job, so every rank builds it
+            self.meshes[key] = SequenceMesh.build(u, r, self.device)
+        mesh = self.meshes[key]
+        mesh.stats.reset()
+        return mesh
+
+    def model(self, spec: dict) -> ModelHandle:
+        key = (spec["source"], spec["dtype"], spec["weight_dtype"], spec["attention"], spec.get("seed", 0))
+        if key != self.model_key:
+            self.handle = self.model_key = self.model_fingerprint = None
+            self.sessions.clear()
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._check_memory(spec)
+            self.handle = open_model(
+                spec["source"], weight_dtype=dtype_of(spec["weight_dtype"]), dtype=dtype_of(spec["dtype"]),
+                device=self.device, attention_backend=spec["attention"], seed=spec.get("seed", 0),
+                input_name="model",
+            )  # fmt: skip
+            self.model_key = key
+            self.models_loaded += 1
+        expected = spec.get("fingerprint")
+        if expected is not None:
+            if self.model_fingerprint is None:  # once per loaded model (reading every tensor syncs a GPU)
+                self.model_fingerprint = fingerprint(self.handle.model)
+            got = self.model_fingerprint
+            if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9):
+                raise InputError(
+                    "model",
+                    f"rank {self.rank} loaded {spec['source']} but its weights differ from the model on the host "
+                    "(the file changed since the host loaded it, a different file at that path on this machine, "
+                    "or dummy weights with another seed)",
+                )
+        self.progress(step=False)  # the model is ready: the host's startup timeout ends here
+        return self.handle
+
+    def _check_memory(self, spec: dict) -> None:
+        need = int(spec.get("weight_bytes", 0))
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = available_memory()
+        if free is not None and need and free < need * 1.1:
+            raise InputError(
+                "model",
+                f"rank {self.rank} ({self.device}) has {free / 2**30:.2f} GiB free; the model's weights take "
+                f"{need / 2**30:.2f} GiB (plus activations): use fewer ranks per machine or a smaller dtype",
+            )
+
+
+# -- job kinds --------------------------------------------------------------------------------------------------
+def _conds(items) -> list[TextCondition]:
+    return [TextCondition(c["context"], c.get("pooled"), c.get("guidance")) for c in items or []]
+
+
+def _report_dict(report) -> dict:
+    return {
+        "sigmas": report.sigmas, "sampler": report.sampler, "steps": report.steps,
+        "model_calls": report.model_calls, "rows_evaluated": report.rows_evaluated, "cfg_used": report.cfg_used,
+        "seconds_total": report.seconds_total, "seconds_per_step": report.seconds_per_step, "notes": report.notes,
+    }  # fmt: skip
+
+
+def run_sample(ctx: WorkerContext, job: dict) -> dict | None:
+    """Text-to-image sampling: sequence parallel (every rank, every step) or data parallel (rows per rank)."""
+    handle = ctx.model(job["model"])
+    positive, negative = _conds(job["positive"]), _conds(job.get("negative")) or None
+    options = {
+        "seed": job["seed"], "sampler": job["sampler"], "cfg": job["cfg"], "sigmas": job["sigmas"],
+        "sampler_options": job.get("sampler_options") or None,
+    }  # fmt: skip
+    if job.get("mode", ctx.config.mode) == "dp":
+        return _sample_rows(ctx, handle, positive, negative, job, options)
+    mesh = ctx.mesh(job.get("degrees"))
+
+    def on_step(info):
+        ctx.progress()
+        if mesh.agree(ctx.cancel_requested()):
+            raise JobCancelledError
+
+    sharded = ShardedHandle(
+        model=handle.model, source=handle.source, dtype=handle.dtype, attention_backend=handle.attention_backend,
+        mesh=mesh,
+    )  # fmt: skip
+    latent, report = sample_latent(
+        sharded, positive, job["latent"], negative=negative, batch_index=job.get("batch_index"),
+        callback=on_step, **options,
+    )  # fmt: skip
+    if ctx.rank != 0:
+        return None
+    return {"latent": latent, "report": _report_dict(report), "comm": mesh.stats.snapshot()}
+
+
+def row_split(batch: int, world: int) -> list[range]:
+    """Contiguous rows per rank, the first ``batch % world`` ranks one row more."""
+    base, extra = divmod(batch, world)
+    out, start = [], 0
+    for r in range(world):
+        n = base + (r < extra)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def _sample_rows(ctx: WorkerContext, handle, positive, negative, job, options) -> dict | None:
+    """Data parallel: this rank's rows with the noise they have in the whole batch; rank 0 collects the rows
+    through the store (no collective, so a rank with fewer rows never waits inside a timed collective)."""
+    latent = job["latent"]
+    batch = latent.shape[0]
+    rows = list(row_split(batch, ctx.world)[ctx.rank])
+    part: dict = {"rows": rows, "cancelled": False}
+    if rows:
+        index = job.get("batch_index") or list(range(batch))
+
+        def pick(conds):
+            picked = []
+            for c in conds or []:
+                c = c.repeat_to(batch)
+                pooled = None if c.pooled is None else c.pooled[rows]
+                picked.append(TextCondition(c.context[rows], pooled, c.guidance))
+            return picked or None
+
+        def on_step(info):
+            ctx.progress()
+            if ctx.cancel_requested():
+                raise JobCancelledError
+
+        try:
+            out, report = sample_latent(
+                handle, pick(positive), latent[rows], negative=pick(negative),
+                batch_index=[index[i] for i in rows], callback=on_step, **options,
+            )  # fmt: skip
+            part.update(latent=out, report=_report_dict(report))
+        except JobCancelledError:
+            part["cancelled"] = True
+    transport.put(ctx.store, f"dp/{ctx.job}/{ctx.rank}", part)
+    if ctx.rank != 0:
+        if part["cancelled"]:
+            raise JobCancelledError
+        return None
+    parts = [part] + [_wait_part(ctx, r) for r in range(1, ctx.world)]
+    if any(p["cancelled"] for p in parts):
+        raise JobCancelledError
+    done = [p for p in parts if p["rows"]]
+    out = torch.cat([p["latent"] for p in done], dim=0)
+    report = dict(done[0]["report"])
+    report["rows_evaluated"] = sum(p["report"]["rows_evaluated"] for p in done)
+    report["seconds_total"] = max(p["report"]["seconds_total"] for p in done)
+    return {"latent": out, "report": report, "comm": {"bytes_sent": {}, "calls": {}, "total": 0}}
+
+
+def _wait_part(ctx: WorkerContext, rank: int) -> dict:
+    # no deadline here: the host watches every rank's heartbeat and progress and stops the pool if one is lost
+    key = f"dp/{ctx.job}/{rank}"
+    poll = transport.Poll(longest=0.05)
+    while not transport.ready(ctx.store, key):
+        if ctx.store.check(["shutdown"]):
+            raise JobCancelledError
+        poll.wait()
+    part = transport.get(ctx.store, key)
+    transport.delete(ctx.store, key)
+    return part
+
+
+def run_video(ctx: WorkerContext, job: dict) -> dict | None:
+    """Causal video on a sequence-parallel session: ``start`` a session, or continue one (``key``), optionally
+    with a new prompt; rank 0 streams each chunk to the host as soon as it is denoised."""
+    handle = ctx.model(job["model"])
+    mesh = ctx.mesh(job.get("degrees"))
+    key = job["key"]
+    if job.get("start"):
+        old = ctx.sessions.pop(key, None)
+        if old is not None:
+            old.dispose()
+        session = VideoSession(
+            handle.model, job["context"].to(ctx.device), job["height"], job["width"],
+            CausalConfig(**job["config"]), job["seed"], parallel=CausalSharding(mesh),
+        )  # fmt: skip
+        ctx.sessions[key] = session
+        while len(ctx.sessions) > MAX_SESSIONS:
+            ctx.sessions.popitem(last=False)[1].dispose()
+    else:
+        session = ctx.sessions.get(key)
+        if session is None or session.disposed:
+            raise InputError(
+                "session",
+                f"{key} is no longer held by the workers (evicted or freed); run the video sampler again",
+            )
+        ctx.sessions.move_to_end(key)
+        if job.get("context") is not None:
+            session.set_prompt(job["context"].to(ctx.device))
+    t0 = time.perf_counter()
+    for i, chunk in enumerate(session.chunks(job["chunks"])):
+        ctx.progress()
+        if ctx.rank == 0:
+            transport.put(ctx.store, f"chunk/{ctx.job}/{i}", {
+                "index": chunk.index, "start_frame": chunk.start_frame, "latents": chunk.latents,
+                "seconds": chunk.seconds, "commit_seconds": chunk.commit_seconds, "kv_bytes": chunk.kv_bytes,
+                "kv_bytes_used": chunk.kv_bytes_used,
+            })  # fmt: skip
+            ctx.event()
+        if mesh.agree(ctx.cancel_requested()):
+            raise JobCancelledError
+    if ctx.rank != 0:
+        return None
+    return {
+        "frames_generated": session.frames_generated, "seconds": time.perf_counter() - t0,
+        "comm": mesh.stats.snapshot(), "kv_bytes_per_token": session.cache.bytes_per_token(),
+        "kv_tokens_per_frame": session.cache.tokens_per_frame,
+    }  # fmt: skip
+
+
+def run_task(ctx: WorkerContext, job: dict):
+    from .tasks import TASKS
+
+    task = TASKS.get(job["name"])
+    if task is None:
+        raise InputError("task", f"unknown task {job['name']!r}; known: {', '.join(TASKS)}")
+    return task(ctx, **job.get("args", {}))
+
+
+def run_drop(ctx: WorkerContext, job: dict) -> None:
+    """Only the ``drop_sessions`` every job carries (handled before dispatch)."""
+
+
+HANDLERS = {"sample": run_sample, "video": run_video, "task": run_task, "drop": run_drop}

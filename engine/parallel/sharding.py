@@ -1,0 +1,150 @@
+"""Running a plain model on a shard of its tokens: block runners that shard the residual stream and gather it.
+
+The models know nothing of parallelism. Their forward is ``finish(run_blocks(embed(...)))`` and takes a
+``block_runner`` hook; the runners here take the embedded stream (every rank embeds the whole, identical input),
+keep this rank's image / video tokens and their RoPE rotations, run the blocks with attention going through the
+mesh (``engine.attention.use_parallel_attention``), then all-gather the stream so the head runs on every token
+and every rank returns the same velocity. The sampler loop around the forward is therefore replicated exactly.
+
+* FLUX: the image tokens are split into ``world`` contiguous parts; the text stream stays whole on every rank
+  and the blocks tell attention that the first ``len(txt)`` tokens are replicated.
+* Wan: each latent frame's tokens are split into ``world`` parts (so per-frame modulation applies to a shard
+  as it is); cross-attention reads the whole prompt locally.
+* Causal Wan (:class:`CausalSharding`, given to ``VideoSession(parallel=...)``): each rank's KV cache holds its
+  ring part of every frame's tokens for its ``heads / ulysses`` heads. The cache view does the Ulysses exchange
+  before writing the chunk's K/V (so the cache stores whole frames of the ring part, frame by frame, as it
+  expects), attends through the ring, and exchanges back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..attention import use_parallel_attention
+from ..handle import ModelHandle
+from ..rope import RopeFreqs
+from .mesh import SequenceMesh, shard
+from .sequence import SequenceParallelPlan
+
+
+def shard_freqs(freqs: RopeFreqs, index: int, parts: int, prefix: int = 0, frames: int = 1) -> RopeFreqs:
+    """The rotations of this rank's tokens: the first ``prefix`` (replicated) whole, then part ``index``."""
+    if parts == 1:
+        return freqs
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        rest = shard(t[:, prefix:], index, parts, dim=1, frames=frames)
+        return torch.cat((t[:, :prefix], rest), dim=1) if prefix else rest
+
+    return RopeFreqs(one(freqs.cos), one(freqs.sin))
+
+
+def flux_block_runner(mesh: SequenceMesh, inner=None):
+    """``block_runner`` for :meth:`Flux.forward` that runs the blocks on this rank's image tokens."""
+
+    def run(model, h):
+        if h.joint is not None:
+            raise ValueError("the sharded block runner starts from the double-stream blocks")
+        txt_tokens = h.txt.shape[1]
+        local = dataclasses.replace(
+            h,
+            img=mesh.shard(h.img, dim=1),
+            freqs=shard_freqs(h.freqs, mesh.rank, mesh.world, prefix=txt_tokens),
+        )
+        with use_parallel_attention(SequenceParallelPlan(mesh)):
+            out = model.run_blocks(local) if inner is None else inner(model, local)
+        return dataclasses.replace(out, img=mesh.gather(out.stream, dim=1), joint=None, freqs=h.freqs)
+
+    return run
+
+
+def wan_block_runner(mesh: SequenceMesh, inner=None):
+    """``block_runner`` for :meth:`Wan.forward` on this rank's part of every frame's tokens; a causal KV cache
+    in the stream is wrapped in :class:`ShardedKV` (the session built it with :class:`CausalSharding`)."""
+
+    def run(model, h):
+        frames = h.grid[0]
+        if h.kv is not None:
+            kv = ShardedKV(h.kv, mesh, frames)
+            freqs = kv.query_rope()
+        else:
+            kv, freqs = None, shard_freqs(h.freqs, mesh.rank, mesh.world, frames=frames)
+        local = dataclasses.replace(h, tokens=mesh.shard(h.tokens, dim=1, frames=frames), freqs=freqs, kv=kv)
+        with use_parallel_attention(SequenceParallelPlan(mesh)):
+            out = model.run_blocks(local) if inner is None else inner(model, local)
+        tokens = mesh.gather(out.tokens, dim=1, frames=frames)
+        return dataclasses.replace(out, tokens=tokens, freqs=h.freqs, kv=h.kv)
+
+    return run
+
+
+class ShardedKV:
+    """A causal KV cache as the sharded blocks see it: Ulysses exchange around the per-rank cache."""
+
+    def __init__(self, cache, mesh: SequenceMesh, frames: int):
+        self.cache, self.mesh, self.frames = cache, mesh, frames
+
+    def query_rope(self) -> RopeFreqs:
+        # the cache's rotations cover its ring part of each frame; this rank's queries are a Ulysses part of it
+        m = self.mesh
+        return shard_freqs(self.cache.query_rope(), m.ulysses_index, m.ulysses_degree, frames=self.frames)
+
+    def layer(self, index: int) -> _ShardedLayer:
+        return _ShardedLayer(self, index)
+
+
+class _ShardedLayer:
+    def __init__(self, kv: ShardedKV, index: int):
+        self.kv, self.index = kv, index
+
+    def attend(self, q, k, v):
+        """``q, k, v [B, F * T / world, H, D]`` (q rotated, k not) -> attention output of the same shape."""
+        mesh, frames = self.kv.mesh, self.kv.frames
+        q, k, v = mesh.sequence_to_heads([q, k, v], frames=frames)  # [B, F * T / ring, H / ulysses, D]
+        with use_parallel_attention(SequenceParallelPlan(mesh).ring_only()):
+            out = self.kv.cache.layer(self.index).attend(q, k, v)
+        return mesh.heads_to_sequence(out, frames=frames)
+
+
+class CausalSharding:
+    """What ``VideoSession(parallel=...)`` uses: the per-rank cache layout and the sharded block runner."""
+
+    def __init__(self, mesh: SequenceMesh):
+        self.mesh = mesh
+
+    def kv_layout(self, tokens_per_frame: int, heads: int) -> tuple[int, int]:
+        """(tokens per frame, heads) this rank's cache holds: its ring part, its Ulysses heads."""
+        m = self.mesh
+        return tokens_per_frame // m.ring_degree, heads // m.ulysses_degree
+
+    def frame_rope(self, rope_fn):
+        """``rope_fn(frame_positions, grid_hw)`` restricted to this rank's ring part of every frame."""
+        m = self.mesh
+
+        def rope(positions, grid_hw):
+            freqs = rope_fn(positions, grid_hw)
+            return shard_freqs(freqs, m.ring_index, m.ring_degree, frames=positions.shape[0])
+
+        return rope
+
+    def block_runner(self, inner=None):
+        return wan_block_runner(self.mesh, inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedHandle(ModelHandle):
+    """A handle whose family velocity runs the block stack sharded over ``mesh`` (FLUX sampling in a worker)."""
+
+    mesh: SequenceMesh | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def family(self):
+        family = super().family
+        velocity, mesh = family.velocity, self.mesh
+
+        def sharded_velocity(model, x, sigma, cond, block_runner=None):
+            return velocity(model, x, sigma, cond, block_runner=flux_block_runner(mesh, block_runner))
+
+        return dataclasses.replace(family, velocity=sharded_velocity)

@@ -1,0 +1,45 @@
+"""The cost planner: FLOPs per DiT forward, forwards per job, KV and weight bytes, predicted seconds on a GPU.
+
+    from fewstep.engine.plan import plan_preset
+    plan = plan_preset("wan2.1-1.3b", height=480, width=832, frames=81, gpu="h200")
+    print(plan.table()); plan.fields["kv_bytes_window"]
+
+See ``flops.py`` for the FLOP convention, ``hardware.py`` for the GPU presets and their sources, ``memory.py``
+for the byte layouts.
+"""
+
+from .flops import (
+    ForwardFlops,
+    MeasuredFlops,
+    flux_forward_flops,
+    measure_flops,
+    wan_forward_flops,
+    wan_prompt_flops,
+    wan_tokens_per_frame,
+)
+from .hardware import DEFAULT_MFU, GPUS, GpuSpec, gpu_spec
+from .memory import KV_LAYOUTS, WEIGHT_DTYPE_BYTES, count_parameters, kv_bytes_per_token, kv_layout
+from .planner import CostPlan, known_models, plan_cost, plan_preset
+
+__all__ = [
+    "DEFAULT_MFU",
+    "GPUS",
+    "KV_LAYOUTS",
+    "WEIGHT_DTYPE_BYTES",
+    "CostPlan",
+    "ForwardFlops",
+    "GpuSpec",
+    "MeasuredFlops",
+    "count_parameters",
+    "flux_forward_flops",
+    "gpu_spec",
+    "known_models",
+    "kv_bytes_per_token",
+    "kv_layout",
+    "measure_flops",
+    "plan_cost",
+    "plan_preset",
+    "wan_forward_flops",
+    "wan_prompt_flops",
+    "wan_tokens_per_frame",
+]

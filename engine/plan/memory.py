@@ -1,0 +1,157 @@
+"""Bytes: weights by storage dtype, and the causal KV cache by element type.
+
+Weights are counted on the model built on the meta device (exact parameter counts, no memory). fp8 storage
+follows the engine (``engine.ops.store_linear_weights``): the weight matrices of linear layers take 1 byte per
+element, everything else (biases, norms, Wan's patch-embedding convolution and modulation tables) stays in the
+16-bit compute dtype.
+
+The KV cache (``engine.causal.KVCache``) holds K and V of every layer, ``2 x layers x heads x head_dim``
+elements per token, for ``window_frames x tokens_per_frame`` tokens. ``bf16`` keeps them all in the compute
+dtype. ``int8`` / ``int4`` (``kernels.kv_quant``) keep the sinks, the current chunk and the newest
+``keep_recent_chunks`` completed chunks in the compute dtype and quantize the rest of the window per (token,
+head) row: the codes (``head_dim`` bytes for int8, ``head_dim / 2`` for int4) plus a float16 scale and a float16
+zero point, so ``head_dim + 4`` and ``head_dim / 2 + 4`` bytes per row against ``2 x head_dim`` in bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..causal.kv_cache import WindowSpec
+from ..errors import InputError
+from ..ops import Linear
+
+WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    linear_weights: int  # elements of Linear weight matrices (what fp8 storage shrinks)
+
+    def bytes(self, dtype: str) -> int:
+        """Weight bytes when stored as ``dtype`` (fp8: linear weights in fp8, the rest in bf16)."""
+        if dtype == "fp8":
+            return self.linear_weights + 2 * (self.total - self.linear_weights)
+        return WEIGHT_DTYPE_BYTES[dtype] * self.total
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        return {d: self.bytes(d) for d in WEIGHT_DTYPE_BYTES}
+
+
+def count_parameters(model: nn.Module) -> ParameterCount:
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    return ParameterCount(total=sum(t.numel() for t in model.state_dict().values()), linear_weights=linear)
+
+
+@functools.lru_cache(maxsize=32)
+def preset_parameters(model_class: type, params) -> ParameterCount:
+    """Parameter counts of ``model_class(params)``, built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return count_parameters(model_class(params))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    name: str
+    bits: int | None  # None: unquantized, in the compute dtype (bf16 on a GPU)
+    note: str
+
+    def group_bytes(self, head_dim: int) -> int:
+        """Bytes of one (token, head) row of K or of V."""
+        if self.bits is None:
+            return 2 * head_dim
+        return head_dim * self.bits // 8 + 4  # codes + float16 scale + float16 zero point
+
+
+KV_LAYOUTS: dict[str, KVLayout] = {
+    k.name: k
+    for k in (
+        KVLayout("bf16", None, "the compute dtype, unquantized"),
+        KVLayout("int8", 8, "uint8 codes + fp16 scale and zero point per (token, head)"),
+        KVLayout("int4", 4, "two 4-bit codes per byte + fp16 scale and zero point per (token, head)"),
+    )
+}
+
+
+def kv_layout(name: str, input_name: str = "kv_dtype") -> KVLayout:
+    if name not in KV_LAYOUTS:
+        raise InputError(input_name, f"unknown KV cache dtype {name!r}; known: {', '.join(KV_LAYOUTS)}")
+    return KV_LAYOUTS[name]
+
+
+def kv_bytes_per_token(layers: int, heads: int, head_dim: int, layout: KVLayout) -> int:
+    """K and V of one token over every layer (batch 1), as the layout stores it."""
+    return 2 * layers * heads * layout.group_bytes(head_dim)
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    per_token: int  # as stored for good (quantized for int8 / int4)
+    per_chunk: int  # one chunk's tokens at per_token
+    window: int  # the cache's allocation: full-precision slots + quantized slots
+    full_frames: int  # frame slots kept in the compute dtype (all of them unquantized)
+    quantized_frames: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def check_keep_recent(layout: KVLayout, keep_recent_chunks: int, window: WindowSpec, head_dim: int) -> None:
+    if layout.bits == 4 and head_dim % 2:
+        raise InputError("kv_dtype", f"int4 packs two values per byte; head_dim {head_dim} is odd")
+    most = window.ring_frames // window.chunk_frames - 1
+    if layout.bits is not None and not 0 <= keep_recent_chunks <= most:
+        raise InputError(
+            "keep_recent_chunks",
+            f"{keep_recent_chunks}: the current chunk and the recent ones ({window.chunk_frames} latent frames each) "
+            f"must fit the {window.ring_frames} frames of the window outside the sinks, so 0 to {most}",
+        )
+
+
+def kv_cache_bytes(
+    layers: int,
+    heads: int,
+    head_dim: int,
+    tokens_per_frame: int,
+    window: WindowSpec,
+    layout: KVLayout,
+    keep_recent_chunks: int = 1,
+    batch: int = 1,
+) -> KVBytes:
+    """Bytes of ``engine.causal.KVCache`` (the layout of ``kernels.kv_quant`` for int8 / int4): unquantized, all
+    ``window_frames`` slots in the compute dtype; quantized, the sinks, the current chunk and the newest
+    ``keep_recent_chunks`` completed chunks stay in the compute dtype and the rest of the window is quantized."""
+    full_token = batch * kv_bytes_per_token(layers, heads, head_dim, KV_LAYOUTS["bf16"])
+    token = batch * kv_bytes_per_token(layers, heads, head_dim, layout)
+    if layout.bits is None:
+        full = window.window_frames
+    else:
+        full = window.sink_frames + (keep_recent_chunks + 1) * window.chunk_frames
+    quantized = window.window_frames - full
+    return KVBytes(
+        per_token=token,
+        per_chunk=token * tokens_per_frame * window.chunk_frames,
+        window=(full * full_token + quantized * token) * tokens_per_frame,
+        full_frames=full,
+        quantized_frames=quantized,
+    )
+
+
+__all__ = [
+    "KV_LAYOUTS",
+    "KVBytes",
+    "KVLayout",
+    "ParameterCount",
+    "WEIGHT_DTYPE_BYTES",
+    "check_keep_recent",
+    "count_parameters",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "kv_layout",
+    "preset_parameters",
+]

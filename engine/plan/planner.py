@@ -1,0 +1,480 @@
+"""The cost planner: FLOPs, forwards, bytes and predicted seconds of one job, before it is queued.
+
+``plan_preset("flux.1-schnell", height=1024, width=1024)`` or ``plan_cost(params, ...)`` (any FLUX / Wan
+configuration, e.g. a loaded model's ``params``) returns a :class:`CostPlan`: ``plan.fields`` is the JSON
+record, ``plan.table()`` the readable bill.
+
+Images (FLUX): ``steps x rows`` forwards, where a CFG step (cfg != 1 with a negative prompt) runs the positive
+and the negative as 2 rows (one batched call, twice the FLOPs of one row), each forward over the packed image
+tokens and the text tokens.
+
+Causal video (Wan): the video is cut into chunks of ``chunk_frames`` latent frames; each chunk runs ``steps``
+denoising forwards and one clean-context pass (the pass that commits its K/V; the engine defers it until the next
+chunk starts, so the last chunk's never runs: ``chunks x steps + chunks - 1`` forwards). Every forward of chunk
+``k`` attends to ``min((k + 1) x chunk, window)`` latent frames of keys (the cache fills, then rolls) and to the
+prompt's 512 padded tokens; the text embedding and cross-attention K/V are computed once per prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..causal.kv_cache import WindowSpec
+from ..errors import InputError
+from ..models.flux import Flux, FluxParams
+from ..models.registry import all_presets
+from ..models.wan import Wan, WanParams
+from .flops import ForwardFlops, flux_forward_flops, wan_forward_flops, wan_prompt_flops, wan_tokens_per_frame
+from .hardware import DEFAULT_MFU, GpuSpec, check_mfu, gpu_spec
+from .memory import (
+    KV_LAYOUTS,
+    WEIGHT_DTYPE_BYTES,
+    ParameterCount,
+    check_keep_recent,
+    kv_cache_bytes,
+    kv_layout,
+    preset_parameters,
+)
+from .vae import flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
+
+WAN_FPS = 16  # Wan 2.1 (and its causal students) make 16 frames per second of video
+VIDEO_ONLY = (
+    "frames",
+    "latent_frames",
+    "chunk_frames",
+    "window_frames",
+    "sink_frames",
+    "kv_dtype",
+    "keep_recent_chunks",
+)
+
+
+def flux_defaults(p: FluxParams) -> dict:
+    """schnell-like (no guidance embedding): 4 steps, T5 padded to 256 tokens; dev-like: 28 steps, 512 tokens
+    (black-forest-labs/flux ``src/flux/cli.py``: ``load_t5(max_length=256 if name == "flux-schnell" else 512)``)."""
+    return {"steps": 28 if p.guidance_embed else 4, "text_tokens": 512 if p.guidance_embed else 256}
+
+
+@dataclass
+class CostPlan:
+    fields: dict
+    rows: list[tuple[str, str]] = field(repr=False)
+    title: str = ""
+
+    def __getitem__(self, key: str):
+        return self.fields[key]
+
+    def table(self) -> str:
+        width = max(len(k) for k, _ in self.rows)
+        lines = [self.title, "", f"| {'item'.ljust(width)} | value", f"|{'-' * (width + 2)}|------"]
+        lines += [f"| {k.ljust(width)} | {v}" for k, v in self.rows]
+        return "\n".join(lines)
+
+
+# -- public entry points -----------------------------------------------------------------------------------------
+def known_models() -> list[str]:
+    return sorted(name for name, (fam, _) in all_presets().items() if fam.name in ("flux", "wan"))
+
+
+def plan_preset(model: str, **settings) -> CostPlan:
+    """:func:`plan_cost` for a preset name (``flux.1-schnell``, ``wan2.1-1.3b``, ``flux-tiny``...)."""
+    name = model[len("dummy:") :] if model.startswith("dummy:") else model
+    presets = all_presets()
+    if name not in presets or name not in known_models():
+        raise InputError(
+            "model",
+            f"unknown model {model!r}; known models: {', '.join(known_models())}",
+            settings.get("where"),
+        )
+    return plan_cost(presets[name][1], name=name, **settings)
+
+
+def plan_cost(
+    params,
+    *,
+    name: str | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    steps: int | None = None,
+    cfg: float = 1.0,
+    batch: int = 1,
+    text_tokens: int | None = None,
+    frames: int | None = None,
+    latent_frames: int | None = None,
+    chunk_frames: int | None = None,
+    window_frames: int | None = None,
+    sink_frames: int | None = None,
+    kv_dtype: str | None = None,
+    keep_recent_chunks: int | None = None,
+    weight_dtype: str = "bf16",
+    gpu: str = "h100",
+    mfu: float = DEFAULT_MFU,
+    vae: bool = True,
+    loaded_weight_bytes: int | None = None,
+    where: str | None = None,
+) -> CostPlan:
+    """The bill of one job on ``params`` (a :class:`FluxParams` or :class:`WanParams`); see the module docstring.
+
+    ``None`` settings take the family's defaults. ``loaded_weight_bytes``: the bytes a loaded model actually
+    holds, reported beside the by-dtype table. Bad input raises :class:`InputError` naming the setting.
+    """
+    try:
+        spec = gpu_spec(gpu)
+        check_mfu(mfu)
+        _positive(batch, "batch")
+        if weight_dtype not in WEIGHT_DTYPE_BYTES:
+            raise InputError(
+                "weight_dtype",
+                f"unknown weight dtype {weight_dtype!r}; known: {', '.join(WEIGHT_DTYPE_BYTES)}",
+            )
+        common = dict(name=name, batch=batch, gpu=spec, mfu=mfu, weight_dtype=weight_dtype, vae=vae,
+                      loaded_weight_bytes=loaded_weight_bytes)  # fmt: skip
+        if isinstance(params, FluxParams):
+            video = {k: v for k, v in zip(VIDEO_ONLY, (frames, latent_frames, chunk_frames, window_frames,
+                                                       sink_frames, kv_dtype, keep_recent_chunks)) if v is not None}  # fmt: skip
+            if video:
+                raise InputError(
+                    next(iter(video)),
+                    f"{name or 'this FLUX model'} makes images: {', '.join(VIDEO_ONLY)} apply to Wan video models",
+                )
+            return _plan_flux(params, height, width, steps, cfg, text_tokens, **common)
+        if isinstance(params, WanParams):
+            return _plan_wan(params, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
+                             window_frames, sink_frames, kv_dtype, keep_recent_chunks, **common)  # fmt: skip
+        raise InputError(
+            "model", f"no cost model for {type(params).__name__}; the planner knows FLUX and Wan"
+        )
+    except InputError as err:
+        if where:
+            err.located(where)
+        raise
+
+
+# -- FLUX ----------------------------------------------------------------------------------------------------------
+def _plan_flux(p: FluxParams, height, width, steps, cfg, text_tokens, *, name, batch, gpu: GpuSpec, mfu,
+               weight_dtype, vae, loaded_weight_bytes) -> CostPlan:  # fmt: skip
+    defaults = flux_defaults(p)
+    height, width = height or 1024, width or 1024
+    steps = defaults["steps"] if steps is None else steps
+    text_tokens = defaults["text_tokens"] if text_tokens is None else text_tokens
+    _check_size(height, width, 16, "8x VAE downscaling and 2x2 patches")
+    _positive(steps, "steps")
+    _positive(text_tokens, "text_tokens")
+    image_tokens = (height // 16) * (width // 16)
+    rows_per_step = 2 if cfg != 1 else 1
+    forward = flux_forward_flops(p, image_tokens, text_tokens, batch)
+    forwards = steps * rows_per_step
+    dit = forward.times(forwards)
+    seconds = _seconds(dit.total, gpu, mfu)
+    count = preset_parameters(Flux, p)
+    fields = _header(name, "flux", count, batch, steps, cfg, gpu, mfu, weight_dtype, loaded_weight_bytes) | {
+        "height": height,
+        "width": width,
+        "image_tokens": image_tokens,
+        "text_tokens": text_tokens,
+        "tokens_per_frame": image_tokens,
+        "tokens_per_chunk": None,
+        "cfg_rows": rows_per_step,
+        "flops_per_forward": forward.total,
+        "flops_per_forward_parts": forward.as_dict(),
+        "forwards": forwards,
+        "dit_flops": dit.total,
+        "predicted_dit_seconds": seconds,
+        "kv_bytes_per_token": None,
+        "kv_bytes_per_chunk": None,
+        "kv_bytes_window": None,
+    }
+    decode = {}
+    if vae:
+        lh, lw = height // 8, width // 8
+        decode = {
+            "full (FLUX.1 AE)": flux_ae_decode_flops(lh, lw, batch),
+            "tiny (taef1)": taesd_decode_flops("taef1", lh, lw, batch),
+        }
+    fields |= _vae_fields(decode, gpu, mfu)
+    fields["predicted_total_seconds"] = seconds + (
+        fields["predicted_vae_seconds"].get("full (FLUX.1 AE)") or 0.0
+    )
+    fields |= _memory(fields["weight_bytes"], 0, gpu)
+
+    title = (
+        f"Cost plan: {name or 'FLUX model'} (FLUX.1 MMDiT, {count.total / 1e9:.2f} B parameters), "
+        f"{width}x{height} px, batch {batch}, {steps} steps, cfg {cfg:g}\n"
+        f"on {gpu.label}: {gpu.dense_bf16_tflops} TFLOPS dense bf16 x MFU {mfu:g}"
+    )
+    rows = [
+        ("tokens per forward", f"{image_tokens} image (2x2 patches of the 1/8 latent) + {text_tokens} text"),
+        ("FLOPs per forward", _parts(forward)),
+        ("DiT forwards", f"{forwards} = {steps} steps x {rows_per_step} row{'s' if rows_per_step > 1 else ''}"
+         + (" (CFG: positive + negative)" if rows_per_step > 1 else " (no CFG)")),
+        ("DiT FLOPs", _flops(dit.total)),
+        ("predicted DiT time", f"{_secs(seconds)} ({_secs(seconds / forwards)} per forward)"),
+        *_vae_rows(fields),
+        ("predicted total (DiT + full VAE)" if vae else "predicted total (DiT only)",
+         _secs(fields["predicted_total_seconds"])),
+        *_weight_rows(fields),
+        ("GPU memory", _memory_row(fields, gpu)),
+    ]  # fmt: skip
+    return CostPlan(fields, rows, title)
+
+
+# -- Wan (causal) --------------------------------------------------------------------------------------------------
+def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
+              window_frames, sink_frames, kv_dtype, keep_recent_chunks, *, name, batch, gpu: GpuSpec, mfu,
+              weight_dtype, vae, loaded_weight_bytes) -> CostPlan:  # fmt: skip
+    height, width = height or 480, width or 832
+    steps = 4 if steps is None else steps
+    chunk = 3 if chunk_frames is None else chunk_frames
+    window = 21 if window_frames is None else window_frames
+    sinks = 0 if sink_frames is None else sink_frames
+    layout = kv_layout(kv_dtype or "bf16")
+    keep_recent = 1 if keep_recent_chunks is None else keep_recent_chunks
+    step = 8 * p.patch_size[1]
+    _check_size(height, width, step, f"8x VAE downscaling and {p.patch_size[1]}x{p.patch_size[2]} patches")
+    _positive(steps, "steps")
+    if cfg != 1:
+        raise InputError(
+            "cfg",
+            f"{cfg:g}: causal video sessions run without CFG (the students are guidance-distilled); use 1",
+        )
+    if text_tokens is not None and not 1 <= text_tokens <= p.text_len:
+        raise InputError("text_tokens", f"{text_tokens}: Wan reads 1 to {p.text_len} prompt tokens")
+    spec = WindowSpec(chunk, window, sinks).check()
+    check_keep_recent(layout, keep_recent, spec, p.head_dim)
+    latent = _latent_frames(frames, latent_frames, chunk)
+    n_chunks = latent // chunk
+    tpf = wan_tokens_per_frame(p, height, width)
+    per_chunk_tokens = chunk * tpf
+
+    chunk_forwards, chunk_rows = [], []
+    total = wan_prompt_flops(p, batch)  # text embedding + cross K/V, once per prompt
+    for k in range(n_chunks):
+        keys = min((k + 1) * chunk, window)
+        forward = wan_forward_flops(p, chunk, tpf, keys * tpf, batch)
+        passes = steps + (1 if k < n_chunks - 1 else 0)  # the last chunk's clean pass is deferred, never run
+        chunk_forwards.append(forward)
+        total = total + forward.times(passes)
+        if k == 0 or keys != chunk_rows[-1]["key_frames"]:
+            chunk_rows.append({"chunk": k, "key_frames": keys, "flops_per_forward": forward.total})
+    forwards = n_chunks * steps + n_chunks - 1
+    last = chunk_forwards[-1]
+    first = chunk_forwards[0]
+    seconds = _seconds(total.total, gpu, mfu)
+    steady = last.times(steps + 1)
+    first_chunk = first.times(steps) + wan_prompt_flops(p, batch)
+
+    kv = {
+        n: kv_cache_bytes(p.num_layers, p.num_heads, p.head_dim, tpf, spec, lay, keep_recent, batch)
+        for n, lay in KV_LAYOUTS.items()
+        if lay.bits is None or keep_recent * chunk + chunk <= spec.ring_frames
+    }
+    chosen = kv[layout.name]
+    cross_kv = batch * p.num_layers * 2 * p.text_len * p.dim * 2  # bf16 K and V of the padded prompt
+    count = preset_parameters(Wan, p)
+    video_frames = 4 * latent - 3
+    fields = _header(name, "wan", count, batch, steps, cfg, gpu, mfu, weight_dtype, loaded_weight_bytes) | {
+        "height": height,
+        "width": width,
+        "video_frames": video_frames,
+        "latent_frames": latent,
+        "chunks": n_chunks,
+        "chunk_frames": chunk,
+        "window_frames": window,
+        "sink_frames": sinks,
+        "text_tokens_padded": p.text_len,
+        "tokens_per_frame": tpf,
+        "tokens_per_chunk": per_chunk_tokens,
+        "flops_per_forward": last.total,
+        "flops_per_forward_parts": last.as_dict(),
+        "flops_per_forward_first_chunk": first.total,
+        "per_prompt_flops": wan_prompt_flops(p, batch).total,
+        "chunk_key_frames": chunk_rows,
+        "forwards_per_chunk": steps + 1,
+        "forwards": forwards,
+        "dit_flops": total.total,
+        "dit_flops_parts": total.as_dict(),
+        "predicted_dit_seconds": seconds,
+        "predicted_first_chunk_seconds": _seconds(first_chunk.total, gpu, mfu),
+        "predicted_chunk_seconds": _seconds(steady.total, gpu, mfu),
+        "kv_dtype": layout.name,
+        "keep_recent_chunks": keep_recent if layout.bits else None,
+        "kv_bytes_per_token": chosen.per_token,
+        "kv_bytes_per_chunk": chosen.per_chunk,
+        "kv_bytes_window": chosen.window,
+        "kv_bytes_by_dtype": {n: b.as_dict() for n, b in kv.items()},
+        "cross_kv_bytes": cross_kv,
+    }
+    decode = {}
+    if vae:
+        decode = {"tiny (taew2_1)": taehv_decode_flops("taew2_1", latent, height // 8, width // 8, batch)}
+    fields |= _vae_fields(decode, gpu, mfu)
+    fields["vae_note"] = "full Wan 2.1 VAE not counted (not in this engine)"
+    tiny_s = fields["predicted_vae_seconds"].get("tiny (taew2_1)") or 0.0
+    fields["predicted_total_seconds"] = seconds + tiny_s
+    fields["predicted_video_fps"] = video_frames / fields["predicted_total_seconds"]
+    fields["realtime_factor"] = fields["predicted_video_fps"] / WAN_FPS
+    fields |= _memory(fields["weight_bytes"], chosen.window + cross_kv, gpu)
+
+    title = (
+        f"Cost plan: {name or 'Wan model'} (Wan 2.1 DiT, {count.total / 1e9:.2f} B parameters), causal, "
+        f"{width}x{height} px, {video_frames} frames = {latent} latent frames = {n_chunks} chunks of {chunk}, "
+        f"window {window} (sinks {sinks}), batch {batch}, {steps} steps + clean pass\n"
+        f"on {gpu.label}: {gpu.dense_bf16_tflops} TFLOPS dense bf16 x MFU {mfu:g}"
+    )
+    growing = ", ".join(f"chunk {r['chunk']}: {r['key_frames']}" for r in chunk_rows)
+    rows = [
+        ("tokens", f"{tpf} per latent frame, {per_chunk_tokens} per chunk; prompt padded to {p.text_len}"),
+        ("key frames read per chunk", f"{growing} (then constant)" if len(chunk_rows) > 1 else growing),
+        ("FLOPs per forward (last chunk)", _parts(last)),
+        ("FLOPs per forward (first chunk)", _flops(first.total)),
+        ("per prompt (text embed + cross K/V)", _flops(fields["per_prompt_flops"])),
+        ("DiT forwards", f"{forwards} = {n_chunks} chunks x ({steps} steps + 1 clean pass) - 1 (the last chunk's "
+         "clean pass waits for the next chunk)"),
+        ("DiT FLOPs", _flops(total.total)),
+        ("predicted DiT time", f"{_secs(seconds)}; first chunk {_secs(fields['predicted_first_chunk_seconds'])}, "
+         f"a full-window chunk {_secs(fields['predicted_chunk_seconds'])}"),
+        *_vae_rows(fields),
+        ("predicted total (DiT + tiny VAE)" if vae else "predicted total (DiT only)",
+         f"{_secs(fields['predicted_total_seconds'])}: "
+         f"{fields['predicted_video_fps']:.1f} frames/s, {fields['realtime_factor']:.2f}x realtime ({WAN_FPS} fps)"),
+        (f"KV cache, {layout.name}", f"{chosen.per_token:,} B per token, {_bytes(chosen.per_chunk)} per chunk, "
+         f"{_bytes(chosen.window)} per window of {window} frames ({layout.note}"
+         + (f"; {chosen.full_frames} frames unquantized: sinks, current chunk, {keep_recent} recent)"
+            if layout.bits else ")")),
+        ("KV window by dtype", ", ".join(f"{n} {_bytes(b.window)}" for n, b in kv.items())
+         + (f" (int8/int4 keep {keep_recent} recent chunk{'s' if keep_recent != 1 else ''} unquantized)"
+            if len(kv) > 1 else "")),
+        ("cross-attention K/V (bf16)", _bytes(cross_kv)),
+        *_weight_rows(fields),
+        ("GPU memory", _memory_row(fields, gpu)),
+    ]  # fmt: skip
+    return CostPlan(fields, rows, title)
+
+
+def _latent_frames(frames: int | None, latent_frames: int | None, chunk: int) -> int:
+    if frames is not None and latent_frames is not None:
+        raise InputError("frames", "give frames (video frames) or latent_frames, not both")
+    if latent_frames is None:
+        frames = 81 if frames is None else frames
+        if frames < 1 or (frames - 1) % 4:
+            raise InputError(
+                "frames",
+                f"{frames} video frames: the Wan VAE makes 4k + 1 frames (1 + 4 per latent frame after the "
+                "first), e.g. 81 = 21 latent frames",
+            )
+        latent_frames = (frames - 1) // 4 + 1
+        input_name = "frames"
+    else:
+        input_name = "latent_frames"
+    if latent_frames < 1 or latent_frames % chunk:
+        raise InputError(
+            input_name,
+            f"{latent_frames} latent frames do not split into chunks of {chunk} (chunk_frames); "
+            f"the nearest are {max(chunk, latent_frames // chunk * chunk)} and {(latent_frames // chunk + 1) * chunk}",
+        )
+    return latent_frames
+
+
+# -- shared pieces ------------------------------------------------------------------------------------------------
+def _header(name, family, count: ParameterCount, batch, steps, cfg, gpu: GpuSpec, mfu, weight_dtype,
+            loaded_weight_bytes) -> dict:  # fmt: skip
+    return {
+        "model": name,
+        "family": family,
+        "parameters": count.total,
+        "batch": batch,
+        "steps": steps,
+        "cfg": cfg,
+        "gpu": gpu.name,
+        "gpu_label": gpu.label,
+        "gpu_peak_tflops": gpu.dense_bf16_tflops,
+        "gpu_memory_gb": gpu.memory_gb,
+        "mfu": mfu,
+        "weight_dtype": weight_dtype,
+        "weight_bytes": count.bytes(weight_dtype),  # stored as weight_dtype
+        "weight_bytes_by_dtype": count.bytes_by_dtype(),
+        "loaded_weight_bytes": loaded_weight_bytes,
+    }
+
+
+def _vae_fields(decode: dict[str, int], gpu: GpuSpec, mfu: float) -> dict:
+    return {
+        "vae_decode_flops": decode,
+        "predicted_vae_seconds": {k: _seconds(v, gpu, mfu) for k, v in decode.items()},
+    }
+
+
+def _vae_rows(fields: dict) -> list[tuple[str, str]]:
+    return [
+        (f"VAE decode, {k}", f"{_flops(v)}, {_secs(fields['predicted_vae_seconds'][k])}")
+        for k, v in fields["vae_decode_flops"].items()
+    ]
+
+
+def _weight_rows(fields: dict) -> list[tuple[str, str]]:
+    rows = [
+        (
+            "weights by storage dtype",
+            ", ".join(f"{k} {_bytes(v)}" for k, v in fields["weight_bytes_by_dtype"].items())
+            + " (fp8: linear weights only)",
+        )
+    ]
+    if fields["loaded_weight_bytes"] is not None:
+        rows.append(("weights as loaded", _bytes(fields["loaded_weight_bytes"])))
+    return rows
+
+
+def _memory(weights: int, cache: int, gpu: GpuSpec) -> dict:
+    total = weights + cache
+    return {"memory_bytes": total, "fits_gpu_memory": total <= gpu.memory_gb * 1e9}
+
+
+def _memory_row(fields: dict, gpu: GpuSpec) -> str:
+    what = f"{fields['weight_dtype']} weights" + (
+        " + KV window + cross K/V" if fields["family"] == "wan" else ""
+    )
+    verdict = "fits" if fields["fits_gpu_memory"] else "does NOT fit"
+    return f"{_bytes(fields['memory_bytes'])} ({what}; activations not counted) {verdict} in {gpu.memory_gb:g} GB"
+
+
+def _seconds(flops: int, gpu: GpuSpec, mfu: float) -> float:
+    return flops / (gpu.peak_flops * mfu)
+
+
+def _check_size(height: int, width: int, multiple: int, why: str) -> None:
+    for input_name, v in (("height", height), ("width", width)):
+        if v <= 0 or v % multiple:
+            raise InputError(input_name, f"{v} px is not a positive multiple of {multiple} ({why})")
+
+
+def _positive(v: int, input_name: str) -> None:
+    if v is None or v < 1:
+        raise InputError(input_name, f"expected a positive integer, got {v}")
+
+
+def _flops(f: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if f >= scale:
+            return f"{f / scale:.3g} {unit}"
+    return f"{f:.0f} FLOP"
+
+
+def _parts(f: ForwardFlops) -> str:
+    parts = [("linear", f.linear), ("attention", f.attention), ("per-sample", f.per_sample)]
+    if f.per_prompt:
+        parts.append(("per-prompt", f.per_prompt))
+    return f"{_flops(f.total)} = " + " + ".join(f"{n} {_flops(v)}" for n, v in parts)
+
+
+def _bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+__all__ = ["WAN_FPS", "CostPlan", "flux_defaults", "known_models", "plan_cost", "plan_preset"]

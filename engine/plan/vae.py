@@ -1,0 +1,53 @@
+"""Decode FLOPs of the autoencoders, counted by ``FlopCounterMode`` on a meta-device copy (shapes only, no compute).
+
+Convolutions count ``2 x output elements x (input channels x kernel size)``, the full FLUX.1 AE's mid-block
+attention ``4 x pixels^2 x channels``; upsampling, norms and activations are not counted. Counts are cached per
+latent shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .flops import measure_flops
+
+
+@functools.lru_cache(maxsize=64)
+def flux_ae_decode_flops(latent_h: int, latent_w: int, batch: int = 1, preset: str = "flux1-ae") -> int:
+    """The full FLUX.1 autoencoder (``ae.safetensors`` architecture) decoding ``[batch, 16, h, w]``."""
+    from ..vae.flux_ae import AE_PRESETS, Decoder
+
+    with torch.device("meta"):
+        decoder = Decoder(AE_PRESETS[preset])
+        z = torch.empty(batch, 16, latent_h, latent_w)
+    return measure_flops(lambda: decoder(z)).total
+
+
+@functools.lru_cache(maxsize=64)
+def taesd_decode_flops(variant: str, latent_h: int, latent_w: int, batch: int = 1) -> int:
+    """A TAESD-family tiny decoder (``taef1`` for FLUX.1) decoding ``[batch, C, h, w]``."""
+    from ..vae import taesd
+    from ..vae.tiny import TINY_VARIANTS
+
+    with torch.device("meta"):
+        decoder = taesd.build_decoder(variant)
+        z = torch.empty(batch, TINY_VARIANTS[variant].channels, latent_h, latent_w)
+    return measure_flops(lambda: decoder(z)).total
+
+
+@functools.lru_cache(maxsize=64)
+def taehv_decode_flops(variant: str, latent_frames: int, latent_h: int, latent_w: int, batch: int = 1) -> int:
+    """A TAEHV tiny video decoder (``taew2_1`` for Wan 2.1) decoding a whole ``latent_frames`` video (streaming
+    it chunk by chunk costs the same: each latent frame runs through the stack once)."""
+    from ..vae.taehv import TAEHV, TAEHV_CONFIGS
+
+    config = TAEHV_CONFIGS[variant]
+    with torch.device("meta"):
+        model = TAEHV(config)
+        z = torch.empty(batch, latent_frames, config.latent_channels, latent_h, latent_w)
+    return measure_flops(lambda: model.decode_frames(z, None)).total
+
+
+__all__ = ["flux_ae_decode_flops", "taehv_decode_flops", "taesd_decode_flops"]

@@ -1,0 +1,561 @@
+"""Stream batch: StreamDiffusion's realtime img2img pipeline on the engine's FLUX-family DiTs with a tiny AE.
+
+Each input frame is img2img-denoised at the T sigmas a ``t_index_list`` picks from a schedule (see
+:mod:`.config`). Instead of running a frame's T steps one after another, the stream keeps a buffer of frames that
+sit at different steps and advances all of them with one batched forward per input:
+
+* **Buffer layout.** The forward's rows are grouped by step, step-major: rows ``k*fb .. (k+1)*fb - 1`` hold the
+  ``fb = frame_buffer_size`` frames of the group currently at step k (noise level ``s_k``). A pushed group is
+  encoded by the tiny AE, noised to ``s_0`` with the fixed noise of slot 0 and placed in the step-0 rows; the
+  other rows come from the buffer. After the forward every group moves one step on (step k's rows are advanced
+  to ``s_{k+1}`` and become step k+1's rows of the next forward), and the group at step T-1 leaves as x0 and is
+  decoded. So each push costs one forward of ``T * fb`` rows (plus residual-CFG rows, see :mod:`.guidance`)
+  and returns one finished group: throughput one group per forward, latency T forwards.
+* **A frame's path.** Group g enters at push g and is at step k during push ``g + k`` (pushes the similarity
+  filter skipped do not count); it leaves after the forward of push ``g + T - 1`` -- the same T steps (same
+  sigmas, same noise, same prompt) a sequential img2img of that frame runs, so its result equals the sequential
+  one (up to float rounding of a batched GEMM).
+* **Warm-up.** The first ``T - 1`` pushes after a reset return ``None``: nothing has finished yet. Only occupied
+  step slots are run (push p runs ``(p + 1) * fb`` rows), so warm-up wastes no compute on empty rows and no
+  placeholder frames are ever returned. :meth:`StreamBatch.flush` drains the buffer with ``T - 1`` more forwards
+  of ``(T - 1) * fb, ..., fb`` rows and returns the last ``T - 1`` groups; :meth:`StreamBatch.run` (a whole clip)
+  pushes every frame, flushes, and returns exactly one output per input frame.
+* **Precomputed once.** The prompt embeddings tiled to the batch (and their concatenation with the negative for
+  CFG), the per-row sigmas, and the noise ``[T, fb, C, h, w]`` from ``torch.Generator("cpu").manual_seed(seed)``:
+  slot (k, j) noises the j-th frame of every group at step k (``euler`` uses slot 0 only; ``renoise`` re-noises
+  to ``s_{k+1}`` with slot k+1). Every frame gets the same noise, which keeps a video stable, as StreamDiffusion
+  does.
+* **Similarity filter** (:mod:`.similarity`): a skipped input runs nothing (no encode, no forward, no decode) and
+  :meth:`StreamBatch.push` returns the previous output again (marked ``skipped``; ``None`` if there is none yet).
+  In :meth:`StreamBatch.run` a skipped frame's output is the output of the last processed frame before it.
+
+Differences from StreamDiffusion (``cumulo-autumn/StreamDiffusion``, ``pipeline.py`` / ``image_filter.py``), all
+deliberate; with ``sampler="renoise"`` and frame buffer 1 every frame after its warm-up equals the official
+``predict_x0_batch`` on the same model, noise and settings (tests/test_stream_batch.py, optional cross-check):
+
+* Flow matching instead of DDPM/LCM: ``a = 1 - s``, ``b = s``, sigmas from the engine's schedule presets, the
+  model's velocity instead of eps, no LCM boundary scalings (see :mod:`.guidance` for RCFG and ``delta``).
+* ``euler`` (the default) advances the buffer along the flow ODE (FLUX-schnell's own sampler); the official
+  update is ``renoise`` (x0, then re-noise with the fixed noise of the next slot), kept as an option.
+  StreamDiffusion's ``do_add_noise=False`` (re-scale x0 without noise) is not offered: it is not a valid step of
+  a flow model.
+* Warm-up: the official buffer starts as zeros and the first ``T - 1`` calls decode x0 of those zero latents
+  (placeholders); here they return ``None`` and only occupied rows run, and :meth:`flush` drains the tail.
+* ``frame_buffer_size > 1``: the official code returns only the last row, noises every entering frame with the
+  first noise row and makes one unconditional row for ``initialize``; here each of the ``fb`` frames of a group
+  has its own noise per step slot, all ``fb`` frames come out, and ``initialize`` adds ``fb`` rows (the
+  ``(T + 1) fb`` rows of the official TensorRT batch size).
+* CFG runs for ``guidance_scale != 1`` (the engine's convention), the official only for ``> 1``.
+* The sequential baseline (:func:`.reference.denoise_sequential`) reuses the stream's fixed noise, so the two
+  can be compared; the official ``use_denoising_batch=False`` path draws fresh noise at every step.
+* A skipped input returns the previous output at once (the official one sleeps for its average frame time),
+  and the skip cap counts consecutive skips exactly (see :mod:`.similarity`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import use_attention_backend
+from ..conditioning import TextCondition
+from ..errors import InputError
+from ..handle import ModelHandle
+from ..text_to_image import check_condition
+from .config import StreamConfig
+from .guidance import advance, guided_velocity, residual_velocity
+from .similarity import SimilarityFilter
+
+
+@dataclass
+class StreamOutput:
+    group: int  # which pushed group (0 = first push since the reset) this is the result of
+    latents: torch.Tensor  # [fb, C, h, w] x0 in the model's latent space, float32, on the model's device
+    images: torch.Tensor | None = None  # [fb, 3, H, W] in [0, 1], decoded by the tiny AE (push only)
+    skipped: bool = False  # repeated for a skipped input: nothing ran for it
+
+
+@dataclass
+class StreamStats:
+    groups_in: int = 0
+    groups_skipped: int = 0
+    skipped_groups: list[int] = field(
+        default_factory=list
+    )  # which pushes (0 = first since the reset) were skipped
+    groups_out: int = 0
+    rows: list[int] = field(default_factory=list)  # rows of each DiT forward, in order
+    seconds_dit: float = 0.0  # forwards and the step arithmetic
+    seconds_encode: float = 0.0
+    seconds_decode: float = 0.0
+
+    @property
+    def forwards(self) -> int:
+        return len(self.rows)
+
+
+def check_model(handle: ModelHandle, input_name: str = "model") -> None:
+    fam = handle.family
+    if fam.name != "flux":
+        raise InputError(
+            input_name,
+            f"the stream batch runs FLUX-family image DiTs (img2img per frame); {fam.name} is a video model: "
+            "use the causal video sampler",
+        )
+    fmt = fam.latent_format
+    if handle.params.in_channels != 4 * fmt.channels:
+        raise InputError(
+            input_name,
+            f"this checkpoint takes {handle.params.in_channels} input channels per token (an inpainting/control "
+            f"variant); the stream batch needs {4 * fmt.channels}",
+        )
+
+
+def check_tiny_vae(tiny_vae, handle: ModelHandle, input_name: str = "tiny_vae") -> None:
+    """The tiny AE must work in the model's own latent space (taef1 for FLUX.1) and have both halves."""
+    fmt = handle.family.latent_format
+    v = tiny_vae.variant
+    if v.kind != "image" or v.latent_format != fmt:
+        raise InputError(
+            input_name,
+            f"{v.name} ({v.models}) is a {v.channels}-channel {v.kind} autoencoder; this {handle.family.name} "
+            f"model denoises {fmt.channels}-channel {fmt.name} latents: use taef1 (taef1_encoder.pth and "
+            "taef1_decoder.pth)",
+        )
+    missing = [part for part in ("encoder", "decoder") if getattr(tiny_vae, part) is None]
+    if missing:
+        raise InputError(
+            input_name,
+            f"this {v.name} has no {missing[0]}; the stream encodes every frame and decodes every result, so it "
+            f"needs both {v.name}_encoder.pth and {v.name}_decoder.pth",
+        )
+
+
+def check_frame_size(height: int, width: int, input_name: str = "frames") -> None:
+    if height < 16 or width < 16 or height % 16 or width % 16:
+        raise InputError(
+            input_name,
+            f"frame size {width}x{height} px is not a multiple of 16 (8x tiny-AE downscale, then FLUX's 2x2 "
+            "patches); resize or crop the frames to a width and height divisible by 16",
+        )
+
+
+def check_frames(frames: torch.Tensor | Sequence[torch.Tensor], input_name: str = "frames") -> torch.Tensor:
+    """Frames ``[N, 3, H, W]`` in [0, 1] (a tensor, or a sequence of ``[3, H, W]`` / ``[n, 3, H, W]``), one size."""
+    if isinstance(frames, torch.Tensor):
+        parts = [frames]
+    else:
+        parts = [f.unsqueeze(0) if f.ndim == 3 else f for f in frames]
+        if not parts:
+            raise InputError(input_name, "no frames given")
+    first = None
+    for i, f in enumerate(parts):
+        if f.ndim != 4 or f.shape[1] != 3:
+            hint = " (channels last? ComfyUI's IMAGE is [N, H, W, 3])" if f.shape[-1] == 3 else ""
+            raise InputError(input_name, f"expected RGB frames [N, 3, H, W]; got {list(f.shape)}{hint}")
+        if first is None:
+            first = f.shape[-2:]
+        elif f.shape[-2:] != first:
+            raise InputError(
+                input_name,
+                f"frame {i} is {f.shape[-1]}x{f.shape[-2]} px but frame 0 is {first[1]}x{first[0]} px; all frames "
+                "of a stream must have one size",
+            )
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if out.shape[0] == 0:
+        raise InputError(input_name, "no frames given")
+    if not out.is_floating_point():
+        raise InputError(input_name, f"expected float frames in [0, 1]; got {out.dtype}")
+    lo, hi = float(out.min()), float(out.max())
+    if lo < -1e-3 or hi > 1 + 1e-3:
+        raise InputError(input_name, f"frame values must be in [0, 1]; got [{lo:.3f}, {hi:.3f}]")
+    check_frame_size(out.shape[-2], out.shape[-1], input_name)
+    return out
+
+
+def _first_rows(cond: TextCondition, n: int) -> TextCondition:
+    pooled = None if cond.pooled is None else cond.pooled[:n]
+    return TextCondition(cond.context[:n], pooled, cond.guidance)
+
+
+def _joint(a: TextCondition, b: TextCondition) -> TextCondition:
+    pooled = None if a.pooled is None else torch.cat([a.pooled, b.pooled])
+    return TextCondition(torch.cat([a.context, b.context]), pooled, a.guidance)
+
+
+class StreamBatch:
+    """A live stream: push frames (or latents), get each one back T forwards later. See the module docstring.
+
+    ``positive`` / ``negative``: one prompt each (batch 1), used for every frame. ``tiny_vae`` (taef1) may be
+    None when only :meth:`push_latents` is used.
+    """
+
+    def __init__(
+        self,
+        handle: ModelHandle,
+        tiny_vae,
+        positive: TextCondition,
+        *,
+        height: int,
+        width: int,
+        config: StreamConfig | None = None,
+        negative: TextCondition | None = None,
+        seed: int = 0,
+    ):
+        config = config or StreamConfig()
+        config.check()
+        check_model(handle)
+        if tiny_vae is not None:
+            check_tiny_vae(tiny_vae, handle)
+        check_frame_size(height, width)
+        self.handle, self.vae, self.config, self.seed = handle, tiny_vae, config, int(seed)
+        self.model, self.family = handle.model, handle.family
+        self.device, self.dtype = handle.device, handle.dtype
+        self.size = (height, width)
+        self.latent_shape = (self.family.latent_format.channels, height // 8, width // 8)
+        steps, fb = config.steps, config.frame_buffer_size
+        self.sigmas = config.step_sigmas(image_seq_len=(height // 16) * (width // 16))
+        sig = self.sigmas.to(self.device)
+        self._row_sigma = sig[:steps].repeat_interleave(fb).view(-1, 1, 1, 1)
+        self._row_sigma_next = sig[1:].repeat_interleave(fb).view(-1, 1, 1, 1)
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        self.noise = torch.randn((steps, fb, *self.latent_shape), generator=gen).to(self.device)
+        rows = self.noise.reshape(steps * fb, *self.latent_shape)
+        # row of step k re-noises with the slot of step k + 1; the last step lands on sigma 0 (no noise)
+        self._next_noise = torch.cat([rows[fb:], torch.zeros_like(rows[:fb])])
+        self.filter = SimilarityFilter(config.similarity_threshold, config.max_skip_frames, self.seed)
+        self.set_prompt(positive, negative)
+        self.reset()
+
+    # -- prompts ---------------------------------------------------------------------------------------------------
+    def set_prompt(self, positive: TextCondition, negative: TextCondition | None = None) -> None:
+        """Use these prompts from the next forward on (frames already in the buffer keep their progress)."""
+        for name, cond in (("positive", positive), ("negative", negative)):
+            if cond is None:
+                continue
+            check_condition(self.handle, cond, name)
+            if cond.context.shape[0] != 1:
+                raise InputError(
+                    name,
+                    f"expected one prompt (batch 1) for every frame; got a batch of {cond.context.shape[0]}",
+                )
+        if negative is None and self.config.needs_negative:
+            raise InputError(
+                "negative",
+                f"cfg_mode '{self.config.cfg_mode}' runs the unconditional branch with a negative prompt; connect "
+                "one (e.g. an empty prompt) or use cfg_mode 'self', which needs none",
+            )
+        rows = self.config.steps * self.config.frame_buffer_size
+        self._pos = positive.repeat_to(rows).to(self.device, self.dtype)
+        self._neg = None if negative is None else negative.repeat_to(rows).to(self.device, self.dtype)
+        self._cond_cache: dict[tuple[int, int], list[TextCondition]] = {}
+
+    def _conds(self, n: int, n_uncond: int) -> list[TextCondition]:
+        """Conditions for ``n`` positive rows then ``n_uncond`` negative rows: one batch when they can share a
+        forward (same token count, and same distilled guidance for models that embed it), else two."""
+        key = (n, n_uncond)
+        if key not in self._cond_cache:
+            pos = _first_rows(self._pos, n)
+            if not n_uncond:
+                conds = [pos]
+            else:
+                neg = _first_rows(self._neg, n_uncond)
+                same = pos.context.shape[1] == neg.context.shape[1] and (
+                    pos.guidance == neg.guidance or not self.handle.params.guidance_embed
+                )
+                conds = [_joint(pos, neg)] if same else [pos, neg]
+            self._cond_cache[key] = conds
+        return self._cond_cache[key]
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """An empty buffer, the filter re-seeded, statistics cleared (noise and prompts are kept)."""
+        steps, fb = self.config.steps, self.config.frame_buffer_size
+        pending = ((steps - 1) * fb, *self.latent_shape)
+        self._pending_x = torch.zeros(pending, device=self.device)
+        self._pending_ref = torch.zeros(pending, device=self.device)
+        # entry k: the group that will be at step k + 1 in the next forward (None: an empty slot)
+        self._pending_groups: list[int | None] = [None] * (steps - 1)
+        self._next_group = 0
+        self._last: StreamOutput | None = None
+        self._decode_outputs = False  # push() decodes what finishes; push_latents() hands out latents
+        self.last_push_skipped = False
+        self.filter.reset()
+        self.stats = StreamStats()
+
+    @property
+    def frames_in_flight(self) -> int:
+        return sum(g is not None for g in self._pending_groups) * self.config.frame_buffer_size
+
+    # -- the model -------------------------------------------------------------------------------------------------
+    def _velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: TextCondition) -> torch.Tensor:
+        self.stats.rows.append(x.shape[0])
+        v = self.family.velocity(self.model, x.to(self.dtype), sigma.reshape(-1).float(), cond)
+        return v.float()
+
+    def model_velocities(
+        self, x: torch.Tensor, sigma: torch.Tensor, n_uncond: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Conditional velocity of every row of ``x`` and unconditional velocity of its first ``n_uncond`` rows,
+        in one forward when the prompts allow it."""
+        n = x.shape[0]
+        conds = self._conds(n, n_uncond)
+        if not n_uncond:
+            return self._velocity(x, sigma, conds[0]), None
+        if len(conds) == 1:
+            v = self._velocity(torch.cat([x, x[:n_uncond]]), torch.cat([sigma, sigma[:n_uncond]]), conds[0])
+            return v[:n], v[n:]
+        return self._velocity(x, sigma, conds[0]), self._velocity(x[:n_uncond], sigma[:n_uncond], conds[1])
+
+    def uncond_rows(self, rows: int, new_group: bool) -> int:
+        """How many unconditional rows a forward over ``rows`` rows adds (see :mod:`.guidance`)."""
+        c = self.config
+        if not c.cfg_active:
+            return 0
+        if c.cfg_mode == "full":
+            return rows
+        if c.cfg_mode == "initialize" and new_group:
+            return c.frame_buffer_size
+        return 0
+
+    def guided(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        ref: torch.Tensor,
+        v_cond: torch.Tensor,
+        v_uncond: torch.Tensor | None,
+        new_group: bool,
+    ) -> torch.Tensor:
+        """The velocity a step uses. Writes the initialize-mode reference (x0 of the unconditional forward)
+        into ``ref`` for a new group."""
+        c = self.config
+        if not c.cfg_active:
+            return v_cond
+        if c.cfg_mode == "full":
+            return guided_velocity(v_cond, v_uncond, c.guidance_scale)
+        fb = c.frame_buffer_size
+        if c.cfg_mode == "initialize" and new_group:
+            ref[:fb] = x[:fb] - sigma[:fb] * v_uncond
+        v_u = residual_velocity(x, sigma, ref, c.delta)
+        if c.cfg_mode == "initialize" and new_group and c.delta == 1.0:
+            v_u[:fb] = (
+                v_uncond  # the real unconditional prediction (what the residual gives, without rounding)
+            )
+        return guided_velocity(v_cond, v_u, c.guidance_scale)
+
+    # -- the stream ------------------------------------------------------------------------------------------------
+    def _advance(self, latents: torch.Tensor | None) -> StreamOutput | None:
+        """One forward over every occupied step slot; a new group (``latents``) enters at step 0."""
+        steps, fb = self.config.steps, self.config.frame_buffer_size
+        new = latents is not None
+        groups = [self._take_group() if new else None, *self._pending_groups]
+        occupied = [k for k, g in enumerate(groups) if g is not None]
+        if not occupied:
+            return None
+        lo, hi = occupied[0], occupied[-1] + 1
+        assert occupied == list(range(lo, hi)), groups  # groups enter at step 0 and leave at T - 1, in order
+        t0 = time.perf_counter()
+        with torch.inference_mode(), use_attention_backend(self.handle.attention_backend):
+            s0 = self._row_sigma[:fb]
+            if not new:  # flushing: the step-0 rows are empty and stay outside the forward
+                latents = torch.zeros_like(self._pending_x[:fb])
+            entering = (1 - s0) * latents + s0 * self.noise[0]
+            x = torch.cat([entering, self._pending_x])
+            ref = torch.cat([latents, self._pending_ref])
+            rows = slice(lo * fb, hi * fb)
+            xs, sigma, refs = x[rows], self._row_sigma[rows], ref[rows]
+            v_c, v_u = self.model_velocities(xs, sigma, self.uncond_rows(xs.shape[0], new))
+            v = self.guided(xs, sigma, refs, v_c, v_u, new)
+            x0, x_next = advance(
+                self.config.sampler, xs, sigma, self._row_sigma_next[rows], v, self._next_noise[rows]
+            )
+            x[rows] = x_next
+            self._pending_x = x[: (steps - 1) * fb]
+            self._pending_ref = ref[: (steps - 1) * fb]
+            self._pending_groups = groups[: steps - 1]
+            done = x0[-fb:].clone() if hi == steps else None
+        self.stats.seconds_dit += time.perf_counter() - t0
+        if done is None:
+            return None
+        self.stats.groups_out += 1
+        return StreamOutput(group=groups[-1], latents=done)
+
+    def _take_group(self) -> int:
+        self._next_group += 1
+        return self._next_group - 1
+
+    def push_latents(self, latents: torch.Tensor) -> StreamOutput | None:
+        """Push a group ``[fb, C, h, w]`` already in the model's latent space; returns the group that finished
+        (``images`` None), or None during warm-up. No similarity filter here: it looks at pixels. A later
+        :meth:`flush` returns latents only, as this does."""
+        self._decode_outputs = False
+        return self._push_latents(latents)
+
+    def _push_latents(self, latents: torch.Tensor) -> StreamOutput | None:
+        fb = self.config.frame_buffer_size
+        if latents.shape != (fb, *self.latent_shape):
+            raise InputError(
+                "latents",
+                f"expected a group of latents {[fb, *self.latent_shape]}; got {list(latents.shape)}",
+            )
+        self.stats.groups_in += 1
+        return self._advance(latents.to(self.device, torch.float32))
+
+    def push(self, frames: torch.Tensor) -> StreamOutput | None:
+        """Push ``frame_buffer_size`` frames ``[fb, 3, H, W]`` in [0, 1] (``[3, H, W]`` when fb is 1).
+
+        Returns the group pushed ``T - 1`` processed pushes earlier, decoded; ``None`` during warm-up; the
+        previous output again (``skipped=True``) when the similarity filter skips this input.
+        """
+        self._check_push(frames)
+        frames = frames.unsqueeze(0) if frames.ndim == 3 else frames
+        self.last_push_skipped = self.filter(frames)
+        if self.last_push_skipped:
+            self.stats.groups_in += 1
+            self.stats.groups_skipped += 1
+            self.stats.skipped_groups.append(self._take_group())
+            return None if self._last is None else dataclasses.replace(self._last, skipped=True)
+        t0 = time.perf_counter()
+        latents = self.vae.encode(frames).float()
+        self.stats.seconds_encode += time.perf_counter() - t0
+        self._decode_outputs = True
+        out = self._push_latents(latents)
+        if out is not None:
+            self._decode(out)
+            self._last = out
+        return out
+
+    def flush(self) -> list[StreamOutput]:
+        """Run the groups still in the buffer to the end (``T - 1`` forwards at most) and return them, decoded
+        when they were pushed as frames (:meth:`push`)."""
+        outs = []
+        while any(g is not None for g in self._pending_groups):
+            out = self._advance(None)
+            if out is not None:
+                if self._decode_outputs:
+                    self._decode(out)
+                    self._last = out
+                outs.append(out)
+        return outs
+
+    def _decode(self, out: StreamOutput) -> None:
+        t0 = time.perf_counter()
+        out.images = self.vae.decode(out.latents)
+        self.stats.seconds_decode += time.perf_counter() - t0
+
+    def _check_push(self, frames: torch.Tensor) -> None:
+        if self.vae is None:
+            raise InputError("tiny_vae", "push() encodes frames: create the stream with a tiny VAE (taef1)")
+        fb = self.config.frame_buffer_size
+        shape = list(frames.shape)
+        if frames.ndim == 3 and fb == 1:
+            shape = [1, *shape]
+        if len(shape) != 4 or shape[1] != 3 or shape[0] != fb:
+            raise InputError(
+                "frames",
+                f"push takes a group of frame_buffer_size={fb} RGB frames [{fb}, 3, H, W]; got {list(frames.shape)}",
+            )
+        if tuple(shape[-2:]) != self.size:
+            raise InputError(
+                "frames",
+                f"frames are {shape[-1]}x{shape[-2]} px; this stream was prepared for {self.size[1]}x{self.size[0]} "
+                "px (all frames of a stream must have one size)",
+            )
+
+    # -- a whole clip ----------------------------------------------------------------------------------------------
+    def run(
+        self,
+        frames: torch.Tensor | Sequence[torch.Tensor],
+        callback: Callable[[int, int, StreamOutput | None], None] | None = None,
+    ) -> torch.Tensor:
+        """Stylize a clip ``[N, 3, H, W]`` from a fresh state: push every group, flush, and return ``[N, 3, H, W]``
+        (float32, CPU) aligned with the input. A skipped frame repeats the output of the last processed frame
+        before it. The last group is padded with copies of the last frame when N is not a multiple of fb.
+        ``callback(done, total, output)`` runs after every forward (total = groups + T - 1)."""
+        frames = check_frames(frames)
+        if tuple(frames.shape[-2:]) != self.size:
+            raise InputError(
+                "frames",
+                f"frames are {frames.shape[-1]}x{frames.shape[-2]} px; this stream was prepared for "
+                f"{self.size[1]}x{self.size[0]} px",
+            )
+        fb = self.config.frame_buffer_size
+        n = frames.shape[0]
+        groups = math.ceil(n / fb)
+        if groups * fb > n:
+            frames = torch.cat([frames, frames[-1:].expand(groups * fb - n, -1, -1, -1)])
+        self.reset()
+        total = groups + self.config.steps - 1
+        results: dict[int, torch.Tensor] = {}
+        source: list[int] = []
+        done = 0
+
+        def collect(out: StreamOutput | None) -> None:
+            nonlocal done
+            done += 1
+            if out is not None and not out.skipped:
+                results[out.group] = out.images.float().cpu()
+            if callback is not None:
+                callback(min(done, total), total, out)
+
+        for g in range(groups):
+            out = self.push(frames[g * fb : (g + 1) * fb])
+            source.append(source[-1] if self.last_push_skipped else g)
+            collect(out)
+        for out in self.flush():
+            collect(out)
+        if callback is not None and done < total:
+            callback(total, total, None)
+        return torch.cat([results[source[g]] for g in range(groups)])[:n]
+
+    def summary(self, seconds: float | None = None, frames: int | None = None) -> str:
+        """The report the node shows: settings, forwards and rows, skips, frames per second."""
+        c, s = self.config, self.stats
+        fb = c.frame_buffer_size
+        frames = s.groups_in * fb if frames is None else frames
+        lines = [f"stream batch: {c.describe(self.sigmas)}"]
+        steady = c.rows_per_forward()
+        lines.append(
+            f"{s.forwards} DiT forwards for {s.groups_in - s.groups_skipped} processed groups of {fb} frame(s) "
+            f"(steady state {steady} rows per forward; rows per forward: {_runs(s.rows)})"
+        )
+        lines.append(
+            f"latency: T = {c.steps} forwards (a frame pushed at push p comes out of push p + {c.steps - 1}); "
+            f"the first {c.steps - 1} pushes return nothing (warm-up), the flush drains the last {c.steps - 1}"
+        )
+        filt = self.filter
+        if filt.enabled:
+            skipped = [g * fb + j for g in s.skipped_groups for j in range(fb) if g * fb + j < frames]
+            which = ", ".join(map(str, skipped[:24])) + (", ..." if len(skipped) > 24 else "")
+            lines.append(
+                f"similarity filter: {len(skipped)} of {frames} frames skipped (threshold "
+                f"{filt.threshold:g}, at most {filt.max_skip} in a row, seed {filt.seed})"
+                + (f": frames {which} (0-based) repeat the last processed frame" if skipped else "")
+            )
+        else:
+            lines.append("similarity filter: off (0 frames skipped)")
+        if seconds:
+            other = seconds - s.seconds_dit - s.seconds_encode - s.seconds_decode
+            lines.append(
+                f"{frames / seconds:.2f} frames/s ({frames} frames in {seconds:.2f} s: DiT {s.seconds_dit:.2f} s, "
+                f"tiny AE encode {s.seconds_encode:.2f} s, decode {s.seconds_decode:.2f} s, other {other:.2f} s)"
+            )
+        return "\n".join(lines)
+
+
+def _runs(values: list[int]) -> str:
+    """``[1, 2, 3, 3, 3, 2, 1]`` -> ``1, 2, 3 x3, 2, 1``."""
+    out: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        out.append(f"{values[i]}" if j - i == 1 else f"{values[i]} x{j - i}")
+        i = j
+    return ", ".join(out) or "none"

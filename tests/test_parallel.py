@@ -1,0 +1,477 @@
+"""Sequence and data parallelism on gloo worker pools (CPU; 2 ranks, 4 for USP) against single-process results;
+failures (killed, stopped, unreachable workers) and shutdown leave no process behind."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROOT, load_pack_as_comfyui, make_cond
+
+from fewstep.engine import InputError, open_model, sample_latent
+from fewstep.engine.attention import attention, current_parallel_plan, use_parallel_attention
+from fewstep.engine.causal import CausalConfig, VideoSession
+from fewstep.engine.parallel import (
+    ParallelConfig,
+    ParallelError,
+    RemoteVideoSession,
+    WorkerPool,
+    check_sequence_parallel,
+    parallel_sample,
+)
+from fewstep.engine.parallel.mesh import shard
+from fewstep.engine.parallel.worker import connect
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
+)
+
+TOL = 1e-5
+
+
+def _config(**changes) -> ParallelConfig:
+    values = {"mode": "sp", "ulysses_degree": 2, "backend": "gloo", "timeout": 30.0, "threads_per_rank": 1}
+    return ParallelConfig(**{**values, **changes})
+
+
+def _gone(pid: int) -> bool:
+    """No such process, not even a zombie (os.kill(pid, 0) succeeds on zombies; /proc shows them)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return not os.path.exists(f"/proc/{pid}")
+    return False
+
+
+def _wait_gone(pids, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return all(_gone(p) for p in pids)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = WorkerPool(_config()).start()
+    yield pool
+    pids = pool.pids()
+    pool.shutdown()
+    assert _wait_gone(pids)
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32)
+
+
+def _qkv(text: int, image: int, heads: int = 4, dim: int = 8, batch: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, text + image, heads, dim, generator=g) for _ in range(3)]
+
+
+def _parallel_attention(pool, q, k, v, text, degrees):
+    args = {"q": q, "k": k, "v": v, "replicated_prefix": text, "degrees": degrees}
+    return pool.run({"kind": "task", "name": "sequence_attention", "args": args})
+
+
+# -- the attention entry point ------------------------------------------------------------------------------------
+def test_single_process_attention_ignores_the_parallel_arguments():
+    q, k, v = _qkv(3, 6)
+    plain = attention(q, k, v)
+    assert current_parallel_plan() is None
+    assert torch.equal(attention(q, k, v, replicated_prefix=3), plain)
+    assert torch.equal(attention(q, k, v, replicated_kv=True), plain)
+
+
+def test_a_parallel_plan_receives_the_calls_except_replicated_kv():
+    calls = []
+
+    class Plan:
+        def attention(self, q, k, v, *, mask, replicated_prefix, local):
+            calls.append(replicated_prefix)
+            return local(q, k, v, mask=mask)
+
+    q, k, v = _qkv(3, 6)
+    plain = attention(q, k, v)
+    with use_parallel_attention(Plan()):
+        assert torch.equal(attention(q, k, v, replicated_prefix=3), plain)
+        assert torch.equal(attention(q, k, v, replicated_kv=True), plain)
+    assert current_parallel_plan() is None
+    assert calls == [3]  # the replicated-kv call ran locally, without the plan
+
+
+@pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
+@pytest.mark.parametrize("text", [0, 5], ids=["self", "joint-text"])
+def test_sequence_parallel_attention_equals_single_process(pool, degrees, text):
+    q, k, v = _qkv(text, 12)
+    out = _parallel_attention(pool, q, k, v, text, degrees)
+    assert out["out"].shape == q.shape
+    assert (out["out"] - attention(q, k, v)).abs().max() <= TOL
+    assert out["text_spread"] <= TOL  # every rank holds the same text rows
+    # bytes this rank sent, against the formulas (fp32; shard S = 12 / 2 tokens, B 2, H 4, D 8)
+    shard_bytes = 2 * 6 * 4 * 8 * 4
+    u, r = degrees
+    expected = {}
+    if u > 1:
+        expected["all_to_all"] = 4 * shard_bytes * (u - 1) // u
+        if text:
+            expected["gather_heads"] = (u - 1) * 2 * text * (4 // u) * 8 * 4
+    if r > 1:
+        expected["ring"] = (r - 1) * 2 * shard_bytes
+    assert out["comm"]["bytes_sent"] == expected
+
+
+def test_usp_on_four_ranks_equals_single_process():
+    """2 x 2 (Ulysses inside pairs, ring across them), and the pool's other splits, with joint text tokens."""
+    pool4 = WorkerPool(_config(ulysses_degree=2, ring_degree=2)).start()
+    try:
+        q, k, v = _qkv(5, 16, heads=4)
+        reference = attention(q, k, v)
+        for degrees in ((2, 2), (4, 1), (1, 4)):
+            out = _parallel_attention(pool4, q, k, v, 5, degrees)
+            assert (out["out"] - reference).abs().max() <= TOL, degrees
+            assert out["text_spread"] <= TOL
+        assert out["comm"]["bytes_sent"] == {"ring": 3 * 2 * (2 * 4 * 4 * 8 * 4)}  # (1, 4): S = 4
+    finally:
+        pids = pool4.pids()
+        pool4.shutdown()
+    assert _wait_gone(pids)
+
+
+# -- whole runs ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
+def test_flux_sampling_on_two_ranks_equals_single_process(pool, flux, degrees):
+    cond, neg = make_cond(flux.params, tokens=7, seed=1), make_cond(flux.params, tokens=7, seed=2)
+    latent = torch.zeros(2, 16, 16, 12)  # 8 x 6 = 48 image tokens, 24 per rank
+    kwargs = {"negative": [neg], "cfg": 2.5, "seed": 5, "steps": 4}
+    reference, ref_report = sample_latent(flux, [cond], latent, **kwargs)
+    steps = []
+    out, report = parallel_sample(
+        pool, flux, [cond], latent, degrees=degrees, callback=steps.append, **kwargs
+    )
+    assert out.shape == reference.shape
+    assert (out - reference).abs().max() <= TOL
+    assert [s["i"] for s in steps] == [0, 1, 2, 3]
+    assert report.model_calls == ref_report.model_calls and report.cfg_used
+    assert "sequence parallel" in report.notes[-1]
+
+
+def test_data_parallel_splits_the_batch_and_equals_single_process(pool, flux):
+    cond = make_cond(flux.params, tokens=6, seed=3, batch=3)
+    latent = torch.zeros(3, 16, 8, 8)
+    reference, _ = sample_latent(flux, [cond], latent, seed=9, steps=3, schedule="flux.1-dev")
+    out, report = parallel_sample(
+        pool, flux, [cond], latent, seed=9, steps=3, schedule="flux.1-dev", mode="dp"
+    )
+    assert (out - reference).abs().max() <= TOL
+    assert report.rows_evaluated == 3 * 3 and "data parallel" in report.notes[-1]
+
+
+@pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
+def test_causal_video_chunks_on_two_ranks_equal_single_process(pool, wan, degrees):
+    """Each rank caches its share (Ulysses: its heads; ring: its tokens); continuing and a prompt switch too."""
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(1, 5, 4096, generator=torch.Generator().manual_seed(2))
+    config = CausalConfig(chunk_frames=2, window_frames=5, sink_frames=1)
+    local = VideoSession(wan.model, ctx, 32, 48, config, seed=3)  # 2 x 3 tokens per frame
+    expected = [c.latents for c in local.run(2)]
+    local.set_prompt(other)
+    expected += [c.latents for c in local.run(2)]
+    remote = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3, degrees=degrees)
+    got = [c.latents for c in remote.run(2)]
+    remote.set_prompt(other)
+    got += [c.latents for c in remote.run(2)]
+    assert (torch.cat(got, 2) - torch.cat(expected, 2)).abs().max() <= TOL
+    assert remote.frames_generated == local.frames_generated == 8
+    u, r = degrees
+    p = wan.params
+    assert remote.cache.bytes_per_token() == 2 * (p.num_heads // u) * p.head_dim * p.num_layers * 4
+    assert remote.stats.chunks[-1].kv_bytes == local.cache.nbytes // (u * r)  # this rank's share
+
+
+@pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
+def test_wan_forward_on_two_ranks_equals_single_process(pool, wan, degrees):
+    """Bidirectional Wan: self-attention over every frame's sharded tokens, cross-attention to the whole prompt."""
+    from fewstep.engine.parallel import model_spec
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 16, 3, 4, 6, generator=g)  # 3 frames x 2 x 3 tokens, 3 per rank per frame
+    t = torch.tensor([900.0, 250.0])
+    context = torch.randn(2, 7, 4096, generator=g)
+    with torch.inference_mode():
+        reference = wan.model(x, t, context)
+    args = {"model": model_spec(wan), "x": x, "timestep": t, "context": context, "degrees": degrees}
+    out = pool.run({"kind": "task", "name": "wan_forward", "args": args})
+    assert out["out"].shape == reference.shape
+    assert (out["out"] - reference).abs().max() <= TOL
+    assert ("all_to_all" in out["comm"]["bytes_sent"]) == (degrees[0] > 1)
+    assert ("ring" in out["comm"]["bytes_sent"]) == (degrees[1] > 1)
+
+
+def test_the_model_is_loaded_once_and_kept(pool, flux):
+    cond = make_cond(flux.params, tokens=4)
+    parallel_sample(pool, flux, [cond], torch.zeros(1, 16, 8, 8), steps=1)
+    before = pool.run({"kind": "task", "name": "ping"})
+    parallel_sample(pool, flux, [cond], torch.zeros(2, 16, 8, 8), steps=2, seed=4)
+    after = pool.run({"kind": "task", "name": "ping"})
+    assert after["models_loaded"] == before["models_loaded"] and after["pid"] == before["pid"]
+    other = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32, seed=7)
+    with pytest.raises(InputError, match="weights differ from the model on the host"):
+        parallel_sample(
+            pool, other.replace(source="dummy:flux-tiny"), [cond], torch.zeros(1, 16, 8, 8), steps=1
+        )
+    assert pool.alive  # every rank refused before any collective: the pool stays
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+def test_bad_degrees_heads_and_sequence_are_input_errors(pool, flux, wan):
+    with pytest.raises(
+        InputError, match=r"ulysses_degree 2 x ring_degree 2 = 4 ranks, but the world size is 3"
+    ):
+        _config(ring_degree=2, world_size=3).check()
+    with pytest.raises(InputError, match="ulysses 2 x ring 2 = 4 ranks, but the pool has 2"):
+        parallel_sample(pool, flux, [make_cond(flux.params)], torch.zeros(1, 16, 8, 8), degrees=(2, 2))
+    with pytest.raises(InputError, match="12 attention heads, which do not split over ulysses degree 5"):
+        check_sequence_parallel((5, 1), 12, 100, "tokens", "latent")
+    with pytest.raises(
+        InputError, match="input 'latent': 35 image tokens .* do not split over ulysses 2 x ring 1"
+    ):
+        parallel_sample(pool, flux, [make_cond(flux.params)], torch.zeros(1, 16, 14, 10))
+    with pytest.raises(InputError, match="input 'width': 9 tokens per latent frame"):
+        RemoteVideoSession(pool, wan, torch.zeros(1, 4, 4096), 48, 48)
+    with pytest.raises(InputError, match="input 'kv_dtype': int8 KV storage with ring degree 2"):
+        RemoteVideoSession(pool, wan, torch.zeros(1, 4, 4096), 32, 48, CausalConfig(2, 8, kv_dtype="int8"),
+                           degrees=(1, 2))  # fmt: skip
+    assert pool.alive  # none of these reached the workers
+
+
+def test_local_workers_that_would_not_fit_in_memory_are_refused_before_loading(pool, flux, monkeypatch):
+    from fewstep.engine.parallel import client
+
+    monkeypatch.setattr(client, "available_memory", lambda: 1000)
+    monkeypatch.setattr(pool, "model_key", None)  # as if the workers held no model yet
+    with pytest.raises(
+        InputError, match=r"input 'parallel': 2 local workers each load the model .* GiB of memory"
+    ):
+        parallel_sample(pool, flux, [make_cond(flux.params)], torch.zeros(1, 16, 8, 8), steps=1)
+    assert pool.alive
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPUs")
+def test_nccl_without_gpus_is_an_input_error_before_anything_starts():
+    with pytest.raises(InputError, match="input 'backend': nccl needs CUDA GPUs and this machine has none"):
+        WorkerPool(_config(backend="nccl"))
+    assert _config(backend="auto").resolved_backend() == "gloo"
+
+
+def test_unreachable_master_addr_is_an_error_within_the_timeout():
+    closed = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(InputError, match=rf"input 'MASTER_ADDR': could not reach the pool's store at 127.0.0.1:{closed} "
+                       r"within 1.5 s"):  # fmt: skip
+        connect("127.0.0.1", closed, 1.5)
+    assert time.monotonic() - t0 < 1.5 + 0.5
+
+
+def test_a_worker_with_the_wrong_world_size_or_rank_is_refused(pool):
+    from fewstep.engine.parallel.worker import Rendezvous, serve
+
+    def join(world, rank):
+        serve(Rendezvous("127.0.0.1", pool.port, world, rank, 0, timeout=5))
+
+    with pytest.raises(InputError, match="input 'WORLD_SIZE': 3, but the pool at .* has 2 ranks"):
+        join(3, 1)
+    with pytest.raises(InputError, match="input 'RANK': 5 is outside the pool's ranks 0..1"):
+        join(2, 5)
+    with pytest.raises(InputError, match="input 'RANK': rank 1 has already joined this pool"):
+        join(2, 1)
+    assert pool.run({"kind": "task", "name": "ping"})["world"] == 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- failures and shutdown ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("sig", "message"),
+    [
+        (signal.SIGKILL, r"rank 1 \(pid \d+\) was killed by SIGKILL during the job"),
+        (signal.SIGSTOP, r"rank 1 \(pid \d+\) stopped responding"),
+    ],
+    ids=["killed", "hung"],
+)
+@pytest.mark.parametrize("job", ["sleep", "sampling"])
+def test_a_lost_worker_is_an_error_naming_it_and_leaves_no_process(flux, sig, message, job):
+    """``sampling``: rank 0 is inside the all-to-alls when rank 1 goes, so it fails too (peer lost, or the
+    collective's timeout); the error still names rank 1, the cause."""
+    lost = WorkerPool(_config(timeout=2.0)).start()
+    pids = lost.pids()
+    cond, latent = make_cond(flux.params, tokens=4), torch.zeros(1, 16, 32, 32)
+    if job == "sleep":
+        run = functools.partial(lost.run, {"kind": "task", "name": "sleep", "args": {"seconds": 60}})
+    else:
+        parallel_sample(lost, flux, [cond], latent, steps=1)  # the model is loaded: the next job is all steps
+        run = functools.partial(parallel_sample, lost, flux, [cond], latent, steps=10_000)
+    timer = threading.Timer(0.5, os.kill, (pids[1], sig))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(ParallelError, match=message):
+        run()
+    timer.join()
+    # the timeout, the heartbeat check period, and (sampling) waiting one timeout for the other rank's report
+    assert time.monotonic() - t0 < 0.5 + 2.0 + 2.0 + (2.0 if job == "sampling" else 0.0)
+    assert lost.closed and _wait_gone(pids, 5)
+    with pytest.raises(ParallelError, match="was shut down"):
+        lost.run({"kind": "task", "name": "ping"})
+
+
+def test_shutdown_leaves_no_process_and_joined_workers_leave_too():
+    """One rank local, one joined as from another machine (``python -m fewstep worker``'s code path)."""
+    host = WorkerPool(_config(local_ranks=1))
+    starter = threading.Thread(target=host.start)
+    starter.start()
+    while host.port is None:
+        time.sleep(0.01)
+    code = "import sys, argparse; from fewstep.cli import worker; p = argparse.ArgumentParser(); " \
+           "worker.add_arguments(p); sys.exit(worker.run(p.parse_args(sys.argv[1:])))"  # fmt: skip
+    joined = subprocess.Popen(
+        [sys.executable, "-c", code, "--master-addr", "127.0.0.1", "--master-port", str(host.port),
+         "--world-size", "2", "--rank", "1", "--threads", "1"], cwd=ROOT.parent,
+    )  # fmt: skip
+    starter.join(60)
+    assert host.ranks[1]["pid"] == joined.pid
+    assert host.run({"kind": "task", "name": "ping"})["world"] == 2
+    local = host.pids()
+    host.shutdown()
+    assert [host.procs[0].returncode, joined.wait(10)] == [0, 0]  # both left on their own
+    assert _wait_gone([*local, joined.pid], 5)
+
+
+@pytest.mark.parametrize("ending", ["exit", "killed"])
+def test_no_worker_outlives_its_host(tmp_path, ending):
+    """Interpreter exit runs the atexit shutdown; a host killed outright is noticed by its workers."""
+    script = tmp_path / "host.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, signal, sys
+        from fewstep.engine.parallel import ParallelConfig, get_pool
+        pool = get_pool(ParallelConfig(mode="dp", dp_degree=1, backend="gloo", threads_per_rank=1, timeout=5))
+        print(" ".join(map(str, pool.pids())), flush=True)
+        if {ending!r} == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, out.stderr[-2000:]
+    assert _wait_gone(pids, 10)
+
+
+# -- nodes --------------------------------------------------------------------------------------------------------
+def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_the_pool(monkeypatch):
+    pack = load_pack_as_comfyui()
+    nodes = importlib.import_module(f"{pack.__name__}.nodes.parallel")
+    pack_input_error = importlib.import_module(f"{pack.__name__}.engine.errors").InputError
+    m = {**pack.NODE_CLASS_MAPPINGS, "FewStepParallelLauncher": nodes.FewStepParallelLauncher}
+    callbacks, loaded = {}, []
+
+    class Patcher:
+        def __init__(self, model, load_device, offload_device):
+            self.model = model
+
+        def get_callbacks(self, kind, key):
+            return callbacks.get((kind, key), [])
+
+        def add_callback_with_key(self, kind, key, fn):
+            callbacks.setdefault((kind, key), []).append(fn)
+
+    mm = types.SimpleNamespace(
+        get_torch_device=lambda: torch.device("cpu"), unet_offload_device=lambda: torch.device("cpu"),
+        load_models_gpu=lambda models, force_full_load=False: loaded.extend(models),
+        throw_exception_if_processing_interrupted=lambda: None,
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
+    monkeypatch.setitem(
+        sys.modules, "comfy.patcher_extension",
+        types.SimpleNamespace(CallbacksMP=types.SimpleNamespace(ON_DETACH="on_detach_after")),
+    )  # fmt: skip
+    launcher = m["FewStepParallelLauncher"]()
+    config, report = launcher.launch("sp", 2, 1, 1, "gloo", 30.0, threads_per_rank=1)
+    assert "ulysses 2 x ring 1" in report and "backend gloo" in report
+    pool = nodes.get_pool(config)
+    pids = pool.pids()
+
+    (model,) = m["FewStepDiTLoader"]().load("dummy:flux-tiny", compute_dtype="fp32")
+    (cond,) = m["FewStepSyntheticConditioning"]().make(8, 4096, 768, 3.5, 0)
+    sampler = m["FewStepSampler"]()
+    args = dict(model=model, positive=cond, latent_image={"samples": torch.zeros(1, 16, 16, 16)}, seed=1, steps=4,
+                schedule="flux.1-schnell", sampler="euler", cfg=1.0, denoise=1.0)  # fmt: skip
+    (plain, _), (par, text) = sampler.sample(**args), sampler.sample(**args, parallel=config)
+    assert (par["samples"] - plain["samples"]).abs().max() <= TOL and "sequence parallel" in text
+
+    (wan,) = m["FewStepDiTLoader"]().load("dummy:wan-tiny", compute_dtype="fp32")
+    (wcond,) = m["FewStepSyntheticConditioning"]().make(6, 4096, 0, 3.5, 0)
+    video = m["FewStepCausalVideoSampler"]()
+    vargs = dict(model=wan, positive=wcond, width=48, height=32, num_chunks=2, chunk_frames=2, window_frames=4,
+                 sink_frames=0, schedule="wan-dmd-4step", steps=4, seed=0)  # fmt: skip
+    local, remote = (
+        video.generate(**vargs, unique_id="v1"),
+        video.generate(**vargs, parallel=config, unique_id="v2"),
+    )
+    assert (remote[0]["samples"] - local[0]["samples"]).abs().max() <= TOL
+    more = m["FewStepCausalContinue"]().extend(remote[2], 1)
+    assert more[0]["samples"].shape[2] == 2
+
+    (on_detach,) = callbacks[("on_detach_after", "fewstep-parallel")]
+    assert (
+        loaded and type(loaded[-1].model.diffusion_model).__name__ == "Module"
+    )  # no weights in this process
+    on_detach(loaded[-1], False)  # ComfyUI re-loading a loaded model: keep the pool
+    assert pool.alive
+    on_detach(loaded[-1], True)  # free memory
+    assert pool.closed and _wait_gone(pids, 5)
+    with pytest.raises(pack_input_error, match="FewStepCausalContinue: input 'session'"):
+        m["FewStepCausalContinue"]().extend(remote[2], 1)  # its pool is gone
+
+    assert launcher.launch("sp", 2, 1, 1, "gloo", 30.0, enabled=False, threads_per_rank=1)[0] is None
+    with pytest.raises(pack_input_error, match="FewStepParallelLauncher: input 'ulysses_degree'"):
+        launcher.launch("sp", 0, 1, 1, "gloo", 30.0)
+
+
+def test_shard_helpers_keep_frames_whole():
+    x = torch.arange(2 * 12).reshape(1, 24, 1)  # 2 frames x 12 tokens
+    parts = [shard(x, i, 3, dim=1, frames=2) for i in range(3)]
+    assert parts[1].flatten().tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
+    assert shard(torch.arange(6).view(1, 6), 1, 2).tolist() == [[3, 4, 5]]
+
+
+def test_plain_single_process_flux_is_bit_identical_under_an_inactive_plan(flux):
+    cond = make_cond(flux.params, tokens=5)
+    a, _ = sample_latent(flux, [cond], torch.zeros(1, 16, 8, 8), steps=2)
+    with use_parallel_attention(None):
+        b, _ = sample_latent(flux, [cond], torch.zeros(1, 16, 8, 8), steps=2)
+    assert torch.equal(a, b)

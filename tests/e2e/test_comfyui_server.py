@@ -64,7 +64,7 @@ def server(tmp_path_factory):
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            yield {"url": url, "info": _wait_ready(url, proc, base), "base": base}
+            yield {"url": url, "info": _wait_ready(url, proc, base), "base": base, "pid": proc.pid}
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -170,14 +170,50 @@ def test_unreachable_server_is_a_clear_error():
 def test_sessions_survive_reloads_and_free_memory_releases_them(server):
     continue_wf = WORKFLOWS / "wan_causal_continue_dummy.api.json"
     assert queue(server, continue_wf, "--quiet")[0] == 0
-    req = urllib.request.Request(server["url"] + "/free", data=json.dumps({"unload_models": True}).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    urllib.request.urlopen(req, timeout=10).read()
+    _free(server)
     time.sleep(1)
     workflow = json.loads(continue_wf.read_text())
     cont = next(k for k, v in workflow.items() if v["class_type"] == "FewStepCausalContinue")
     code, out = queue(server, workflow, "--set", f"{cont}.num_chunks=1", "--quiet")
     assert code == 0, out  # the freed session is rebuilt by re-running its sampler, not an error
+
+
+def _descendants(pid: int) -> set[int]:
+    """Live processes below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _free(server) -> None:
+    req = urllib.request.Request(server["url"] + "/free", data=json.dumps({"unload_models": True}).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    urllib.request.urlopen(req, timeout=10).read()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to list the server's processes")
+def test_freeing_memory_stops_the_parallel_workers(server):
+    before = _descendants(server["pid"])
+    code, out = queue(server, WORKFLOWS / "flux_sequence_parallel_dummy.api.json", "--quiet")
+    assert code == 0, out
+    workers = _descendants(server["pid"]) - before
+    assert len(workers) >= 2, "expected the two worker processes of the pool under the server"
+    _free(server)
+    deadline = time.monotonic() + 30
+    while workers & _descendants(server["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not workers & _descendants(server["pid"]), "worker processes left after POST /free"
 
 
 @pytest.mark.skipif(not PROBE.exists(), reason=f"the probe pack with a tiny native model is not at {PROBE}")

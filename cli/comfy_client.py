@@ -26,9 +26,40 @@ class UnreachableError(Exception):
     pass
 
 
+DEFAULT_PORTS = {"http": 80}
+
+
+def server_address(server: str) -> tuple[str, str, int]:
+    """(base URL, host, port) of a ``--server`` value; ``localhost:8188`` means ``http://localhost:8188``.
+
+    Without the scheme check, urlparse reads "localhost" in ``localhost:8188`` as the scheme and the event stream
+    would go to port 80. Raises ValueError for an address this client cannot use (https: no TLS here).
+    """
+    text = server.strip()
+    if "://" not in text:
+        text = "http://" + text
+    url = urllib.parse.urlparse(text)
+    scheme = url.scheme.lower()
+    if scheme == "https":
+        raise ValueError(
+            f"--server {server}: https is not supported by this client; use the server's plain "
+            "http://host:port address (ComfyUI listens on http, by default http://127.0.0.1:8188)"
+        )
+    if scheme not in DEFAULT_PORTS:
+        raise ValueError(f"--server {server}: expected http://host:port (e.g. http://127.0.0.1:8188)")
+    try:
+        port = url.port or DEFAULT_PORTS[scheme]
+    except ValueError:
+        raise ValueError(f"--server {server}: the port is not a number from 0 to 65535") from None
+    if not url.hostname:
+        raise ValueError(f"--server {server}: no host name; expected http://host:port")
+    return text.rstrip("/"), url.hostname, port
+
+
 class ComfyClient:
     def __init__(self, server: str, timeout: float = 30.0):
-        self.server = server.rstrip("/")
+        """``server`` as the user gave it (see server_address); raises ValueError for an unusable address."""
+        self.server, self.host, self.port = server_address(server)
         self.timeout = timeout
 
     def _request(self, path: str, data=None, raw: bool = False):
@@ -77,8 +108,7 @@ class ComfyClient:
         return path
 
     def websocket(self, client_id: str, timeout: float) -> WebSocket:
-        url = urllib.parse.urlparse(self.server)
-        return WebSocket(url.hostname or "127.0.0.1", url.port or 80, f"/ws?clientId={client_id}", timeout)
+        return WebSocket(self.host, self.port, f"/ws?clientId={client_id}", timeout)
 
 
 class WebSocket:
@@ -90,8 +120,9 @@ class WebSocket:
         except OSError as exc:
             raise UnreachableError(f"cannot open the event stream ws://{host}:{port}{path} ({exc})") from None
         key = base64.b64encode(os.urandom(16)).decode()
+        host_header = f"[{host}]" if ":" in host else host  # an IPv6 literal
         request = (
-            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"GET {path} HTTP/1.1\r\nHost: {host_header}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
             f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
         )
         self.sock.sendall(request.encode())
@@ -193,7 +224,11 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
     Muted or bypassed nodes, and frontend-only nodes (notes, reroutes, primitives), are not supported: their
     effect on links is the frontend's business, so such workflows are refused with a clear message.
     """
-    links = {link[0]: link for link in workflow.get("links", [])}
+    links = {}
+    for link in workflow.get("links", []):
+        if isinstance(link, dict):  # the frontend's newer (version 1) schema writes links as objects
+            link = [link[key] for key in ("id", "origin_id", "origin_slot", "target_id", "target_slot")]
+        links[link[0]] = link
     api = {}
     for node in workflow["nodes"]:
         kind = node["type"]

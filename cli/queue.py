@@ -24,7 +24,11 @@ def add_arguments(p) -> None:
         "workflow",
         help="API-format workflow JSON (a UI-format file is converted with the server's node definitions)",
     )
-    p.add_argument("--server", default="http://127.0.0.1:8188", help="ComfyUI address")
+    p.add_argument(
+        "--server",
+        default="http://127.0.0.1:8188",
+        help="ComfyUI address, http://host:port (host:port means http://; https is not supported)",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -95,7 +99,10 @@ def format_node_errors(node_errors: dict, prompt: dict) -> list[str]:
 
 
 def run(args) -> int:
-    client = ComfyClient(args.server)
+    try:
+        client = ComfyClient(args.server)
+    except ValueError as exc:
+        return _fail(5, str(exc))
     try:
         prompt, extra = load_prompt(args.workflow, client)
         apply_sets(prompt, args.set)
@@ -159,7 +166,7 @@ def _follow(ws, prompt_id: str, prompt: dict, args) -> int:
             return 3
         elif event == "execution_interrupted":
             return _fail(3, f"the run was interrupted at node {data.get('node_id')}")
-    return _fail(4, f"no result within {args.timeout:.0f} s")
+    return _fail(4, f"no result within {args.timeout:g} s")
 
 
 def _collect(client: ComfyClient, prompt_id: str, args) -> None:

@@ -22,6 +22,7 @@ import torch
 from ..engine.cache import STEP_CACHE_FEATURE
 from ..engine.causal import ROPE_MODES, CausalConfig, SessionStore, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
+from ..engine.compile.feature import COMPILE_FEATURE
 from ..engine.errors import InputError
 from ..engine.sampling import SCHEDULES
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
@@ -32,6 +33,7 @@ from .parallel import FEWSTEP_PARALLEL, open_parallel_session
 from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
+COMPILE_NOT_APPLIED = "compile: not applied here (FewStepCompile speeds up FewStepSampler only; this node runs the model eagerly)"
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 SESSIONS = SessionStore(
@@ -160,6 +162,8 @@ def _report(session: VideoSession, chunks: int) -> str:
     ]
     if session.cache_decision is not None:
         lines.append(f"step cache: {session.cache_decision.line()}")
+    if getattr(session, "parallel_summary", None):  # a RemoteVideoSession: computed by a worker pool
+        lines.append(f"parallel: {session.parallel_summary}")
     return "\n".join(lines)
 
 
@@ -334,6 +338,8 @@ class FewStepCausalVideoSampler:
         _SESSION_OF[unique_id] = key
         _free_sessions_on_unload(model)
         latent, images, report = _run(session, num_chunks, "FewStepCausalVideoSampler")
+        if model.feature(COMPILE_FEATURE) is not None:
+            report += "\n" + COMPILE_NOT_APPLIED
         SESSIONS.touch(key)
         recipe = SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context.cpu()),), parallel)
         return ({"samples": latent}, images, SessionRef(key, session.frames_generated, recipe), report)

@@ -669,3 +669,14 @@ def causal_stream_gpu(model, forward, chunks: int = 5, window: WindowSpec = ROLL
                     cross_kv=cross)  # fmt: skip
             cache.commit()
     return outs
+
+
+def test_engine_api_takes_the_node_text_forms():
+    from fewstep.engine.compile.options import CompileConfig
+
+    assert CompileConfig(buckets="1024x1024, 768x1344").buckets == ((1024, 1024), (768, 1344))
+    assert CompileConfig(break_at="kv,collective").break_at == ("kv", "collective")
+    with pytest.raises(
+        InputError, match=r"input 'buckets': 10x10 px: width and height must be positive multiples"
+    ):
+        CompileConfig(buckets="10x10")

@@ -448,3 +448,14 @@ def test_video_node_errors(pack):
         _run(
             m["FewStepSampler"], model=wan, positive=cond, latent_image={"samples": torch.zeros(1, 16, 8, 8)}
         )
+
+
+def test_nodes_that_do_not_compile_say_so(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (wan,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, guidance=0.0)
+    (compiled,) = _run(m["FewStepCompile"], model=wan, compile="regional", backend="eager")
+    for model, noted in ((wan, False), (compiled, True)):
+        report = _run(m["FewStepCausalVideoSampler"], model=model, positive=cond, width=48, height=32,
+                      num_chunks=1, chunk_frames=1, window_frames=2, sink_frames=0)[3]  # fmt: skip
+        assert ("compile: not applied here" in report) is noted, report

@@ -239,6 +239,16 @@ def test_the_model_is_loaded_once_and_kept(pool, flux):
             pool, other.replace(source="dummy:flux-tiny"), [cond], torch.zeros(1, 16, 8, 8), steps=1
         )
     assert pool.alive  # every rank refused before any collective: the pool stays
+    patched = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
+    parallel_sample(
+        pool, patched, [cond], torch.zeros(1, 16, 8, 8), steps=1
+    )  # the workers' weights: accepted
+    with torch.no_grad():
+        patched.model.img_in.weight.mul_(
+            1.5
+        )  # patched in place after a job (a merged LoRA): refused, not ignored
+    with pytest.raises(InputError, match="weights patched in place on the host"):
+        parallel_sample(pool, patched, [cond], torch.zeros(1, 16, 8, 8), steps=1)
 
 
 # -- bad input ----------------------------------------------------------------------------------------------------
@@ -289,6 +299,17 @@ def test_unreachable_master_addr_is_an_error_within_the_timeout():
                        r"within 1.5 s"):  # fmt: skip
         connect("127.0.0.1", closed, 1.5)
     assert time.monotonic() - t0 < 1.5 + 0.5
+
+
+def test_a_launcher_address_this_machine_cannot_listen_on_is_refused_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(InputError, match=r"input 'master_addr': 'no.such.host.invalid' does not resolve"):
+        WorkerPool(_config(master_addr="no.such.host.invalid", timeout=30.0)).start()
+    with pytest.raises(
+        InputError, match=r"input 'master_addr': '192.0.2.1' is not an address of this machine"
+    ):
+        WorkerPool(_config(master_addr="192.0.2.1", timeout=30.0)).start()  # TEST-NET-1: never local
+    assert time.monotonic() - t0 < 10  # not the 30 s store timeout
 
 
 def test_a_worker_with_the_wrong_world_size_or_rank_is_refused(pool):

@@ -385,6 +385,8 @@ def test_cli_errors_name_the_option():
         _plan_cli("--model", "wan2.1-1.3b", "--window-frames", "2", "--no-vae")
     with pytest.raises(InputError, match=r"input '--gpu': unknown GPU preset 'tpu'; known presets: h100"):
         _plan_cli("--model", "flux.1-schnell", "--gpu", "tpu", "--no-vae")
+    with pytest.raises(InputError, match=r"plan: input '--height': 0 px: expected a positive multiple of 16"):
+        _plan_cli("--model", "flux.1-schnell", "--height", "0", "--no-vae")
 
 
 def test_cli_command_exits_2_on_bad_input(capsys, monkeypatch):

@@ -505,6 +505,10 @@ def test_bad_frames(tiny_handle, taef1, prompts):
         stream.push(torch.rand(2, 3, 32, 32))
     with pytest.raises(InputError, match=r"frame values must be in \[0, 1\]"):
         stream.run(torch.full((1, 3, 32, 32), 2.0))
+    with pytest.raises(InputError, match=r"input 'frames': frames contain NaN or infinite values"):
+        stream.run(torch.full((2, 3, 32, 32), float("nan")))
+    with pytest.raises(InputError, match=r"input 'frames': frame values must be in \[0, 1\]"):
+        stream.push(torch.full((3, 32, 32), 2.0))
 
 
 def test_tiny_vae_must_match_the_model_latents(tiny_handle, prompts):

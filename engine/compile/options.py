@@ -105,6 +105,13 @@ class CompileConfig:
     emulate_graphs: bool = False  # record/replay a tape instead of CUDA graphs (tests of the graph logic)
 
     def __post_init__(self):
+        # the engine API takes the node's text forms too ("1024x1024,768x1344", "kv,collective")
+        if isinstance(self.buckets, str):
+            object.__setattr__(self, "buckets", parse_buckets(self.buckets))
+        if isinstance(self.break_at, str):
+            object.__setattr__(
+                self, "break_at", tuple(k.strip() for k in self.break_at.split(",") if k.strip())
+            )
         if self.mode not in COMPILE_MODES:
             raise InputError(
                 "compile",

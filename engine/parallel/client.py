@@ -29,6 +29,7 @@ from ..causal.session import (
     check_size,
     check_tiny_vae,
 )
+from ..compile.feature import COMPILE_FEATURE
 from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle
@@ -40,20 +41,17 @@ from .jobs import dtype_name, fingerprint
 from .pool import WorkerPool
 from .worker import available_memory
 
-_FINGERPRINTS: dict[int, tuple[object, float]] = {}
-
 
 def model_spec(handle: ModelHandle) -> dict:
-    """How a worker loads the same model: source, dtypes, attention backend, and a checksum to compare."""
+    """How a worker loads the same model: source, dtypes, attention backend, and a checksum to compare.
+
+    The checksum is taken for every job (not cached): weights patched in place since the last job (a merged LoRA)
+    must make the workers, which load the file, refuse the job rather than return the unpatched model's result."""
     model = handle.model
-    cached = _FINGERPRINTS.get(id(model))
-    if cached is None or cached[0] is not model:
-        cached = (model, fingerprint(model))
-        _FINGERPRINTS[id(model)] = cached
     linear = next((m.weight.dtype for m in model.modules() if isinstance(m, Linear)), handle.dtype)
     return {
         "source": handle.source, "dtype": dtype_name(handle.dtype), "weight_dtype": dtype_name(linear),
-        "attention": handle.attention_backend, "seed": 0, "fingerprint": cached[1],
+        "attention": handle.attention_backend, "seed": 0, "fingerprint": fingerprint(model),
         "weight_bytes": weight_bytes(model),
     }  # fmt: skip
 
@@ -141,6 +139,10 @@ def parallel_sample(
         sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
     config = pool.config
     mode = mode or config.mode
+    if mode not in ("sp", "dp"):
+        raise InputError(
+            "mode", f"unknown parallel mode {mode!r}; expected sp (sequence parallel) or dp (data parallel)"
+        )
     degrees = job_degrees(pool, degrees)
     if mode == "sp":
         tokens = (latent.shape[-2] // 2) * (latent.shape[-1] // 2)
@@ -172,6 +174,8 @@ def parallel_sample(
     if comm is not None:
         comm.update(result.get("comm", {}))
     sent = result.get("comm", {}).get("total", 0)
+    if handle.feature(COMPILE_FEATURE) is not None:
+        report.notes.append("compile: not applied on the pool's workers (they run the model eagerly)")
     report.notes = [
         *report.notes,
         f"parallel: {_describe(mode, pool.world, degrees)}, backend {pool.backend}; {wall:.3f} s with dispatch; rank 0 sent "
@@ -268,6 +272,12 @@ class RemoteVideoSession:
     @property
     def disposed(self) -> bool:
         return self._disposed or self.pool.closed
+
+    @property
+    def parallel_summary(self) -> str:
+        """One report line: how the pool splits the work (the KV figures of the report are per rank)."""
+        return (f"{_describe('sp', self.pool.world, self.degrees)}, backend {self.pool.backend}; KV cache figures "
+                "are per rank")  # fmt: skip
 
     @property
     def nbytes(self) -> int:

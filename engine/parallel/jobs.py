@@ -41,11 +41,15 @@ SHUTDOWN = b"shutdown"  # written by the host in place of the next job's header 
 def fingerprint(model: torch.nn.Module) -> float:
     """A cheap checksum of the weights (the first elements of every tensor): two processes that loaded the same
     file in the same dtypes agree on it; a different file or dummy seed does not."""
-    total = 0.0
-    for i, (name, t) in enumerate(sorted(model.state_dict().items())):
-        head = t.detach().flatten()[:32].to("cpu", torch.float64)
-        total += float((head * (1.0 + 0.01 * (i % 97))).sum()) + 1e-3 * len(name)
-    return total
+    items = sorted(model.state_dict().items())
+    if not items:
+        return 0.0
+    # summed where the weights live, read once: one device sync per call, not one per tensor
+    parts = [
+        t.detach().flatten()[:32].to(torch.float64).sum() * (1.0 + 0.01 * (i % 97))
+        for i, (_, t) in enumerate(items)
+    ]
+    return float(torch.stack(parts).sum()) + 1e-3 * sum(len(name) for name, _ in items)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -176,8 +180,9 @@ class WorkerContext:
                 raise InputError(
                     "model",
                     f"rank {self.rank} loaded {spec['source']} but its weights differ from the model on the host "
-                    "(the file changed since the host loaded it, a different file at that path on this machine, "
-                    "or dummy weights with another seed)",
+                    "(weights patched in place on the host, e.g. a merged LoRA, which the workers cannot load; the "
+                    "file changed since the host loaded it; a different file at that path on this machine; or "
+                    "dummy weights with another seed)",
                 )
         self.progress(step=False)  # the model is ready: the host's startup timeout ends here
         return self.handle

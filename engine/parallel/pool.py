@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import itertools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -71,6 +73,30 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
+def _check_listen_address(addr: str, port: int) -> None:
+    """Fail at once, naming the input, when the store could not listen there (torch's TCPStore would retry for
+    the whole timeout and print pages of c10d warnings first)."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError as err:
+        raise InputError("master_addr", f"{addr!r} does not resolve ({err.strerror or err})") from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((sockaddr[0], port))
+        except OSError as err:
+            if port and err.errno == errno.EADDRINUSE:
+                raise InputError(
+                    "master_port", f"port {port} on {addr} is in use (0 picks a free one)"
+                ) from None
+            raise InputError(
+                "master_addr",
+                f"{addr!r} is not an address of this machine ({err.strerror or err}): the store listens here; "
+                "use 127.0.0.1 for local ranks or this machine's address on the network",
+            ) from None
+
+
 class WorkerPool:
     """``world`` ranks serving jobs for this process (see the module docstring)."""
 
@@ -100,6 +126,7 @@ class WorkerPool:
     # -- life cycle ------------------------------------------------------------------------------------------------
     def start(self) -> WorkerPool:
         cfg = self.config
+        _check_listen_address(cfg.master_addr, cfg.master_port)
         try:
             self.store = dist.TCPStore(
                 cfg.master_addr, cfg.master_port, None, True, timeout=timedelta(seconds=cfg.timeout),

@@ -49,6 +49,10 @@ VIDEO_ONLY = (
 )
 
 
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
 def flux_defaults(p: FluxParams) -> dict:
     """schnell-like (no guidance embedding): 4 steps, T5 padded to 256 tokens; dev-like: 28 steps, 512 tokens
     (black-forest-labs/flux ``src/flux/cli.py``: ``load_t5(max_length=256 if name == "flux-schnell" else 512)``)."""
@@ -198,7 +202,7 @@ def _plan_flux(p: FluxParams, height, width, steps, cfg, text_tokens, *, name, b
     fields |= _memory(fields["weight_bytes"], 0, gpu)
 
     title = (
-        f"Cost plan: {name or 'FLUX model'} (FLUX.1 MMDiT, {count.total / 1e9:.2f} B parameters), "
+        f"Cost plan: {name or 'FLUX model'} (FLUX.1 MMDiT, {_params(count.total)} parameters), "
         f"{width}x{height} px, batch {batch}, {steps} steps, cfg {cfg:g}\n"
         f"on {gpu.label}: {gpu.dense_bf16_tflops} TFLOPS dense bf16 x MFU {mfu:g}"
     )
@@ -316,7 +320,7 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
     fields |= _memory(fields["weight_bytes"], chosen.window + cross_kv, gpu)
 
     title = (
-        f"Cost plan: {name or 'Wan model'} (Wan 2.1 DiT, {count.total / 1e9:.2f} B parameters), causal, "
+        f"Cost plan: {name or 'Wan model'} (Wan 2.1 DiT, {_params(count.total)} parameters), causal, "
         f"{width}x{height} px, {video_frames} frames = {latent} latent frames = {n_chunks} chunks of {chunk}, "
         f"window {window} (sinks {sinks}), batch {batch}, {steps} steps + clean pass\n"
         f"on {gpu.label}: {gpu.dense_bf16_tflops} TFLOPS dense bf16 x MFU {mfu:g}"

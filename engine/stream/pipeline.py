@@ -170,6 +170,8 @@ def check_frames(frames: torch.Tensor | Sequence[torch.Tensor], input_name: str 
         raise InputError(input_name, "no frames given")
     if not out.is_floating_point():
         raise InputError(input_name, f"expected float frames in [0, 1]; got {out.dtype}")
+    if not bool(torch.isfinite(out).all()):
+        raise InputError(input_name, "frames contain NaN or infinite values")
     lo, hi = float(out.min()), float(out.max())
     if lo < -1e-3 or hi > 1 + 1e-3:
         raise InputError(input_name, f"frame values must be in [0, 1]; got [{lo:.3f}, {hi:.3f}]")
@@ -466,6 +468,7 @@ class StreamBatch:
                 f"frames are {shape[-1]}x{shape[-2]} px; this stream was prepared for {self.size[1]}x{self.size[0]} "
                 "px (all frames of a stream must have one size)",
             )
+        check_frames(frames.unsqueeze(0) if frames.ndim == 3 else frames)
 
     # -- a whole clip ----------------------------------------------------------------------------------------------
     def run(

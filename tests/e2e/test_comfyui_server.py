@@ -120,6 +120,20 @@ def test_dummy_workflow_runs(server, name, tmp_path):
     assert len(files) >= len(savers), out
     if any(n["class_type"].startswith("FewStep") and "Sampler" in n["class_type"] for n in workflow.values()):
         assert "text:" in out  # the sampler report reached PreviewAny
+    for expected in EXPECTED_TEXT.get(name, ()):
+        assert expected in out, f"{expected!r} not in the outputs of {name}:\n{out[-3000:]}"
+
+
+# What each dummy workflow's text outputs (reports shown by PreviewAny) must say, beyond completing.
+EXPECTED_TEXT = {
+    "cost_plan_dummy.api.json": ("FLOPs per forward", "KV"),
+    "flux_schnell_stream_batch_dummy.api.json": ("4 of 6 frames skipped",),
+    "flux_sequence_parallel_dummy.api.json": ("parallel: sequence parallel ulysses 2",),
+    "wan_causal_sequence_parallel_dummy.api.json": ("ulysses 2",),
+    "flux_schnell_compiled_dummy.api.json": ("CUDA graphs need a CUDA GPU", "compile"),
+    "wan_causal_long_int8_dummy.api.json": ("int4",),
+    "flux_schnell_cache_gate_refuses_dummy.api.json": ("off",),
+}
 
 
 def _native_graph(sampler: str, schedule: str = "flux.1-schnell") -> dict:

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -83,3 +84,13 @@ def save(name: str, payload: dict) -> Path:
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nresults: {path}")
     return path
+
+
+def parse_args(ap, quick: dict):
+    """Add the options every benchmark has (--threads, --quick) and parse; --quick applies the script's short-run
+    defaults (what bench/run_all uses), explicit options still win."""
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {quick}")
+    if "--quick" in sys.argv[1:]:
+        ap.set_defaults(**quick)
+    return ap.parse_args()

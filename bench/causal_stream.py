@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
 import torch
-from _common import header, median, parse_px, save, setup_threads
+from _common import header, median, parse_args, parse_px, save, setup_threads
 from torch.utils.flop_counter import FlopCounterMode
 
 from fewstep.engine import load_dit
@@ -332,11 +331,7 @@ def main() -> None:
     ap.add_argument("--recompute-rounds", type=int, default=3, help="cached/recompute pairs per length")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs before each part")
     ap.add_argument("--rope", default="cache")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
-    if "--quick" in sys.argv[1:]:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args()
+    args = parse_args(ap, QUICK)
 
     setup_threads(args.threads)
     env = header("Causal video streaming: per-chunk time and cached vs recompute (CPU)")

@@ -37,11 +37,10 @@ ratios always. The JSON keeps everything, CPU seconds included.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import torch
-from _common import flux_inputs, header, median, parse_px, save, setup_threads
+from _common import flux_inputs, header, median, parse_args, parse_px, save, setup_threads
 
 from fewstep.engine import TextCondition, open_model, sample_latent
 from fewstep.engine.compile import COMPILE_FEATURE, CompileWatch, attach_compile, compile_model
@@ -331,11 +330,7 @@ def main() -> None:
     ap.add_argument("--gpu-txt", type=int, default=256, help="prompt tokens on the GPU (schnell's T5 length)")
     ap.add_argument("--gpu-repeats", type=int, default=10, help="timed forwards per variant and pass")
     ap.add_argument("--gpu-rounds", type=int, default=5, help="timed A/B rounds of 4-step sampling (GPU)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
-    if "--quick" in sys.argv[1:]:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args()
+    args = parse_args(ap, QUICK)
     setup_threads(args.threads)
     env = header("Compiled and CUDA-graph DiT forwards vs eager")
     cpu = []

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
-from _common import flux_inputs, header, median, parse_px, save, setup_threads, timed
+from _common import flux_inputs, header, median, parse_args, parse_px, save, setup_threads, timed
 
 from fewstep.engine import TextCondition, open_model, sample_latent, use_attention_backend
 from fewstep.engine.sampling import SAMPLERS
@@ -158,11 +157,7 @@ def main() -> None:
     ap.add_argument("--samplers", default=",".join(SAMPLERS))
     ap.add_argument("--rounds", type=int, default=5, help="A/B pairs per sampler")
     ap.add_argument("--min-time", type=float, default=0.2, help="seconds per timing (inner repeats)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
-    if "--quick" in sys.argv[1:]:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args()
+    args = parse_args(ap, QUICK)
 
     setup_threads(args.threads)
     env = header(f"Sampler-loop overhead at {STEPS} steps (CPU)")

@@ -23,11 +23,10 @@ of the decision itself (``start_run`` + ``finish``), timed alone. Goal: not meas
 from __future__ import annotations
 
 import argparse
-import sys
 import timeit
 
 import torch
-from _common import RESULTS, flux_inputs, header, median, parse_px, save, setup_threads, timed
+from _common import RESULTS, flux_inputs, header, median, parse_args, parse_px, save, setup_threads, timed
 
 from fewstep.engine import TextCondition, open_model, sample_latent
 from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
@@ -204,11 +203,7 @@ def main() -> None:
     ap.add_argument(
         "--no-extra", dest="extra", action="store_false", help="skip raw / teacache / magcache rows"
     )
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
-    if "--quick" in sys.argv[1:]:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args()
+    args = parse_args(ap, QUICK)
     setup_threads(args.threads)
     env = header("Step-cache gating (CPU)")
     thresholds = [float(t) for t in args.thresholds.split(",")]

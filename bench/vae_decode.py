@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import sys
 
 import torch
-from _common import header, median, parse_px, save, setup_threads, timed
+from _common import header, median, parse_args, parse_px, save, setup_threads, timed
 from torch.utils.flop_counter import FlopCounterMode
 
 from fewstep.engine.latent_formats import FLUX1
@@ -231,11 +230,7 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds per tiny timing (inner repeats)")
     ap.add_argument("--video-rounds", type=int, default=3)
     ap.add_argument("--no-video", action="store_true", help="skip the TAEHV frames-per-second part")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument("--quick", action="store_true", help=f"short run for bench/run_all: defaults {QUICK}")
-    if "--quick" in sys.argv[1:]:
-        ap.set_defaults(**QUICK)
-    args = ap.parse_args()
+    args = parse_args(ap, QUICK)
 
     setup_threads(args.threads)
     env = header("VAE decode: TAEF1 vs full FLUX.1 AE (CPU)")

@@ -22,7 +22,7 @@ import torch
 from ..engine.cache import STEP_CACHE_FEATURE
 from ..engine.causal import ROPE_MODES, CausalConfig, SessionStore, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
-from ..engine.compile.feature import COMPILE_FEATURE
+from ..engine.compile.feature import COMPILE_FEATURE, start_compile_run
 from ..engine.errors import InputError
 from ..engine.sampling import SCHEDULES
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
@@ -33,7 +33,10 @@ from .parallel import FEWSTEP_PARALLEL, open_parallel_session
 from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
-COMPILE_NOT_APPLIED = "compile: not applied here (FewStepCompile speeds up FewStepSampler only; this node runs the model eagerly)"
+COMPILE_NOT_APPLIED = (
+    "compile: not applied here (the model runs eagerly: FewStepCompile applies to FewStepSampler and the causal "
+    "video sampler in this process, not on a worker pool or in the stream batch)"
+)
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 SESSIONS = SessionStore(
@@ -62,14 +65,16 @@ class SessionRecipe:
 
     def rebuild(self, position: int, where: str) -> VideoSession:
         """A new session advanced to ``position`` latent frames, prompt switches replayed."""
-        session = _open_session(self.model, self.prompts[0][1], self.height, self.width, self.config, self.seed,
-                                self.tiny_vae, where, self.parallel)  # fmt: skip
+        session, compiled = _open_session(self.model, self.prompts[0][1], self.height, self.width, self.config,
+                                          self.seed, self.tiny_vae, where, self.parallel)  # fmt: skip
         for frame, context in (*self.prompts[1:], (position, None)):
             missing = frame - session.frames_generated
             if missing:
                 session.run(missing // self.config.chunk_frames)
             if context is not None:
                 session.set_prompt(context)
+        if compiled is not None:
+            compiled.finish()
         return session
 
 
@@ -86,11 +91,18 @@ _SESSION_OF: dict[str, str] = {}  # sampler node id -> the session it made
 
 
 def _open_session(model, context, height, width, config, seed, tiny_vae, where, parallel=None):
-    """A session in this process, or on the launcher's worker pool when ``parallel`` is connected."""
+    """(session, compile run or None): a session in this process, or on the launcher's worker pool when
+    ``parallel`` is connected. A FewStepCompile feature on the model makes the session run the compiled forward
+    (KV-cache calls stay eager, so the growing cache never recompiles); ``finish()`` the run for its telemetry."""
     if parallel is not None:
-        return open_parallel_session(parallel, model, context, height, width, config, seed, tiny_vae, where)
-    return VideoSession(model.model, context, height, width, config, seed, tiny_vae, where=where,
-                        step_cache=model.feature(STEP_CACHE_FEATURE))  # fmt: skip
+        return open_parallel_session(
+            parallel, model, context, height, width, config, seed, tiny_vae, where
+        ), None
+    step_cache = model.feature(STEP_CACHE_FEATURE)
+    compiled = start_compile_run(model, step_cache_active=step_cache is not None)
+    session = VideoSession(model.model if compiled is None else compiled.model, context, height, width, config,
+                           seed, tiny_vae, where=where, step_cache=step_cache)  # fmt: skip
+    return session, compiled
 
 
 def _free_sessions_on_unload(handle) -> None:
@@ -332,13 +344,18 @@ class FewStepCausalVideoSampler:
         context = _prompt(positive, "positive")
         if parallel is None:  # with a pool the workers hold the model; this process does not run it
             load_for_run(model)
-        session = _open_session(model, context, height, width, config, seed, tiny_vae, "FewStepCausalVideoSampler",
-                                parallel)  # fmt: skip
+        session, compiled = _open_session(model, context, height, width, config, seed, tiny_vae,
+                                          "FewStepCausalVideoSampler", parallel)  # fmt: skip
         key = SESSIONS.add(session)
         _SESSION_OF[unique_id] = key
         _free_sessions_on_unload(model)
-        latent, images, report = _run(session, num_chunks, "FewStepCausalVideoSampler")
-        if model.feature(COMPILE_FEATURE) is not None:
+        try:
+            latent, images, report = _run(session, num_chunks, "FewStepCausalVideoSampler")
+        finally:
+            telemetry = compiled.finish() if compiled is not None else None
+        if telemetry is not None:
+            report += "\n" + "\n".join(telemetry.summary_lines())
+        elif parallel is not None and model.feature(COMPILE_FEATURE) is not None:
             report += "\n" + COMPILE_NOT_APPLIED
         SESSIONS.touch(key)
         recipe = SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context.cpu()),), parallel)

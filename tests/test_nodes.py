@@ -450,12 +450,36 @@ def test_video_node_errors(pack):
         )
 
 
-def test_nodes_that_do_not_compile_say_so(pack):
+def test_causal_video_runs_the_compiled_model_and_reports_it(pack):
     m = pack.NODE_CLASS_MAPPINGS
     (wan,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
     (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, guidance=0.0)
     (compiled,) = _run(m["FewStepCompile"], model=wan, compile="regional", backend="eager")
-    for model, noted in ((wan, False), (compiled, True)):
-        report = _run(m["FewStepCausalVideoSampler"], model=model, positive=cond, width=48, height=32,
-                      num_chunks=1, chunk_frames=1, window_frames=2, sink_frames=0)[3]  # fmt: skip
-        assert ("compile: not applied here" in report) is noted, report
+    runs = [
+        _run(
+            m["FewStepCausalVideoSampler"],
+            model=model,
+            positive=cond,
+            width=48,
+            height=32,
+            num_chunks=2,
+            chunk_frames=1,
+            window_frames=2,
+            sink_frames=0,
+        )  # fmt: skip
+        for model in (wan, compiled)
+    ]
+    eager, fast = (r[0]["samples"] for r in runs)
+    assert (fast - eager).abs().max() <= 1e-4
+    assert "compile: " not in runs[0][3]
+    assert "compile: compile regional" in runs[1][3] and "not applied" not in runs[1][3], runs[1][3]
+    more = _run(
+        m["FewStepCausalContinue"], session=runs[1][2], num_chunks=1
+    )  # the session keeps the compiled model
+    assert more[0]["samples"].shape == (1, 16, 1, 4, 6)
+    (tiny,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    (flux_compiled,) = _run(m["FewStepCompile"], model=tiny, compile="regional", backend="eager")
+    (taef1,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef1")
+    report = _run(m["FewStepStreamBatch"], model=flux_compiled, tiny_vae=taef1, frames=torch.rand(2, 32, 32, 3),
+                  positive=_run(m["FewStepSyntheticConditioning"])[0])[1]  # fmt: skip
+    assert "compile: not applied here" in report

@@ -15,7 +15,7 @@ from ..engine.errors import InputError
 from ..engine.parallel import BACKENDS, MODES, ParallelConfig, get_pool, shutdown_pool
 from ..engine.parallel.client import RemoteVideoSession, parallel_sample
 from .base import CATEGORY, reports_input_errors
-from .host import comfy_module
+from .host import check_interrupt, comfy_module
 from .memory import make_patcher
 
 FEWSTEP_PARALLEL = "FEWSTEP_PARALLEL"
@@ -154,7 +154,7 @@ def pool_for_run(config: ParallelConfig, where: str | None = None):
     """The running pool for ``config`` (started if needed), registered with ComfyUI's memory manager."""
     if not isinstance(config, ParallelConfig):
         raise InputError("parallel", "expected a FEWSTEP_PARALLEL from FewStepParallelLauncher")
-    pool = get_pool(config, where)
+    pool = get_pool(config, where, interrupt=check_interrupt)  # ComfyUI's cancel stops a slow start
     _track_with_comfyui(config)
     return pool
 

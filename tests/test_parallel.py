@@ -391,6 +391,24 @@ def test_shutdown_leaves_no_process_and_joined_workers_leave_too():
     assert _wait_gone([*local, joined.pid], 5)
 
 
+def test_a_cancelled_start_stops_the_ranks_it_started():
+    """A rank that never joins (local_ranks 1 of 2) and the user presses Cancel: the wait ends at once."""
+    pool = WorkerPool(_config(local_ranks=1))
+
+    class Cancelled(Exception):
+        pass
+
+    def interrupt():
+        if pool.procs:  # the local rank was started
+            raise Cancelled
+
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled):
+        pool.start(interrupt)
+    assert time.monotonic() - t0 < 20  # not the 300 s start-up timeout
+    assert _wait_gone([proc.pid for proc in pool.procs.values()], 10)
+
+
 @pytest.mark.parametrize("ending", ["exit", "killed"])
 def test_no_worker_outlives_its_host(tmp_path, ending):
     """Interpreter exit runs the atexit shutdown; a host killed outright is noticed by its workers."""

@@ -124,7 +124,9 @@ class WorkerPool:
         self._lock = threading.RLock()
 
     # -- life cycle ------------------------------------------------------------------------------------------------
-    def start(self) -> WorkerPool:
+    def start(self, interrupt=None) -> WorkerPool:
+        """Start the store and the local ranks and wait for every rank. ``interrupt``, called while waiting,
+        may raise to cancel the start (ComfyUI's cancel button); the workers are then stopped."""
         cfg = self.config
         _check_listen_address(cfg.master_addr, cfg.master_port)
         try:
@@ -144,7 +146,7 @@ class WorkerPool:
         try:
             for rank in range(cfg.launched_ranks):
                 self.procs[rank] = self._spawn(rank)
-            self._wait_ready()
+            self._wait_ready(interrupt)
         except BaseException:
             self._abort("start-up failed")
             raise
@@ -169,7 +171,7 @@ class WorkerPool:
             f"RANK=<rank> LOCAL_RANK=<gpu> python -m fewstep worker"
         )
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, interrupt=None) -> None:
         cfg = self.config
         remote = list(range(cfg.launched_ranks, self.world))
         if remote:
@@ -192,6 +194,8 @@ class WorkerPool:
                 code = proc.poll()
                 if code is not None:
                     raise ParallelError(f"rank {r} (pid {proc.pid}) {describe_exit(code)} while starting")
+            if interrupt is not None:
+                interrupt()
             if time.monotonic() > deadline:
                 hint = (
                     f"; start remote ranks with: {self.join_command()}" if set(missing) & set(remote) else ""
@@ -502,8 +506,9 @@ def _untrack(pool: WorkerPool) -> None:
     _LIVE.discard(pool)
 
 
-def get_pool(config: ParallelConfig, where: str | None = None) -> WorkerPool:
-    """The running pool for ``config``, started if needed; one pool at a time (others are shut down)."""
+def get_pool(config: ParallelConfig, where: str | None = None, interrupt=None) -> WorkerPool:
+    """The running pool for ``config``, started if needed; one pool at a time (others are shut down).
+    ``interrupt`` may raise while the ranks start (see ``WorkerPool.start``)."""
     with _REGISTRY_LOCK:
         pool = _POOLS.get(config)
         if pool is not None and pool.alive:
@@ -511,7 +516,7 @@ def get_pool(config: ParallelConfig, where: str | None = None) -> WorkerPool:
         for other in list(_POOLS.values()):
             other.shutdown()
         _POOLS.clear()
-        pool = WorkerPool(config, where).start()
+        pool = WorkerPool(config, where).start(interrupt)
         _POOLS[config] = pool
         return pool
 

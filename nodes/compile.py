@@ -18,9 +18,9 @@ class FewStepCompile:
         "Compiles a FEWSTEP_MODEL's DiT forward (torch.compile: 'regional' compiles the repeated block once and "
         "reuses it for every block; 'full' the whole forward) and/or replays it from CUDA graphs ('whole': one "
         "graph per shape; 'breakable': graph segments with KV-cache calls run eagerly between them). Prompt length "
-        "and image size changes reuse the compiled code (dynamic shapes). Used by FewStepSampler and "
-        "FewStepCausalVideoSampler, whose reports list compile time, recompiles and their reasons, and graph "
-        "replays / captures / eager calls with the reason."
+        "and image size changes reuse the compiled code (dynamic shapes). Used by FewStepSampler, "
+        "FewStepCausalVideoSampler and FewStepStreamBatch, whose reports list compile time, recompiles and their "
+        "reasons, and graph replays / captures / eager calls with the reason."
     )
     CATEGORY = f"{CATEGORY}/speed"
     RETURN_TYPES = (FEWSTEP_MODEL,)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import time
 
-from ..engine.compile.feature import COMPILE_FEATURE
 from ..engine.errors import InputError
 from ..engine.sampling import SCHEDULES
 from ..engine.stream import (
@@ -26,7 +25,6 @@ from .conditioning import from_comfy
 from .host import Progress, check_interrupt, in_comfyui, preview_payload
 from .memory import load_for_run
 from .vae import FEWSTEP_TINY_VAE, images_to_nchw, nchw_to_images
-from .video import COMPILE_NOT_APPLIED
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
@@ -235,8 +233,7 @@ class FewStepStreamBatch:
             progress.close()
         seconds = time.perf_counter() - t0
         report = stream.summary(seconds, frames=pixels.shape[0])
-        if model.feature(COMPILE_FEATURE) is not None:
-            report += "\n" + COMPILE_NOT_APPLIED
+
         if neg is not None and not config.needs_negative:
             report += f"\nnegative unused (cfg_mode {cfg_mode}, guidance_scale {guidance_scale:g})"
         return (nchw_to_images(out), report)

@@ -34,8 +34,8 @@ from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
 COMPILE_NOT_APPLIED = (
-    "compile: not applied here (the model runs eagerly: FewStepCompile applies to FewStepSampler and the causal "
-    "video sampler in this process, not on a worker pool or in the stream batch)"
+    "compile: not applied here (the model runs eagerly on a worker pool: FewStepCompile applies to the samplers "
+    "and the stream batch in this process)"
 )
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 

@@ -395,15 +395,15 @@ def test_a_cancelled_start_stops_the_ranks_it_started():
     """A rank that never joins (local_ranks 1 of 2) and the user presses Cancel: the wait ends at once."""
     pool = WorkerPool(_config(local_ranks=1))
 
-    class Cancelled(Exception):
+    class CancelledError(Exception):
         pass
 
     def interrupt():
         if pool.procs:  # the local rank was started
-            raise Cancelled
+            raise CancelledError
 
     t0 = time.monotonic()
-    with pytest.raises(Cancelled):
+    with pytest.raises(CancelledError):
         pool.start(interrupt)
     assert time.monotonic() - t0 < 20  # not the 300 s start-up timeout
     assert _wait_gone([proc.pid for proc in pool.procs.values()], 10)

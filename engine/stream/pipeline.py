@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import use_attention_backend
+from ..compile.feature import start_compile_run
 from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle
@@ -215,7 +216,12 @@ class StreamBatch:
             check_tiny_vae(tiny_vae, handle)
         check_frame_size(height, width)
         self.handle, self.vae, self.config, self.seed = handle, tiny_vae, config, int(seed)
-        self.model, self.family = handle.model, handle.family
+        # a compile feature on the handle (engine.compile) is used as the sampler uses it: its run object stands
+        # for the model; its telemetry joins the summary
+        self.compile_run = start_compile_run(handle)
+        self._compile_telemetry = None
+        self.model = handle.model if self.compile_run is None else self.compile_run.model
+        self.family = handle.family
         self.device, self.dtype = handle.device, handle.dtype
         self.size = (height, width)
         self.latent_shape = (self.family.latent_format.channels, height // 8, width // 8)
@@ -548,6 +554,10 @@ class StreamBatch:
                 f"{frames / seconds:.2f} frames/s ({frames} frames in {seconds:.2f} s: DiT {s.seconds_dit:.2f} s, "
                 f"tiny AE encode {s.seconds_encode:.2f} s, decode {s.seconds_decode:.2f} s, other {other:.2f} s)"
             )
+        if self.compile_run is not None:
+            if self._compile_telemetry is None:
+                self._compile_telemetry = self.compile_run.finish()
+            lines += self._compile_telemetry.summary_lines()
         return "\n".join(lines)
 
 

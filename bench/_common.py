@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fewstep.engine.models.flux import image_ids, text_ids
+from fewstep.engine.models.flux import random_inputs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -61,21 +61,7 @@ def parse_px(size: str) -> tuple[int, int]:
     return w, h
 
 
-def flux_inputs(params, width: int, height: int, txt_tokens: int, batch: int = 1, seed: int = 0) -> dict:
-    """Keyword arguments of ``Flux.forward`` for a ``width x height`` px image (random values)."""
-    gen = torch.Generator().manual_seed(seed)
-    lh, lw = height // 8, width // 8
-    inputs = {
-        "img": torch.randn(batch, (lh // 2) * (lw // 2), params.in_channels, generator=gen),
-        "img_ids": image_ids(batch, lh, lw),
-        "txt": torch.randn(batch, txt_tokens, params.context_in_dim, generator=gen),
-        "txt_ids": text_ids(batch, txt_tokens),
-        "timesteps": torch.full((batch,), 0.5),
-        "y": torch.randn(batch, params.vec_in_dim, generator=gen),
-    }
-    if params.guidance_embed:
-        inputs["guidance"] = torch.full((batch,), 3.5)
-    return inputs
+flux_inputs = random_inputs  # Flux.forward keyword arguments for a width x height px image
 
 
 def save(name: str, payload: dict) -> Path:

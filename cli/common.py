@@ -47,9 +47,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sigmas", default="", help="with --schedule custom: comma separated sigmas")
     p.add_argument("--sampler", default=None, choices=list(SAMPLERS), help="default: the schedule's sampler")
-    p.add_argument(
-        "--cfg", type=float, default=1.0, help="CFG scale (needs --negative-cond or --negative-seed)"
-    )
+    p.add_argument("--cfg", type=float, default=1.0, help="CFG scale (needs --negative-seed)")
     p.add_argument("--guidance", type=float, default=3.5, help="distilled guidance (FLUX-dev)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

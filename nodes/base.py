@@ -10,6 +10,17 @@ CATEGORY = "FewStep"
 FEWSTEP_MODEL = "FEWSTEP_MODEL"
 
 
+MAX_SEED = 0xFFFFFFFFFFFFFFFF
+
+
+def seed_input(tooltip: str) -> tuple:
+    """A seed widget as ComfyUI's own samplers declare it (full 64-bit range, control after generate)."""
+    return (
+        "INT",
+        {"default": 0, "min": 0, "max": MAX_SEED, "control_after_generate": True, "tooltip": tooltip},
+    )
+
+
 def reports_input_errors(node_name: str, renames: dict[str, str] | None = None):
     """Decorate a node's FUNCTION so engine input errors name this node and its own input names."""
     renames = renames or {}

@@ -12,14 +12,13 @@ from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
 from ..engine.sampling import FLOW, SAMPLERS, SCHEDULES, VE
 from ..engine.text_to_image import build_sigmas, sample_latent
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
 from .conditioning import from_comfy, to_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
 from .parallel import FEWSTEP_PARALLEL, run_parallel_sample
 
 SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]
-MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 
 class FewStepSampler:
@@ -47,16 +46,7 @@ class FewStepSampler:
                         "encoded image with denoise < 1 for image-to-image."
                     },
                 ),
-                "seed": (
-                    "INT",
-                    {
-                        "default": 0,
-                        "min": 0,
-                        "max": MAX_SEED,
-                        "control_after_generate": True,
-                        "tooltip": "Noise seed; the same seed gives ComfyUI KSampler's initial noise.",
-                    },
-                ),
+                "seed": seed_input("Noise seed; the same seed gives ComfyUI KSampler's initial noise."),
                 "steps": (
                     "INT",
                     {
@@ -392,16 +382,7 @@ class FewStepSyntheticConditioning:
                         "tooltip": "Distilled guidance stored in the conditioning (FLUX-dev).",
                     },
                 ),
-                "seed": (
-                    "INT",
-                    {
-                        "default": 0,
-                        "min": 0,
-                        "max": MAX_SEED,
-                        "control_after_generate": True,
-                        "tooltip": "Seed of the embeddings.",
-                    },
-                ),
+                "seed": seed_input("Seed of the embeddings."),
             }
         }
 

@@ -20,13 +20,11 @@ from ..engine.stream import (
     check_frames,
     parse_t_index_list,
 )
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
 from .conditioning import from_comfy
 from .host import Progress, check_interrupt, in_comfyui, preview_payload
 from .memory import load_for_run
 from .vae import FEWSTEP_TINY_VAE, images_to_nchw, nchw_to_images
-
-MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 
 def _one_prompt(conditioning, input_name: str):
@@ -157,16 +155,7 @@ class FewStepStreamBatch:
                         "tooltip": "Most frames skipped in a row by the similarity filter (0: never skip).",
                     },
                 ),
-                "seed": (
-                    "INT",
-                    {
-                        "default": 0,
-                        "min": 0,
-                        "max": MAX_SEED,
-                        "control_after_generate": True,
-                        "tooltip": "Seed of the fixed per-step noise and of the similarity filter's draws.",
-                    },
-                ),
+                "seed": seed_input("Seed of the fixed per-step noise and of the similarity filter's draws."),
             },
             "optional": {
                 "negative": (

@@ -22,10 +22,10 @@ import torch
 from ..engine.cache import STEP_CACHE_FEATURE
 from ..engine.causal import ROPE_MODES, CausalConfig, SessionStore, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
-from ..engine.compile.feature import COMPILE_FEATURE, start_compile_run
+from ..engine.compile.feature import start_compile_run
 from ..engine.errors import InputError
 from ..engine.sampling import SCHEDULES
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
 from .conditioning import from_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
@@ -33,11 +33,6 @@ from .parallel import FEWSTEP_PARALLEL, open_parallel_session
 from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
-COMPILE_NOT_APPLIED = (
-    "compile: not applied here (the model runs eagerly on a worker pool: FewStepCompile applies to the samplers "
-    "and the stream batch in this process)"
-)
-MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 SESSIONS = SessionStore(
     max_sessions=int(os.environ.get("FEWSTEP_MAX_SESSIONS", "4")),
@@ -265,16 +260,7 @@ class FewStepCausalVideoSampler:
                     "INT",
                     {"default": 4, "min": 1, "max": 100, "tooltip": "Denoising steps per chunk."},
                 ),
-                "seed": (
-                    "INT",
-                    {
-                        "default": 0,
-                        "min": 0,
-                        "max": MAX_SEED,
-                        "control_after_generate": True,
-                        "tooltip": "Seed of the session's noise.",
-                    },
-                ),
+                "seed": seed_input("Seed of the session's noise."),
             },
             "optional": {
                 "tiny_vae": (FEWSTEP_TINY_VAE, {"tooltip": "taew2_1: decode each chunk as it is generated."}),
@@ -355,8 +341,6 @@ class FewStepCausalVideoSampler:
             telemetry = compiled.finish() if compiled is not None else None
         if telemetry is not None:
             report += "\n" + "\n".join(telemetry.summary_lines())
-        elif parallel is not None and model.feature(COMPILE_FEATURE) is not None:
-            report += "\n" + COMPILE_NOT_APPLIED
         SESSIONS.touch(key)
         recipe = SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context.cpu()),), parallel)
         return ({"samples": latent}, images, SessionRef(key, session.frames_generated, recipe), report)

@@ -251,6 +251,17 @@ def test_the_model_is_loaded_once_and_kept(pool, flux):
         parallel_sample(pool, patched, [cond], torch.zeros(1, 16, 8, 8), steps=1)
 
 
+def test_a_compiled_model_on_the_pool_runs_eagerly_and_says_so(pool, flux):
+    from fewstep.engine.compile import attach_compile
+
+    cond = make_cond(flux.params, tokens=4)
+    compiled = attach_compile(flux, "regional", backend="eager")
+    out, report = parallel_sample(pool, compiled, [cond], torch.zeros(1, 16, 8, 8), steps=1)
+    plain, _ = parallel_sample(pool, flux, [cond], torch.zeros(1, 16, 8, 8), steps=1)
+    assert torch.equal(out, plain)
+    assert "compile: not applied on the pool's workers" in report.summary()
+
+
 # -- bad input ----------------------------------------------------------------------------------------------------
 def test_bad_degrees_heads_and_sequence_are_input_errors(pool, flux, wan):
     with pytest.raises(

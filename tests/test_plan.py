@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fewstep.engine import InputError, TextCondition, load_dit, open_model, sample_latent
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
-from fewstep.engine.models.flux import image_ids, text_ids
+from fewstep.engine.models.flux import random_inputs
 from fewstep.engine.ops import weight_bytes
 from fewstep.engine.plan import (
     GPUS,
@@ -33,22 +33,6 @@ from fewstep.engine.plan import (
 from fewstep.engine.plan.vae import flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
 
 
-def _flux_inputs(p, height_px, width_px, txt, batch, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lh, lw = height_px // 8, width_px // 8
-    inputs = {
-        "img": torch.randn(batch, (lh // 2) * (lw // 2), p.in_channels, generator=g),
-        "img_ids": image_ids(batch, lh, lw),
-        "txt": torch.randn(batch, txt, p.context_in_dim, generator=g),
-        "txt_ids": text_ids(batch, txt),
-        "timesteps": torch.full((batch,), 0.5),
-        "y": torch.randn(batch, p.vec_in_dim, generator=g),
-    }
-    if p.guidance_embed:
-        inputs["guidance"] = torch.full((batch,), 3.5)
-    return inputs
-
-
 @pytest.fixture(scope="module")
 def wan():
     return load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu")
@@ -59,7 +43,7 @@ def wan():
 @pytest.mark.parametrize(("size", "txt", "batch"), [((64, 96), 7, 1), ((96, 32), 12, 2)])
 def test_flux_forward_flops_equal_the_flop_counter(preset, size, txt, batch):
     model = load_dit(f"dummy:{preset}", dtype=torch.float32, device="cpu")
-    inputs = _flux_inputs(model.params, *size, txt, batch)
+    inputs = random_inputs(model.params, size[1], size[0], txt, batch)
     counted = measure_flops(lambda: model(**inputs))
     planned = flux_forward_flops(model.params, inputs["img"].shape[1], txt, batch)
     assert counted.attention == planned.attention > 0
@@ -80,7 +64,7 @@ def test_flux_forward_flops_equal_the_plain_flop_counter_on_cuda():
     from fewstep.engine import use_attention_backend
 
     model = load_dit("dummy:flux-tiny", dtype=torch.bfloat16, device="cuda")
-    inputs = {k: v.to("cuda") for k, v in _flux_inputs(model.params, 64, 96, 7, 2).items()}
+    inputs = {k: v.to("cuda") for k, v in random_inputs(model.params, 96, 64, 7, 2).items()}
     inputs |= {
         k: inputs[k].to(torch.bfloat16) for k in ("img", "txt", "y")
     }  # positions and timesteps as given

@@ -289,6 +289,57 @@ def decode_and_save(g: Graph, latent: Out, col: int, prefix: str) -> None:
     g.add("SaveImage", "Save image", col + 1, ui_height=420, images=image[0], filename_prefix=prefix)
 
 
+def dummy_flux_inputs(g: Graph, size: int = 256) -> tuple[Node, Node, Node]:
+    """(model, conditioning, latent) with no files: dummy:flux-tiny, synthetic embeddings, an empty latent."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
+    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=size, height=size, batch_size=1)
+    return model, cond, latent
+
+
+def fewstep_sampler(
+    g: Graph,
+    title: str,
+    col: int,
+    model: Out,
+    cond: Out,
+    latent: Out,
+    steps: int = 4,
+    schedule: str = "flux.1-schnell",
+    **inputs,
+) -> Node:
+    """FewStepSampler with the shipped settings: seed 42, euler, no CFG."""
+    return g.add(
+        "FewStepSampler",
+        title,
+        col,
+        model=model,
+        positive=cond,
+        latent_image=latent,
+        seed=42,
+        steps=steps,
+        schedule=schedule,
+        sampler="euler",
+        cfg=1.0,
+        **inputs,
+    )
+
+
+def first_block_gate(g: Graph, title: str, col: int, model: Out, threshold: float) -> Node:
+    return g.add(
+        "FewStepCacheGate",
+        title,
+        col,
+        model=model,
+        method="first_block",
+        threshold=threshold,
+        start=0.1,
+        end=1.0,
+        force=False,
+        cfg_cutoff=1.0,
+    )
+
+
 @workflow("flux_schnell_fewstep")
 def flux_schnell_fewstep(g: Graph) -> None:
     g.note = f"""FLUX.1-schnell in 4 steps with the FewStep engine.
@@ -307,19 +358,7 @@ No files? Open flux_schnell_fewstep_dummy.json: the same sampler with random wei
     )
     cond = flux_text(g, 1)
     latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    sampler = g.add(
-        "FewStepSampler",
-        "FewStep Sampler (4 steps)",
-        3,
-        model=model[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=4,
-        schedule="flux.1-schnell",
-        sampler="euler",
-        cfg=1.0,
-    )
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, model[0], cond[0], latent[0])
     g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell")
 
@@ -334,22 +373,8 @@ is noise-like, not a picture: the workflow is for checking an install and trying
 The latent is written to output/fewstep/ by SaveLatent; the report shows sigmas and step times.
 
 Needs no files. For real images open flux_schnell_fewstep.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
-    sampler = g.add(
-        "FewStepSampler",
-        "FewStep Sampler (4 steps)",
-        2,
-        model=model[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=4,
-        schedule="flux.1-schnell",
-        sampler="euler",
-        cfg=1.0,
-    )
+    model, cond, latent = dummy_flux_inputs(g)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 2, model[0], cond[0], latent[0])
     g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/flux_schnell_dummy")
     g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
 
@@ -375,30 +400,9 @@ No files? Open flux_dev_step_cache_dummy.json."""
     )
     cond = flux_text(g, 1)
     latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    gate = g.add(
-        "FewStepCacheGate",
-        "FewStep Cache Gate (First-Block-Cache)",
-        2,
-        model=model[0],
-        method="first_block",
-        threshold=0.08,
-        start=0.1,
-        end=1.0,
-        force=False,
-        cfg_cutoff=1.0,
-    )
-    sampler = g.add(
-        "FewStepSampler",
-        "FewStep Sampler (28 steps)",
-        3,
-        model=gate[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=28,
-        schedule="flux.1-dev",
-        sampler="euler",
-        cfg=1.0,
+    gate = first_block_gate(g, "FewStep Cache Gate (First-Block-Cache)", 2, model[0], 0.08)
+    sampler = fewstep_sampler(
+        g, "FewStep Sampler (28 steps)", 3, gate[0], cond[0], latent[0], steps=28, schedule="flux.1-dev"
     )
     g.add("PreviewAny", "Sampler report (cache telemetry)", 3, ui_height=260, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_dev_step_cache")
@@ -413,33 +417,10 @@ step, a trained FLUX by a few %), so this graph uses threshold 0.7 to show skipp
 a real model use ~0.08. The output is noise-like, not a picture.
 
 Needs no files. For real images open flux_dev_step_cache.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
-    gate = g.add(
-        "FewStepCacheGate",
-        "FewStep Cache Gate (First-Block-Cache)",
-        2,
-        model=model[0],
-        method="first_block",
-        threshold=0.7,
-        start=0.1,
-        end=1.0,
-        force=False,
-        cfg_cutoff=1.0,
-    )
-    sampler = g.add(
-        "FewStepSampler",
-        "FewStep Sampler (28 steps)",
-        2,
-        model=gate[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=28,
-        schedule="flux.1-dev",
-        sampler="euler",
-        cfg=1.0,
+    model, cond, latent = dummy_flux_inputs(g)
+    gate = first_block_gate(g, "FewStep Cache Gate (First-Block-Cache)", 2, model[0], 0.7)
+    sampler = fewstep_sampler(
+        g, "FewStep Sampler (28 steps)", 2, gate[0], cond[0], latent[0], steps=28, schedule="flux.1-dev"
     )
     g.add(
         "SaveLatent",
@@ -470,31 +451,8 @@ No files? Open flux_schnell_cache_gate_refuses_dummy.json."""
     )
     cond = flux_text(g, 1)
     latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    gate = g.add(
-        "FewStepCacheGate",
-        "FewStep Cache Gate",
-        2,
-        model=model[0],
-        method="first_block",
-        threshold=0.08,
-        start=0.1,
-        end=1.0,
-        force=False,
-        cfg_cutoff=1.0,
-    )
-    sampler = g.add(
-        "FewStepSampler",
-        "FewStep Sampler (4 steps)",
-        3,
-        model=gate[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=4,
-        schedule="flux.1-schnell",
-        sampler="euler",
-        cfg=1.0,
-    )
+    gate = first_block_gate(g, "FewStep Cache Gate", 2, model[0], 0.08)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, gate[0], cond[0], latent[0])
     g.add("PreviewAny", "Sampler report (the gate's reason)", 3, ui_height=200, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell_cache_gate")
 
@@ -506,34 +464,9 @@ def flux_schnell_cache_gate_refuses_dummy(g: Graph) -> None:
 The report's 'step cache' line gives the reason; the latent is exactly the uncached one.
 
 Needs no files. For real images open flux_schnell_cache_gate_refuses.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
-    gate = g.add(
-        "FewStepCacheGate",
-        "FewStep Cache Gate",
-        2,
-        model=model[0],
-        method="first_block",
-        threshold=0.08,
-        start=0.1,
-        end=1.0,
-        force=False,
-        cfg_cutoff=1.0,
-    )
-    sampler = g.add(
-        "FewStepSampler",
-        "FewStep Sampler (4 steps)",
-        2,
-        model=gate[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=4,
-        schedule="flux.1-schnell",
-        sampler="euler",
-        cfg=1.0,
-    )
+    model, cond, latent = dummy_flux_inputs(g)
+    gate = first_block_gate(g, "FewStep Cache Gate", 2, model[0], 0.08)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 2, gate[0], cond[0], latent[0])
     g.add(
         "SaveLatent",
         "Save latent",
@@ -615,18 +548,13 @@ No files? Open flux_schnell_tiny_decode_dummy.json."""
     cond = flux_text(g, 1)
     latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
     tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 3, vae_name="taef1_decoder.pth")
-    sampler = g.add(
-        "FewStepSampler",
+    sampler = fewstep_sampler(
+        g,
         "FewStep Sampler (4 steps, previews)",
         3,
-        model=model[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=4,
-        schedule="flux.1-schnell",
-        sampler="euler",
-        cfg=1.0,
+        model[0],
+        cond[0],
+        latent[0],
         preview_vae=tiny[0],
         preview=True,
     )
@@ -645,22 +573,15 @@ dummy:flux-tiny and dummy:taef1 have seeded random weights, so the saved image i
 the install and shows the path latent -> tiny decode -> image, with per-step previews.
 
 Needs no files. For real images open flux_schnell_tiny_decode.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    model, cond, latent = dummy_flux_inputs(g)
     tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEF1)", 2, vae_name="dummy:taef1")
-    sampler = g.add(
-        "FewStepSampler",
+    sampler = fewstep_sampler(
+        g,
         "FewStep Sampler (4 steps, previews)",
         2,
-        model=model[0],
-        positive=cond[0],
-        latent_image=latent[0],
-        seed=42,
-        steps=4,
-        schedule="flux.1-schnell",
-        sampler="euler",
-        cfg=1.0,
+        model[0],
+        cond[0],
+        latent[0],
         preview_vae=tiny[0],
         preview=True,
     )
@@ -737,6 +658,14 @@ def wan_text(g: Graph, col: int, text: str, title: str = "Prompt") -> tuple[Node
     return clip, g.add("CLIPTextEncode", title, col + 1, text=text, clip=clip[0])
 
 
+def dummy_wan_inputs(g: Graph) -> tuple[Node, Node, Node]:
+    """(model, umT5-shaped conditioning, tiny VAE) with no files: dummy:wan-tiny, synthetic embeddings, dummy TAEW2.1."""
+    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
+    cond = g.add("FewStepSyntheticConditioning", "Synthetic umT5 prompt", 1, pooled_width=0, guidance=0.0)
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    return model, cond, tiny
+
+
 def save_video(g: Graph, frames: Out, col: int, prefix: str) -> None:
     g.add(
         "SaveAnimatedWEBP",
@@ -799,9 +728,7 @@ random weights: the saved video is noise. It exercises the KV window (6 latent f
 oldest frames are evicted from chunk 3 on), the streaming decode and the report.
 
 Needs no files. For real video open wan_causal_stream.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic umT5 prompt", 1, pooled_width=0, guidance=0.0)
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    model, cond, tiny = dummy_wan_inputs(g)
     video = g.add(
         "FewStepCausalVideoSampler",
         "FewStep Causal Video Sampler",
@@ -971,9 +898,7 @@ def wan_causal_long_int8_dummy(g: Graph) -> None:
 older chunks in int4 (keep_recent_chunks 1). The report gives KV bytes and the frames quantized. Noise output.
 
 Needs no files. For real video open wan_causal_long_int8.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic umT5 prompt", 1, pooled_width=0, guidance=0.0)
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    model, cond, tiny = dummy_wan_inputs(g)
     video = g.add(
         "FewStepCausalVideoSampler", "FewStep Causal Video Sampler (int4 KV)", 2, model=model[0],
         positive=cond[0], width=96, height=64, num_chunks=6, chunk_frames=2, window_frames=6, sink_frames=1,
@@ -1062,22 +987,6 @@ Needs no files. For real stylisation open flux_schnell_stream_batch.json."""
 # ---- compile / CUDA graphs (issue 7) ----
 
 
-def compiled_sampler(g: Graph, model: Out, cond: Out, latent: Out, col: int) -> Node:
-    return g.add(
-        "FewStepSampler",
-        "FewStep Sampler (4 steps)",
-        col,
-        model=model,
-        positive=cond,
-        latent_image=latent,
-        seed=42,
-        steps=4,
-        schedule="flux.1-schnell",
-        sampler="euler",
-        cfg=1.0,
-    )
-
-
 @workflow("flux_schnell_compiled")
 def flux_schnell_compiled(g: Graph) -> None:
     g.note = f"""FLUX.1-schnell with a compiled DiT and a CUDA graph.
@@ -1102,7 +1011,7 @@ No files? Open flux_schnell_compiled_dummy.json."""
         "FewStepCompile", "FewStep Compile (regional + CUDA graph)", 3, model=model[0], compile="regional",
         cuda_graph="whole", dynamic=True, backend="inductor", allow_fallback=True,
     )  # fmt: skip
-    sampler = compiled_sampler(g, fast[0], cond[0], latent[0], 3)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, fast[0], cond[0], latent[0])
     g.add("PreviewAny", "Sampler report (compile, graphs)", 4, ui_height=260, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/schnell_compiled")
 
@@ -1116,14 +1025,12 @@ CUDA graph is requested, and on a CPU it falls back to eager with the reason in 
 The report lists compile time and recompiles. The output is noise.
 
 Needs no files. For the real model open flux_schnell_compiled.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    model, cond, latent = dummy_flux_inputs(g)
     fast = g.add(
         "FewStepCompile", "FewStep Compile (regional + CUDA graph)", 2, model=model[0], compile="regional",
         cuda_graph="whole", dynamic=True, backend="aot_eager", allow_fallback=True,
     )  # fmt: skip
-    sampler = compiled_sampler(g, fast[0], cond[0], latent[0], 2)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 2, fast[0], cond[0], latent[0])
     g.add("PreviewAny", "Sampler report (compile, graphs)", 3, ui_height=260, source=sampler[1])
     g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/compiled_dummy")
 
@@ -1159,11 +1066,9 @@ No GPUs? Open flux_sequence_parallel_dummy.json (two CPU workers on gloo)."""
     cond = flux_text(g, 1)
     latent = g.add("EmptySD3LatentImage", "Image size", 1, width=2048, height=2048, batch_size=1)
     pool = launcher(g, 3)
-    sampler = g.add(
-        "FewStepSampler", "FewStep Sampler (4 steps, on the pool)", 3, model=model[0], positive=cond[0],
-        latent_image=latent[0], seed=42, steps=4, schedule="flux.1-schnell", sampler="euler", cfg=1.0,
-        parallel=pool[0],
-    )  # fmt: skip
+    sampler = fewstep_sampler(
+        g, "FewStep Sampler (4 steps, on the pool)", 3, model[0], cond[0], latent[0], parallel=pool[0]
+    )
     g.add("PreviewAny", "Pool", 4, ui_height=140, source=pool[1])
     g.add("PreviewAny", "Sampler report", 4, ui_height=200, source=sampler[1])
     decode_and_save(g, sampler[0], 5, "fewstep/schnell_sp")
@@ -1177,15 +1082,11 @@ The tiny random-weight FLUX runs with its image tokens split over two ranks (Uly
 equals the single-process run. The first run starts the workers (a few seconds); unload models to stop them.
 
 Needs no files. For the real model open flux_sequence_parallel.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic conditioning (no text encoder)", 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=256, height=256, batch_size=1)
+    model, cond, latent = dummy_flux_inputs(g)
     pool = launcher(g, 2, threads_per_rank=1)
-    sampler = g.add(
-        "FewStepSampler", "FewStep Sampler (4 steps, on the pool)", 2, model=model[0], positive=cond[0],
-        latent_image=latent[0], seed=42, steps=4, schedule="flux.1-schnell", sampler="euler", cfg=1.0,
-        parallel=pool[0],
-    )  # fmt: skip
+    sampler = fewstep_sampler(
+        g, "FewStep Sampler (4 steps, on the pool)", 2, model[0], cond[0], latent[0], parallel=pool[0]
+    )
     g.add("PreviewAny", "Pool", 3, ui_height=140, source=pool[1])
     g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
     g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/sp_dummy")
@@ -1226,9 +1127,7 @@ The tiny random-weight Wan runs chunk by chunk with each rank caching its share 
 equal the single-process ones. The output is noise.
 
 Needs no files. For the real model open wan_causal_sequence_parallel.json."""
-    model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")
-    cond = g.add("FewStepSyntheticConditioning", "Synthetic umT5 prompt", 1, pooled_width=0, guidance=0.0)
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (dummy TAEW2.1)", 1, vae_name="dummy:taew2_1")
+    model, cond, tiny = dummy_wan_inputs(g)
     pool = launcher(g, 2, threads_per_rank=1)
     video = g.add(
         "FewStepCausalVideoSampler", "FewStep Causal Video Sampler (on the pool)", 2, model=model[0],

@@ -340,9 +340,8 @@ class CudaSegments:
         graph.replay()
 
 
-class EmulatedSegments:
-    """A CPU stand-in for CUDA graphs with the same contract: a segment is the tape of its torch calls, replayed
-    into the very tensors the capture produced (static addresses, Python not re-run, host values baked in)."""
+class _TracedSegments:
+    """A backend whose segments are what the tracer records (no device graph): nothing to prepare or abort."""
 
     capture_executes = True
     needs_tracer = True
@@ -354,17 +353,22 @@ class EmulatedSegments:
     def prepare(self) -> None:
         pass
 
+    def end(self, segment, tracer: SegmentTracer | None):
+        tracer.record = None
+        return segment
+
+    def abort(self, segment) -> None:
+        pass
+
+
+class EmulatedSegments(_TracedSegments):
+    """A CPU stand-in for CUDA graphs with the same contract: a segment is the tape of its torch calls, replayed
+    into the very tensors the capture produced (static addresses, Python not re-run, host values baked in)."""
+
     def begin(self, tracer: SegmentTracer | None):
         tape: list = []
         tracer.record = lambda func, args, kwargs, out: tape.append((func, args, kwargs, out))
         return tape
-
-    def end(self, tape, tracer: SegmentTracer | None):
-        tracer.record = None
-        return tape
-
-    def abort(self, tape) -> None:
-        pass
 
     def replay(self, tape) -> None:
         with torch._C.DisableTorchFunction():
@@ -387,21 +391,11 @@ class SegmentRecord:
     modules: list[str] = field(default_factory=list)
 
 
-class DrySegments:
+class DrySegments(_TracedSegments):
     """The planner's backend: counts the ops of each segment and the modules they run in."""
-
-    capture_executes = True
-    needs_tracer = True
 
     def __init__(self, names: dict[int, str] | None):
         self.names = names or {}
-
-    @contextlib.contextmanager
-    def side_stream(self):
-        yield
-
-    def prepare(self) -> None:
-        pass
 
     def begin(self, tracer: SegmentTracer | None):
         seg = SegmentRecord()
@@ -414,13 +408,6 @@ class DrySegments:
 
         tracer.record = record
         return seg
-
-    def end(self, seg, tracer: SegmentTracer | None):
-        tracer.record = None
-        return seg
-
-    def abort(self, seg) -> None:
-        pass
 
     def replay(self, seg) -> None:
         pass

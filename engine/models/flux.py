@@ -222,6 +222,26 @@ def text_ids(batch: int, length: int, device=None) -> torch.Tensor:
     return torch.zeros(batch, length, 3, device=device)
 
 
+def random_inputs(
+    params: FluxParams, width: int, height: int, txt_tokens: int, batch: int = 1, seed: int = 0
+) -> dict:
+    """Keyword arguments of ``Flux.forward`` for a ``width x height`` px image, seeded random values (benchmarks
+    and FLOP counts need the shapes, not a prompt)."""
+    gen = torch.Generator().manual_seed(seed)
+    lh, lw = height // 8, width // 8
+    inputs = {
+        "img": torch.randn(batch, (lh // 2) * (lw // 2), params.in_channels, generator=gen),
+        "img_ids": image_ids(batch, lh, lw),
+        "txt": torch.randn(batch, txt_tokens, params.context_in_dim, generator=gen),
+        "txt_ids": text_ids(batch, txt_tokens),
+        "timesteps": torch.full((batch,), 0.5),
+        "y": torch.randn(batch, params.vec_in_dim, generator=gen),
+    }
+    if params.guidance_embed:
+        inputs["guidance"] = torch.full((batch,), 3.5)
+    return inputs
+
+
 def with_overrides(params: FluxParams, **changes) -> FluxParams:
     return dataclasses.replace(params, **changes)
 

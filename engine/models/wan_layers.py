@@ -67,18 +67,9 @@ class WanSelfAttention(nn.Module):
         return self.o(out.flatten(2))
 
 
-class WanCrossAttention(nn.Module):
-    """Text cross-attention (the t2v variant). Keys/values depend only on the prompt, so a cache may hold them."""
-
-    def __init__(self, dim: int, num_heads: int, eps: float = 1e-6):
-        super().__init__()
-        self.num_heads = num_heads
-        self.q = Linear(dim, dim)
-        self.k = Linear(dim, dim)
-        self.v = Linear(dim, dim)
-        self.o = Linear(dim, dim)
-        self.norm_q = WanRMSNorm(dim, eps)
-        self.norm_k = WanRMSNorm(dim, eps)
+class WanCrossAttention(WanSelfAttention):
+    """Text cross-attention (the t2v variant): the same projections and q/k norms as self-attention, no RoPE.
+    Keys/values depend only on the prompt, so a cache may hold them."""
 
     def context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b = context.shape[0]

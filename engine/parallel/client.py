@@ -41,6 +41,8 @@ from .jobs import dtype_name, fingerprint
 from .pool import WorkerPool
 from .worker import available_memory
 
+COMPILE_NOT_APPLIED = "compile: not applied on the pool's workers (they run the model eagerly)"
+
 
 def model_spec(handle: ModelHandle) -> dict:
     """How a worker loads the same model: source, dtypes, attention backend, and a checksum to compare.
@@ -175,7 +177,7 @@ def parallel_sample(
         comm.update(result.get("comm", {}))
     sent = result.get("comm", {}).get("total", 0)
     if handle.feature(COMPILE_FEATURE) is not None:
-        report.notes.append("compile: not applied on the pool's workers (they run the model eagerly)")
+        report.notes.append(COMPILE_NOT_APPLIED)
     report.notes = [
         *report.notes,
         f"parallel: {_describe(mode, pool.world, degrees)}, backend {pool.backend}; {wall:.3f} s with dispatch; rank 0 sent "
@@ -276,8 +278,8 @@ class RemoteVideoSession:
     @property
     def parallel_summary(self) -> str:
         """One report line: how the pool splits the work (the KV figures of the report are per rank)."""
-        return (f"{_describe('sp', self.pool.world, self.degrees)}, backend {self.pool.backend}; KV cache figures "
-                "are per rank")  # fmt: skip
+        line = f"{_describe('sp', self.pool.world, self.degrees)}, backend {self.pool.backend}; KV cache figures are per rank"
+        return line if self.handle.feature(COMPILE_FEATURE) is None else f"{line}\n{COMPILE_NOT_APPLIED}"
 
     @property
     def nbytes(self) -> int:

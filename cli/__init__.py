@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 
-from ..engine.errors import FewStepError
+from ..engine.errors import FewStepError, InputError
 from . import demo, generate, plan, queue, stream, worker
 
 COMMANDS = {
@@ -21,6 +22,18 @@ COMMANDS = {
     "plan": plan,
     "worker": worker,
     "demo": demo,
+}
+
+# Engine argument names whose flag is not simply ``--`` + the name with dashes, per command. Every other engine
+# argument maps to the command's option of that name when it has one (``window_frames`` -> ``--window-frames``).
+IRREGULAR_FLAGS = {
+    "generate": {
+        "custom_sigmas": "--sigmas",
+        "positive": "--cond",
+        "negative": "--negative-seed",
+        "latent": "--height/--width/--batch",
+    },
+    "stream": {"keep_recent_chunks": "--keep-recent", "num_chunks": "--chunks", "context": "--cond"},
 }
 
 
@@ -33,13 +46,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags_of(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """dest -> long option of one sub-command (``window_frames`` -> ``--window-frames``)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {a.dest: a.option_strings[-1] for a in sub._actions if a.option_strings and a.dest != "help"}
+
+
+def as_flag_error(err: InputError, command: str, flags: dict[str, str]) -> InputError:
+    """The engine's error, naming the command's flag instead of the engine argument (the one mapping)."""
+    name = err.input_name
+    if not name.startswith("-"):
+        name = IRREGULAR_FLAGS.get(command, {}).get(name) or flags.get(name, name)
+    err.input_name = name
+    err.where = f"fewstep {command}"
+    err.args = (str(err),)
+    return err
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
     try:
         return COMMANDS[args.command].run(args) or 0
-    except FewStepError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except InputError as err:
+        print(f"error: {as_flag_error(err, args.command, _flags_of(parser, args.command))}", file=sys.stderr)
         return 2
+    except FewStepError as err:
+        print(f"error: fewstep {args.command}: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - a bug or an environment failure: one line, the details on -v
+        if args.verbose:
+            traceback.print_exc()
+        first = (str(err).strip().splitlines() or [""])[0]
+        hint = "" if args.verbose else " (an internal error; -v shows the traceback)"
+        print(f"error: fewstep {args.command}: {type(err).__name__}: {first}{hint}", file=sys.stderr)
+        return 1

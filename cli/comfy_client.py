@@ -1,29 +1,100 @@
 """A small ComfyUI API client (standard library only): HTTP for /prompt, /history, /view and /object_info, and a
-minimal WebSocket (RFC 6455) reader for the progress events the server pushes on /ws."""
+minimal WebSocket (RFC 6455) reader for the progress events the server pushes on /ws.
+
+The server is not trusted: every read and write of the client shares one deadline (the socket timeout of each
+call is the time left), answers and messages have size and JSON-depth limits, anything that is not what ComfyUI
+sends is a :class:`ProtocolError`, and downloads land only inside the chosen folder (:func:`local_output_path`).
+"""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import http.client
 import json
 import os
+import re
 import socket
 import struct
-import urllib.error
+import tempfile
+import time
 import urllib.parse
-import urllib.request
+
+from ..engine.settings import env_float
+
+MAX_JSON_BYTES = 64 << 20  # an HTTP JSON answer (/object_info of a server with many packs is a few MB)
+MAX_MESSAGE_BYTES = 64 << 20  # one event-stream message (binary previews are at most a few MB)
+MAX_HEAD_BYTES = 64 << 10  # the WebSocket handshake answer
+MAX_JSON_DEPTH = 128  # ComfyUI's answers nest about 10 levels; a deeper one is an attack on the parser
+MAX_FILE_BYTES = int(env_float("FEWSTEP_QUEUE_MAX_FILE_GB", 16.0) * (1 << 30))  # one downloaded output file
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455's fixed key suffix
 
 
 class ServerError(Exception):
-    """The server answered with an HTTP error; ``body`` is its JSON (or text) answer."""
+    """The server answered ``what`` with an HTTP error; ``body`` is its JSON (or text) answer."""
 
-    def __init__(self, status: int, body):
-        self.status, self.body = status, body
-        super().__init__(f"HTTP {status}: {body}")
+    def __init__(self, status: int, body, what: str = "the request"):
+        self.status, self.body, self.what = status, body, what
+        super().__init__(f"{what} answered HTTP {status}: {snippet(body)}")
 
 
 class UnreachableError(Exception):
     pass
+
+
+class ProtocolError(Exception):
+    """The server answered something ComfyUI does not send (HTML, garbage frames, absurd sizes...)."""
+
+
+class DeadlineError(Exception):
+    """The client's time ran out; the message says what it was doing."""
+
+
+class LocalWriteError(Exception):
+    """A downloaded file could not be written on this machine (disk full, a file where a folder should be...)."""
+
+
+class UnsafeOutputError(ValueError):
+    """A server-listed output file would be written outside the download folder; the message says why."""
+
+
+def snippet(value, limit: int = 80) -> str:
+    """A short one-line rendering of a server's answer, for error messages."""
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value[: limit * 4]).decode(errors="replace")
+    elif not isinstance(value, str):
+        try:
+            value = json.dumps(value)[: limit * 4]
+        except (TypeError, ValueError, RecursionError):
+            value = type(value).__name__
+    text = " ".join(value.split())
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether ``value`` nests lists/objects deeper than ``limit`` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def parse_json(data: bytes, source: str):
+    """``data`` as JSON; ``source`` ("POST /prompt answered with") starts the ProtocolError when it is not."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise ProtocolError(f"{source} JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
+        raise ProtocolError(f"{source} something that is not JSON: {snippet(data)}") from None
+    if isinstance(value, (dict, list)) and _too_deep(value, MAX_JSON_DEPTH):
+        raise ProtocolError(f"{source} JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 DEFAULT_PORTS = {"http": 80}
@@ -56,69 +127,275 @@ def server_address(server: str) -> tuple[str, str, int]:
     return text.rstrip("/"), url.hostname, port
 
 
+class Deadline:
+    """One point in time that every socket operation of a client must finish by."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def remaining(self, doing: str) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise DeadlineError(f"while {doing}")
+        return left
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every read and write may take only the time left until its deadline.
+
+    A per-call timeout alone does not bound a server that sends a byte (or a ping) now and then; re-arming the
+    timeout from the remaining time on each call does, for our own reads and for http.client's (its response
+    file calls ``recv_into`` on this object).
+    """
+
+    deadline: Deadline
+    doing: str
+
+    def _arm(self) -> None:
+        self.settimeout(self.deadline.remaining(self.doing))
+
+    def recv(self, *args):
+        self._arm()
+        try:
+            return super().recv(*args)
+        except TimeoutError:
+            raise DeadlineError(f"while {self.doing}") from None
+
+    def recv_into(self, *args):
+        self._arm()
+        try:
+            return super().recv_into(*args)
+        except TimeoutError:
+            raise DeadlineError(f"while {self.doing}") from None
+
+    def sendall(self, *args):
+        self._arm()
+        try:
+            return super().sendall(*args)
+        except TimeoutError:
+            raise DeadlineError(f"while {self.doing}") from None
+
+
+def _connect(host: str, port: int, deadline: Deadline, doing: str, unreachable: str) -> _DeadlineSocket:
+    try:
+        raw = socket.create_connection((host, port), timeout=deadline.remaining(doing))
+    except TimeoutError:
+        raise DeadlineError(f"while {doing}") from None
+    except OSError as exc:
+        raise UnreachableError(f"{unreachable} ({exc})") from None
+    sock = _DeadlineSocket(raw.family, raw.type, raw.proto, fileno=raw.detach())
+    sock.deadline, sock.doing = deadline, doing
+    return sock
+
+
+class _Connection(http.client.HTTPConnection):
+    def __init__(self, client: ComfyClient, doing: str):
+        super().__init__(client.host, client.port)
+        self.client, self.doing = client, doing
+
+    def connect(self) -> None:
+        self.sock = _connect(
+            self.host,
+            self.port,
+            self.client.deadline,
+            self.doing,
+            f"cannot reach ComfyUI at {self.client.server}",
+        )
+
+
+def _read_body(resp, what: str, limit: int, sink=None) -> bytes:
+    """The answer's body (or passed to ``sink(chunk)``), refused once it is larger than ``limit`` bytes."""
+    if resp.length is not None and resp.length > limit:
+        raise ProtocolError(
+            f"{what} answered with {resp.length} bytes, more than the {limit} this client accepts"
+        )
+    parts, total = [], 0
+    while chunk := resp.read(min(1 << 20, limit + 1 - total)):
+        total += len(chunk)
+        if total > limit:
+            raise ProtocolError(f"{what} answered with more than the {limit} bytes this client accepts")
+        if sink is None:
+            parts.append(chunk)
+        else:
+            sink(chunk)
+    return b"".join(parts)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SEPARATORS = re.compile(r"[\\/]")
+
+
+def local_output_path(out_dir: str, subfolder, filename) -> str:
+    """Where a server-listed output file (``subfolder``/``filename``) goes inside ``out_dir``.
+
+    The names come from the server: the file name must be a plain name, the subfolder relative without ``..``
+    (``/`` or ``\\`` separated), neither with control characters, and the resolved path (symlinks followed) must stay
+    inside ``out_dir``. Raises UnsafeOutputError saying why otherwise; nothing is created here.
+    """
+    if (
+        not isinstance(filename, str)
+        or filename in ("", ".", "..")
+        or _SEPARATORS.search(filename)
+        or _CONTROL.search(filename)
+        or os.path.splitdrive(filename)[0]
+    ):
+        raise UnsafeOutputError(
+            f"the file name {filename!r} is not a plain file name (no folders, '.', '..' or control characters)"
+        )
+    subfolder = "" if subfolder is None else subfolder
+    if not isinstance(subfolder, str):
+        raise UnsafeOutputError(f"the subfolder {subfolder!r} is not text")
+    if _CONTROL.search(subfolder):
+        raise UnsafeOutputError(f"the subfolder {subfolder!r} contains a control character")
+    parts = [part for part in _SEPARATORS.split(subfolder) if part not in ("", ".")]
+    if _SEPARATORS.match(subfolder) or re.match(r"[A-Za-z]:", subfolder) or os.path.isabs(subfolder):
+        raise UnsafeOutputError(f"the subfolder {subfolder!r} is absolute")
+    if ".." in parts:
+        raise UnsafeOutputError(f"the subfolder {subfolder!r} contains '..'")
+    root = os.path.realpath(out_dir)
+    path = os.path.join(root, *parts, filename)
+    resolved = os.path.realpath(path)  # follows symlinks already in out_dir, also in not-yet-created parents
+    try:
+        inside = os.path.commonpath([root, resolved]) == root
+    except ValueError:  # another drive
+        inside = False
+    if not inside:
+        raise UnsafeOutputError(f"{path} leads outside --out (through a symlink, to {resolved})")
+    return path
+
+
 class ComfyClient:
     def __init__(self, server: str, timeout: float = 30.0):
-        """``server`` as the user gave it (see server_address); raises ValueError for an unusable address."""
+        """``server`` as the user gave it (see server_address); every request from now on shares one deadline,
+        ``timeout`` seconds away. Raises ValueError for an unusable address."""
         self.server, self.host, self.port = server_address(server)
-        self.timeout = timeout
+        self.base_path = urllib.parse.urlparse(self.server).path.rstrip("/")
+        self.deadline = Deadline(timeout)
 
-    def _request(self, path: str, data=None, raw: bool = False):
+    def _request(self, path: str, data=None, sink=None):
+        """The JSON answer to GET (or POST ``data`` to) ``path``; with ``sink``, the body goes to ``sink(chunk)``."""
+        method = "GET" if data is None else "POST"
+        what = f"{method} {path}"
+        conn = _Connection(self, f"reading {what}")
         body = None if data is None else json.dumps(data).encode()
-        req = urllib.request.Request(
-            self.server + path, data=body, headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                payload = resp.read()
-        except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")
-            with contextlib.suppress(ValueError):
-                text = json.loads(text)
-            raise ServerError(exc.code, text) from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise UnreachableError(f"cannot reach ComfyUI at {self.server} ({reason})") from None
-        return payload if raw else json.loads(payload or b"null")
+            conn.request(
+                method, self.base_path + path, body=body, headers={"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                text = _read_body(resp, what, MAX_JSON_BYTES)
+                with contextlib.suppress(ProtocolError):
+                    text = parse_json(text, what)
+                raise ServerError(
+                    resp.status, text if not isinstance(text, bytes) else text.decode(errors="replace"), what
+                )
+            if sink is not None:
+                return _read_body(resp, what, MAX_FILE_BYTES, sink)
+            return parse_json(_read_body(resp, what, MAX_JSON_BYTES) or b"null", f"{what} answered with")
+        except http.client.HTTPException as exc:  # not HTTP, a header line too long, a body cut short...
+            raise ProtocolError(
+                f"{what} answered with something that is not a complete HTTP answer ({exc!r})"
+            ) from None
+        except OSError as exc:
+            raise UnreachableError(f"cannot reach ComfyUI at {self.server} ({exc})") from None
+        finally:
+            conn.close()
 
     def object_info(self) -> dict:
-        return self._request("/object_info")
+        info = self._request("/object_info")
+        if not isinstance(info, dict):
+            raise ProtocolError(f"GET /object_info answered with {snippet(info)}, not the node definitions")
+        return info
 
     def submit(self, prompt: dict, client_id: str, extra_data: dict | None = None) -> dict:
+        """The server's answer to POST /prompt; raises ProtocolError when it has no prompt_id."""
         payload = {"prompt": prompt, "client_id": client_id}
         if extra_data:
             payload["extra_data"] = extra_data
-        return self._request("/prompt", payload)
+        answer = self._request("/prompt", payload)
+        if (
+            not isinstance(answer, dict)
+            or not isinstance(answer.get("prompt_id"), str)
+            or not answer["prompt_id"]
+        ):
+            raise ProtocolError(f"POST /prompt answered without a prompt_id: {snippet(answer)}")
+        return answer
 
     def history(self, prompt_id: str) -> dict:
-        return self._request(f"/history/{urllib.parse.quote(prompt_id)}").get(prompt_id, {})
+        """The prompt's history entry ({} while it is not written yet), checked to be in ComfyUI's layout."""
+        path = f"/history/{urllib.parse.quote(prompt_id)}"
+        history = self._request(path)
+        entry = history.get(prompt_id, {}) if isinstance(history, dict) else None
+        outputs = entry.get("outputs", {}) if isinstance(entry, dict) else None
+        if not isinstance(outputs, dict) or not all(isinstance(o, dict) for o in outputs.values()):
+            raise ProtocolError(
+                f"GET {path} answered with a history entry ComfyUI does not write: {snippet(history)}"
+            )
+        return entry
 
     def download(self, item: dict, out_dir: str) -> str:
+        """Save one output file the history lists into ``out_dir`` (see local_output_path); returns its path.
+
+        Raises UnsafeOutputError (nothing written) for names that lead outside ``out_dir``. The file appears
+        whole or not at all: it is written next to its place and renamed, which also replaces rather than follows
+        a symlink left there.
+        """
+        path = local_output_path(out_dir, item.get("subfolder"), item.get("filename"))
+        kind = item.get("type", "output")
+        if not isinstance(kind, str):
+            raise UnsafeOutputError(f"the type {kind!r} is not text")
         query = urllib.parse.urlencode(
-            {
-                "filename": item["filename"],
-                "subfolder": item.get("subfolder", ""),
-                "type": item.get("type", "output"),
-            }
+            {"filename": item["filename"], "subfolder": item.get("subfolder") or "", "type": kind}
         )
-        data = self._request(f"/view?{query}", raw=True)
-        path = os.path.join(out_dir, item.get("subfolder", ""), item["filename"])
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, partial = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fewstep-download-")
+        except OSError as exc:
+            raise LocalWriteError(f"cannot write {path}: {exc}") from None
+
+        def write(chunk: bytes) -> None:
+            try:
+                f.write(chunk)
+            except OSError as exc:  # not the server's fault: keep it apart from UnreachableError
+                raise LocalWriteError(f"cannot write {path}: {exc}") from None
+
+        try:
+            with os.fdopen(fd, "wb") as f:
+                self._request(f"/view?{query}", sink=write)
+            os.replace(partial, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
         return path
 
-    def websocket(self, client_id: str, timeout: float) -> WebSocket:
-        return WebSocket(self.host, self.port, f"/ws?clientId={client_id}", timeout)
+    def websocket(self, client_id: str) -> WebSocket:
+        return WebSocket(self.host, self.port, f"/ws?clientId={client_id}", self.deadline)
 
 
 class WebSocket:
-    """Just enough of RFC 6455 to read ComfyUI's event stream (text and binary messages, ping/pong, close)."""
+    """Just enough of RFC 6455 to read ComfyUI's event stream (text and binary messages, ping/pong, close).
 
-    def __init__(self, host: str, port: int, path: str, timeout: float):
+    Frames that break the protocol (reserved bits, unknown opcodes, masked or oversized frames, a broken
+    fragment sequence) raise ProtocolError; every read shares the client's deadline.
+    """
+
+    def __init__(self, host: str, port: int, path: str, deadline: Deadline):
+        url = f"ws://{host}:{port}{path}"
+        self.deadline = deadline
+        self.sock = _connect(
+            host, port, deadline, f"opening the event stream {url}", f"cannot open the event stream {url}"
+        )
         try:
-            self.sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise UnreachableError(f"cannot open the event stream ws://{host}:{port}{path} ({exc})") from None
+            self._handshake(host, port, path)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.sock.doing = "waiting for the run's events"
+
+    def _handshake(self, host: str, port: int, path: str) -> None:
         key = base64.b64encode(os.urandom(16)).decode()
         host_header = f"[{host}]" if ":" in host else host  # an IPv6 literal
         request = (
@@ -128,14 +405,27 @@ class WebSocket:
         self.sock.sendall(request.encode())
         head = b""
         while b"\r\n\r\n" not in head:
+            if len(head) > MAX_HEAD_BYTES:
+                raise ProtocolError(
+                    f"the event stream's handshake answer is longer than {MAX_HEAD_BYTES} bytes"
+                )
             chunk = self.sock.recv(4096)
             if not chunk:
                 raise UnreachableError("the server closed the event stream during the handshake")
             head += chunk
-        status = head.split(b"\r\n", 1)[0]
-        if b" 101 " not in status:
-            raise UnreachableError(f"the server refused the event stream: {status.decode(errors='replace')}")
-        self._buffer = head.split(b"\r\n\r\n", 1)[1]
+        head, rest = head.split(b"\r\n\r\n", 1)
+        status, *lines = head.decode("latin-1").split("\r\n")
+        if " 101 " not in status + " ":
+            raise UnreachableError(f"the server refused the event stream: {status}")
+        headers = {
+            name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)
+        }
+        expected = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+        if headers.get("sec-websocket-accept") != expected:
+            raise ProtocolError(
+                "the event stream's handshake has a wrong Sec-WebSocket-Accept (not a WebSocket server)"
+            )
+        self._buffer = bytearray(rest)
 
     def _read(self, n: int) -> bytes:
         while len(self._buffer) < n:
@@ -143,7 +433,8 @@ class WebSocket:
             if not chunk:
                 raise ConnectionError("event stream closed")
             self._buffer += chunk
-        data, self._buffer = self._buffer[:n], self._buffer[n:]
+        data = bytes(self._buffer[:n])
+        del self._buffer[:n]
         return data
 
     def _send(self, opcode: int, payload: bytes = b"") -> None:
@@ -159,33 +450,58 @@ class WebSocket:
         self.sock.sendall(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
 
     def receive(self) -> tuple[str, bytes]:
-        """The next message: ("text" | "binary", payload). Raises ConnectionError when the stream closes."""
-        parts, kind = [], None
+        """The next message: ("text" | "binary", payload). Raises ConnectionError when the stream closes,
+        ProtocolError for a frame that breaks RFC 6455, DeadlineError when the time is up."""
+        parts, kind, size = [], None, 0
         while True:
+            self.deadline.remaining(self.sock.doing)  # also between frames already buffered (a ping flood)
             b0, b1 = self._read(2)
             opcode, n = b0 & 0x0F, b1 & 0x7F
+            if b0 & 0x70:
+                raise ProtocolError(
+                    f"the event stream sent a frame with reserved bits set ({b0:#04x}), no extension was agreed"
+                )
+            if opcode not in (0x0, 0x1, 0x2, 0x8, 0x9, 0xA):
+                raise ProtocolError(f"the event stream sent a frame with unknown opcode {opcode}")
+            if b1 & 0x80:
+                raise ProtocolError(
+                    "the event stream sent a masked frame (a server must not mask its frames)"
+                )
             if n == 126:
                 n = struct.unpack(">H", self._read(2))[0]
             elif n == 127:
                 n = struct.unpack(">Q", self._read(8))[0]
-            mask = self._read(4) if b1 & 0x80 else None
+            if opcode >= 0x8 and n > 125:
+                raise ProtocolError(f"the event stream sent a control frame of {n} bytes (at most 125)")
+            if opcode >= 0x8 and not b0 & 0x80:
+                raise ProtocolError("the event stream sent a fragmented control frame")
+            if size + n > MAX_MESSAGE_BYTES:
+                raise ProtocolError(
+                    f"the event stream sent a frame of {n} bytes; a message may be at most {MAX_MESSAGE_BYTES} bytes"
+                )
             payload = self._read(n)
-            if mask:
-                payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
             if opcode == 0x9:
                 self._send(0xA, payload)
                 continue
+            if opcode == 0xA:
+                continue  # an unsolicited pong
             if opcode == 0x8:
                 raise ConnectionError("event stream closed by the server")
-            if opcode in (0x1, 0x2):
+            if opcode == 0x0 and kind is None:
+                raise ProtocolError(
+                    "the event stream sent a continuation frame without a message to continue"
+                )
+            if opcode != 0x0 and kind is not None:
+                raise ProtocolError("the event stream started a new message inside a fragmented one")
+            if opcode != 0x0:
                 kind = "text" if opcode == 0x1 else "binary"
-            if opcode in (0x0, 0x1, 0x2):
-                parts.append(payload)
-                if b0 & 0x80:
-                    return kind, b"".join(parts)
+            parts.append(payload)
+            size += n
+            if b0 & 0x80:
+                return kind, b"".join(parts)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, DeadlineError):
             self._send(0x8)
         self.sock.close()
 

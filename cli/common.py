@@ -67,7 +67,7 @@ def source_of(args) -> str:
 
 
 def synthetic_condition(params, tokens: int, seed: int, guidance: float) -> TextCondition:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed % 2**64)  # seed + 1 of the largest seed wraps, as a uint64 does
     return TextCondition(
         torch.randn(1, tokens, params.context_in_dim, generator=gen),
         torch.randn(1, params.vec_in_dim, generator=gen),
@@ -75,15 +75,34 @@ def synthetic_condition(params, tokens: int, seed: int, guidance: float) -> Text
     )
 
 
-def load_condition(path: str, guidance: float) -> TextCondition:
+def load_condition(path: str, guidance: float | None) -> TextCondition:
+    """``--cond``: a safetensors file with ``context`` (and ``pooled``)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if os.path.isdir(path):
+        raise InputError("--cond", f"{path} is a folder, not a safetensors file")
     if not os.path.isfile(path):
         raise InputError("--cond", f"file not found: {path}")
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InputError(
+            "--cond", f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})"
+        ) from None
     if "context" not in tensors:
-        raise InputError("--cond", f"{path} has no 'context' tensor (found {sorted(tensors)})")
+        found = sorted(tensors)
+        shown = ", ".join(found[:8]) + (f", ... ({len(found) - 8} more)" if len(found) > 8 else "")
+        raise InputError("--cond", f"{path} has no 'context' tensor (found {shown})")
     return TextCondition(tensors["context"], tensors.get("pooled"), guidance)
+
+
+def check_at_least(args, **minimums: int) -> None:
+    """Counts the CLI builds tensors from (``--batch``, ``--tokens``...) before any engine function sees them."""
+    for dest, low in minimums.items():
+        value = getattr(args, dest)
+        if value is not None and value < low:
+            raise InputError("--" + dest.replace("_", "-"), f"expected at least {low}, got {value}")
 
 
 def check_size(height: int, width: int) -> None:

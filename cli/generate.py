@@ -8,14 +8,16 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from ..engine.checks import check_seed
 from ..engine.handle import open_model
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.sampling import SCHEDULES
-from ..engine.text_to_image import sample_latent
+from ..engine.text_to_image import check_image_model, sample_latent
 from .common import (
     DEFAULT_SCHEDULE,
     add_model_arguments,
     add_sampling_arguments,
+    check_at_least,
     check_size,
     load_condition,
     source_of,
@@ -47,17 +49,27 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     check_size(args.height, args.width)
+    check_at_least(args, batch=1, tokens=1, steps=1)
+    check_seed(args.seed)
     timings = {}
     t = time.perf_counter()
+    dummy = args.weights == "dummy"
     handle = open_model(
         source_of(args),
         weight_dtype=WEIGHT_DTYPES[args.weight_dtype],
         dtype=COMPUTE_DTYPES[args.dtype],
         device=args.device,
         attention_backend=args.attention,
-        input_name="--weights",
+        # with dummy weights --model decides the size
+        input_name="--model" if dummy else "--weights",
+        memory_hint=(
+            "Try --model flux-tiny (the FLUX architecture at test size), --dtype bf16 or a GPU"
+            if dummy
+            else "Try --dtype bf16, --weight-dtype fp8 or a GPU"
+        ),
     )
     timings["load_s"] = time.perf_counter() - t
+    check_image_model(handle)
 
     t = time.perf_counter()
     params = handle.params

@@ -91,15 +91,11 @@ def run(args) -> int:
         "mfu": args.mfu,
         "vae": not args.no_vae,
     }
-    try:
-        for name in ("height", "width"):  # 0 means "the default" on the node; here an omitted option does
-            if settings[name] is not None and settings[name] <= 0:
-                raise InputError(
-                    name, f"{settings[name]} px: expected a positive multiple of 16 (omit for the default)"
-                )
-        plan = plan_preset(args.model, **settings)
-    except InputError as err:  # name the command-line option
-        err.input_name = "--" + err.input_name.replace("_", "-")
-        raise err.located("plan") from None
+    for name in ("height", "width"):  # 0 means "the default" on the node; here an omitted option does
+        if settings[name] is not None and settings[name] <= 0:
+            raise InputError(
+                name, f"{settings[name]} px: expected a positive multiple of 16 (omit for the default)"
+            )
+    plan = plan_preset(args.model, **settings)  # errors name engine arguments; main() maps them to the flags
     print(json.dumps(plan.fields, indent=2) if args.json else plan.table())
     return 0

@@ -3,18 +3,34 @@
 Submits the workflow to ``POST /prompt``, follows the server's event stream (per-step and per-chunk progress),
 downloads every file the outputs list (``--out``) and prints text outputs. Exit status: 0 success, 2 the server
 rejected the workflow (including a partial rejection: /prompt answers 200 but lists node errors; the valid
-outputs still run), 3 a node raised during execution, 4 timeout, 5 server unreachable or not a workflow.
+outputs still run), 3 a node raised during execution, 4 timeout (``--timeout`` bounds the whole command), 5 server
+unreachable, not a workflow, or an answer that is not ComfyUI's (including an output file the server names outside
+``--out``: refused, reported, the other files still saved).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import sys
 import time
 import uuid
 
-from .comfy_client import ComfyClient, ServerError, UnreachableError, is_ui_format, ui_to_api
+from .comfy_client import (
+    ComfyClient,
+    DeadlineError,
+    LocalWriteError,
+    ProtocolError,
+    ServerError,
+    UnreachableError,
+    UnsafeOutputError,
+    is_ui_format,
+    parse_json,
+    snippet,
+    ui_to_api,
+)
 
 HELP = "run a workflow on a ComfyUI server through its API queue, with live progress and output download"
 
@@ -37,8 +53,23 @@ def add_arguments(p) -> None:
         help='override an input; VALUE is JSON (numbers, true, "text") or a bare string',
     )
     p.add_argument("--out", default=None, help="download the output files here")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run")
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds the whole command may take: submitting, the run and the downloads",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def load_prompt(path: str, client: ComfyClient) -> tuple[dict, dict]:
@@ -54,10 +85,17 @@ def load_prompt(path: str, client: ComfyClient) -> tuple[dict, dict]:
         print(f"{path} is a UI-format (canvas) workflow; converting it with the server's node definitions. "
               "ComfyUI's 'Save (API)' (developer mode) writes the API format this command takes directly.",
               file=sys.stderr)  # fmt: skip
+        object_info = client.object_info()
         try:
-            workflow = ui_to_api(workflow, client.object_info())
+            workflow = ui_to_api(workflow, object_info)
         except ValueError as exc:
             raise SystemExit(_fail(5, f"cannot convert {path}: {exc}")) from None
+        # a field missing or of the wrong type, in the user's file or in the server's answer
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise SystemExit(
+                _fail(5, f"cannot convert {path}: the workflow or the server's node definitions have an "
+                      f"unexpected layout ({type(exc).__name__}: {exc})")
+            ) from None  # fmt: skip
     if not isinstance(workflow, dict) or not all(
         isinstance(v, dict) and "class_type" in v for v in workflow.values()
     ):
@@ -87,10 +125,14 @@ def _fail(code: int, message: str) -> int:
 
 def format_node_errors(node_errors: dict, prompt: dict) -> list[str]:
     lines = []
-    for node_id, info in (node_errors or {}).items():
+    for node_id, info in (node_errors if isinstance(node_errors, dict) else {}).items():
+        if not isinstance(info, dict):
+            continue
         kind = info.get("class_type") or prompt.get(node_id, {}).get("class_type", "?")
-        for err in info.get("errors", []):
-            extra = err.get("extra_info", {})
+        for err in info.get("errors") if isinstance(info.get("errors"), list) else []:
+            if not isinstance(err, dict):
+                continue
+            extra = err.get("extra_info") if isinstance(err.get("extra_info"), dict) else {}
             where = f" input '{extra['input_name']}'" if extra.get("input_name") else ""
             lines.append(
                 f"node {node_id} ({kind}){where}: {err.get('message')}: {err.get('details', '')}".rstrip(": ")
@@ -100,7 +142,7 @@ def format_node_errors(node_errors: dict, prompt: dict) -> list[str]:
 
 def run(args) -> int:
     try:
-        client = ComfyClient(args.server)
+        client = ComfyClient(args.server, timeout=args.timeout)
     except ValueError as exc:
         return _fail(5, str(exc))
     try:
@@ -109,19 +151,29 @@ def run(args) -> int:
         return _run(client, prompt, extra, args)
     except UnreachableError as exc:
         return _fail(5, f"{exc}; is the server running? (python main.py --listen 127.0.0.1 --port 8188)")
+    except ProtocolError as exc:
+        return _fail(5, f"{exc}; is --server a ComfyUI server?")
+    except ServerError as exc:
+        return _fail(5, str(exc))
+    except DeadlineError as exc:
+        return _fail(4, f"no result within {args.timeout:g} s ({exc})")
+    except LocalWriteError as exc:
+        return _fail(5, str(exc))
 
 
 def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
     client_id = uuid.uuid4().hex
-    ws = client.websocket(client_id, timeout=args.timeout)  # open first: no event can be missed
+    ws = client.websocket(client_id)  # open first: no event can be missed
     try:
         try:
             answer = client.submit(prompt, client_id, extra)
         except ServerError as exc:
-            body = exc.body if isinstance(exc.body, dict) else {"error": {"message": str(exc.body)}}
+            body = exc.body
+            if not (isinstance(body, dict) and ("error" in body or "node_errors" in body)):
+                raise ProtocolError(str(exc)) from None  # not a validation answer: an HTML page, a proxy...
             err = body.get("error") or {}
-            print(f"error: the server rejected the workflow: {err.get('message', err)} "
-                  f"{err.get('details', '')}".rstrip(), file=sys.stderr)  # fmt: skip
+            message = err if isinstance(err, str) else f"{err.get('message', err)} {err.get('details', '')}"
+            print(f"error: the server rejected the workflow: {message}".rstrip(), file=sys.stderr)
             for line in format_node_errors(body.get("node_errors"), prompt):
                 print(f"  {line}", file=sys.stderr)
             return 2
@@ -134,58 +186,76 @@ def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
         ws.close()
     if status:
         return status
-    _collect(client, prompt_id, args)
-    return 2 if partial else 0
+    status = _collect(client, prompt_id, args)
+    return status or (2 if partial else 0)
 
 
 def _follow(ws, prompt_id: str, prompt: dict, args) -> int:
-    deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
+    while True:
         try:
             kind, payload = ws.receive()
-        except TimeoutError:
-            break
+        except DeadlineError:
+            return _fail(4, f"no result within {args.timeout:g} s")
         except ConnectionError as exc:
             return _fail(5, f"lost the server's event stream: {exc}")
         if kind != "text":
             continue  # preview images
-        msg = json.loads(payload)
-        data = msg.get("data", {})
+        msg = parse_json(payload, "the event stream sent")
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            raise ProtocolError(
+                f"the event stream sent a message that is not a ComfyUI event: {snippet(msg)}"
+            )
+        data = msg.get("data")
+        if not isinstance(data, dict):
+            continue  # a custom node's own event
         if data.get("prompt_id") not in (None, prompt_id):
             continue
-        event = msg.get("type")
+        event = msg["type"]
         if event == "progress" and not args.quiet:
             node = data.get("node")
             kind_name = prompt.get(str(node), {}).get("class_type", "")
-            print(f"node {node} {kind_name}: {data['value']}/{data['max']}", file=sys.stderr, flush=True)
+            print(
+                f"node {node} {kind_name}: {data.get('value')}/{data.get('max')}", file=sys.stderr, flush=True
+            )
         elif event == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
             return 0
         elif event == "execution_error":
             print(f"error: node {data.get('node_id')} ({data.get('node_type')}) failed: "
-                  f"{data.get('exception_message', '').strip()}", file=sys.stderr)  # fmt: skip
+                  f"{str(data.get('exception_message', '')).strip()}", file=sys.stderr)  # fmt: skip
             return 3
         elif event == "execution_interrupted":
             return _fail(3, f"the run was interrupted at node {data.get('node_id')}")
-    return _fail(4, f"no result within {args.timeout:g} s")
 
 
-def _collect(client: ComfyClient, prompt_id: str, args) -> None:
+def _collect(client: ComfyClient, prompt_id: str, args) -> int:
+    """Download (or list) the outputs; 5 when the server named files outside --out (refused, each reported)."""
     history = {}
     for _ in range(20):  # the history entry is written as the run ends; give the server a moment
         history = client.history(prompt_id)
         if history:
             break
-        time.sleep(0.25)
+        time.sleep(min(0.25, client.deadline.remaining(f"waiting for the history of {prompt_id}")))
+    files = refused = 0
     for node_id, output in history.get("outputs", {}).items():
         for key, items in output.items():
             for item in items if isinstance(items, list) else []:
                 if isinstance(item, dict) and "filename" in item:
-                    if args.out:
-                        os.makedirs(args.out, exist_ok=True)
-                        print(f"node {node_id} {key}: {client.download(item, args.out)}")
-                    else:
+                    files += 1
+                    if not args.out:
                         print(
                             f"node {node_id} {key}: {item.get('subfolder', '')}/{item['filename']} ({item.get('type')})"
                         )
+                        continue
+                    os.makedirs(args.out, exist_ok=True)
+                    try:
+                        print(f"node {node_id} {key}: {client.download(item, args.out)}")
+                    except UnsafeOutputError as exc:
+                        refused += 1
+                        print(f"error: refused output of node {node_id} ({key}): {exc}; nothing was written",
+                              file=sys.stderr)  # fmt: skip
                 elif isinstance(item, str) and key == "text":
                     print(f"node {node_id} text:\n{item}")
+    if not refused:
+        return 0
+    saved = "; the others were saved" if refused < files else ""
+    return _fail(5, f"refused {refused} of {files} output files the server listed (see above){saved}")

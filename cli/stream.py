@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 
 import torch
-from safetensors.torch import save_file
 
 from ..engine.causal import ROPE_MODES, CausalConfig, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
@@ -15,7 +16,7 @@ from ..engine.handle import open_model
 from ..engine.models.registry import FAMILIES
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.vae import load_tiny_vae
-from .common import write_json
+from .common import load_condition, write_json
 
 HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
 
@@ -98,9 +99,7 @@ def run(args) -> int:
         raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")
     p = handle.params
     if args.cond:
-        from safetensors.torch import load_file
-
-        context = load_file(args.cond)["context"]
+        context = load_condition(args.cond, None).context
     else:
         context = torch.randn(
             1, args.tokens, p.text_dim, generator=torch.Generator().manual_seed(args.seed + 1)
@@ -116,28 +115,42 @@ def run(args) -> int:
     session = VideoSession(
         handle.model, context, args.height, args.width, config, args.seed, vae, where="stream"
     )
-    chunks = []
-    for chunk in session.chunks(n_chunks):
-        chunks.append(chunk)
-        if not args.json:
-            print(
-                f"chunk {chunk.index}: frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}, "
-                f"{chunk.seconds:.3f} s, KV {chunk.kv_bytes_used}/{chunk.kv_bytes} B",
-                flush=True,
-            )
+    # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
+    writer = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        latent_frames = n_chunks * args.chunk_frames
+        tensors = {"latent": ((session.batch, p.in_dim, latent_frames, *session.latent_hw), 2)}
+        if vae is not None:
+            tensors["frames"] = ((session.batch, 4 * latent_frames - 3, 3, args.height, args.width), 1)
+        writer = ChunkedSafetensors(os.path.join(args.out, "latents.safetensors"), tensors)
+    rows = []
+    try:
+        for chunk in session.chunks(n_chunks):
+            rows.append(
+                {"index": chunk.index, "start_frame": chunk.start_frame, "seconds": chunk.seconds,
+                 "commit_seconds": chunk.commit_seconds, "kv_bytes": chunk.kv_bytes,
+                 "kv_bytes_used": chunk.kv_bytes_used}
+            )  # fmt: skip
+            if writer is not None:
+                writer.append("latent", chunk.raw)
+                if chunk.frames is not None:
+                    writer.append("frames", chunk.frames)
+            if not args.json:
+                print(
+                    f"chunk {chunk.index}: frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}, "
+                    f"{chunk.seconds:.3f} s, KV {chunk.kv_bytes_used}/{chunk.kv_bytes} B",
+                    flush=True,
+                )
+            del chunk
+        if writer is not None:
+            writer.finish()
+    finally:
+        if writer is not None:
+            writer.abandon()  # an interrupted run leaves no half-written file
     report = {
         "model": handle.describe(),
-        "chunks": [
-            {
-                "index": c.index,
-                "start_frame": c.start_frame,
-                "seconds": c.seconds,
-                "commit_seconds": c.commit_seconds,
-                "kv_bytes": c.kv_bytes,
-                "kv_bytes_used": c.kv_bytes_used,
-            }
-            for c in chunks
-        ],  # fmt: skip
+        "chunks": rows,
         "first_chunk_seconds": session.stats.first_chunk_seconds,
         "kv_dtype": args.kv_dtype,
         "keep_recent_chunks": args.keep_recent,
@@ -150,14 +163,63 @@ def run(args) -> int:
         "video_frames": 4 * n_chunks * args.chunk_frames - 3,
     }
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        latent = torch.cat([c.raw for c in chunks], dim=2)
-        tensors = {"latent": latent.contiguous()}
-        if vae is not None:
-            tensors["frames"] = torch.cat([c.frames for c in chunks], dim=1).contiguous()
-        save_file(tensors, os.path.join(args.out, "latents.safetensors"))
         write_json(os.path.join(args.out, "stream.json"), report)
     if args.json:
         print(json.dumps(report, indent=2))
     session.dispose()
     return 0
+
+
+class ChunkedSafetensors:
+    """A float32 safetensors file written chunk by chunk: the header (every tensor's final shape) goes first, then
+    each chunk's slice is written at its offsets, so nothing of a chunk stays in memory once it is written. The
+    file is the one ``save_file`` writes for the whole tensors; it is written under a temporary name and renamed
+    by :meth:`finish`, so an interrupted run leaves no partial file.
+
+    ``tensors``: name -> (final shape, the axis the chunks follow each other along)."""
+
+    def __init__(self, path: str, tensors: dict[str, tuple[tuple[int, ...], int]]):
+        self.path, self.tensors = path, tensors
+        header, self._base, offset = {}, {}, 0
+        for name, (shape, _axis) in tensors.items():
+            size = 4 * math.prod(shape)
+            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self._base[name] = offset
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._data = 8 + len(raw)
+        self.written = dict.fromkeys(tensors, 0)  # slices written along each stream axis
+        self._tmp = path + ".partial"
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - kept open across appends; closed by finish / abandon
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._file.truncate(self._data + offset)
+
+    def append(self, name: str, part: torch.Tensor) -> None:
+        """Write ``part``, the next slice of tensor ``name`` along its stream axis."""
+        shape, axis = self.tensors[name]
+        start, length, inner = self.written[name], part.shape[axis], math.prod(shape[axis + 1 :])
+        if start + length > shape[axis]:
+            raise ValueError(f"{name}: {start + length} slices along axis {axis} of {list(shape)}")
+        rows = (
+            part.detach().float().cpu().contiguous().numpy().reshape(math.prod(shape[:axis]), length * inner)
+        )
+        for outer, row in enumerate(rows):  # the slice is contiguous within each index of the leading axes
+            self._file.seek(self._data + self._base[name] + 4 * (outer * shape[axis] + start) * inner)
+            self._file.write(row.tobytes())
+        self.written[name] += length
+
+    def finish(self) -> None:
+        for name, (shape, axis) in self.tensors.items():
+            if self.written[name] != shape[axis]:
+                raise ValueError(
+                    f"{name}: {self.written[name]} of {shape[axis]} slices written along axis {axis}"
+                )
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abandon(self) -> None:
+        """Remove the file unless :meth:`finish` completed it."""
+        if not self._file.closed:
+            self._file.close()
+            os.remove(self._tmp)

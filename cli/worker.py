@@ -4,7 +4,12 @@ The host (ComfyUI with a FewStepParallelLauncher whose ``local_ranks`` is below 
 started a ``WorkerPool``) prints the command when it waits for remote ranks. The usual torchrun variables say
 where and who; options override them::
 
+    export FEWSTEP_POOL_TOKEN="$(cat ~/.fewstep_pool_token)"  # the host's value; never a command-line option
     MASTER_ADDR=10.0.0.5 MASTER_PORT=29500 WORLD_SIZE=4 RANK=2 LOCAL_RANK=0 python -m fewstep worker
+
+The pool's secret comes from the environment only (``FEWSTEP_POOL_TOKEN``, the value the host was started with):
+argv is readable by every user of the machine. Without it, or with another value, the worker exits with status 2
+naming the variable.
 
 The worker loads the model of each job itself (the same path must exist on this machine, or ``dummy:<preset>``)
 and keeps it between jobs. It exits when the host shuts the pool down or disappears. Exit status 2 with a
@@ -18,7 +23,10 @@ import os
 
 from ..engine.parallel.worker import Rendezvous, serve
 
-HELP = "join a FewStep worker pool as one rank (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK)"
+HELP = (
+    "join a FewStep worker pool as one rank (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK, LOCAL_RANK; the pool's "
+    "secret in FEWSTEP_POOL_TOKEN)"
+)
 
 
 def add_arguments(p) -> None:

@@ -77,12 +77,14 @@ def open_model(
     attention_backend: str = "auto",
     seed: int = 0,
     input_name: str = "weights",
+    memory_hint: str = "",
 ) -> ModelHandle:
-    """``load_dit`` plus the run settings, as one handle."""
+    """``load_dit`` plus the run settings, as one handle (``memory_hint``: see ``load_dit``)."""
     check_backend(attention_backend, "attention")
     dev = resolve_device(device)
     dtype = dtype or default_compute_dtype(dev)
     model = load_dit(
-        source, dtype=dtype, device=dev, weight_dtype=weight_dtype, seed=seed, input_name=input_name
-    )
+        source, dtype=dtype, device=dev, weight_dtype=weight_dtype, seed=seed, input_name=input_name,
+        memory_hint=memory_hint,
+    )  # fmt: skip
     return ModelHandle(model=model, source=str(source), dtype=dtype, attention_backend=attention_backend)

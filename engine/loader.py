@@ -16,7 +16,16 @@ from torch import nn
 from .errors import CheckpointError, InputError
 from .models.registry import FAMILIES, all_presets, find_layout, known_layouts
 from .ops import Linear, is_fp8, store_linear_weights
-from .weights import check_keys, dummy_init_, read_state_dict, strip_known_prefix, top_level_summary
+from .weights import (
+    SAFETENSORS_SUFFIXES,
+    check_finite_weights,
+    check_keys,
+    check_weights_file,
+    dummy_init_,
+    read_state_dict,
+    strip_known_prefix,
+    top_level_summary,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +38,80 @@ def default_compute_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device, input_name: str = "device") -> torch.device:
+    """``None`` / ``"auto"`` (CUDA when available) or a device that exists in this process."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(
+            input_name, f"{device!r} is not a device; expected auto, cpu, cuda or cuda:N"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "a CUDA build that sees no GPU"
+            raise InputError(
+                input_name,
+                f"CUDA is not available: this torch {torch.__version__} is {build}; use cpu or auto",
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InputError(
+                input_name, f"{device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif dev.type not in ("cpu", "mps", "xpu", "meta"):
+        raise InputError(input_name, f"{device!r}: expected auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def _check_fits(parts, device, input_name, where=None, hint=""):
+    # engine.plan imports the causal engine, which imports this module: import the preflight when it runs
+    from .plan.preflight import check_fits as check
+
+    return check(parts, device, input_name, where, hint)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _preflight_file(path: str, dtype: torch.dtype, dev: torch.device, input_name: str, hint: str) -> None:
+    """A file is read whole into host memory, then converted to the compute dtype where it differs.
+
+    For safetensors the header gives every tensor's dtype and size (nothing is read); other formats are
+    memory-mapped and counted by their size, assumed to need no conversion (an estimate).
+    """
+    size = check_weights_file(path, input_name)
+    converted = 0
+    if path.lower().endswith(SAFETENSORS_SUFFIXES):
+        converted = _safetensors_conversion_bytes(path, dtype)
+    host = {"weights file": size, f"conversion to {str(dtype).replace('torch.', '')}": converted}
+    _check_fits(host, "cpu", input_name, hint=hint)
+    if dev.type != "cpu":
+        _check_fits({"weights": converted or size}, dev, input_name, hint=hint)
+
+
+def _safetensors_conversion_bytes(path: str, dtype: torch.dtype) -> int:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            total = 0
+            names = f.keys()  # a safe_open handle is not iterable
+            for key in names:
+                view = f.get_slice(key)
+                numel = 1
+                for n in view.get_shape():
+                    numel *= n
+                stored = view.get_dtype()
+                if stored not in ("F8_E4M3", "F8_E5M2", _SAFETENSORS_NAMES.get(dtype)):
+                    total += numel * _dtype_bytes(dtype)
+            return total
+    except (SafetensorError, OSError, ValueError):
+        return 0  # unreadable: read_state_dict says why
+
+
+_SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def load_dit(
@@ -42,21 +121,33 @@ def load_dit(
     weight_dtype: torch.dtype | None = None,
     seed: int = 0,
     input_name: str = "weights",
+    memory_hint: str = "",
 ) -> nn.Module:
     """Build a diffusion transformer from a file or from ``"dummy:<preset>"``.
 
     ``dtype`` is the compute dtype (default: bf16 on CUDA, fp32 on CPU); every parameter is stored in it except
     the weight matrices of linear layers when ``weight_dtype`` says otherwise, or when the file stores them in
     fp8 and ``weight_dtype`` is None: fp8 weights stay fp8 and are upcast layer by layer at compute time.
-    ``seed`` seeds dummy weights.
+    ``seed`` seeds dummy weights. A model that cannot fit the device is refused before anything is allocated;
+    ``memory_hint`` is what the refusal suggests instead (the caller knows its own options' names).
     """
     dev = resolve_device(device)
     dtype = dtype or default_compute_dtype(dev)
     source = os.fspath(source)
     if source.startswith(DUMMY_PREFIX):
-        return _load_dummy(source[len(DUMMY_PREFIX) :], dtype, dev, weight_dtype, seed, input_name)
+        return _load_dummy(
+            source[len(DUMMY_PREFIX) :], dtype, dev, weight_dtype, seed, input_name, memory_hint
+        )
 
+    _preflight_file(
+        source,
+        dtype,
+        dev,
+        input_name,
+        memory_hint or "Use a smaller model, a 16-bit compute dtype or a device with more memory",
+    )
     sd = strip_known_prefix(read_state_dict(source, input_name))
+    check_finite_weights(sd, os.path.basename(source), input_name)
     found = find_layout(set(sd))
     if found is None:
         raise CheckpointError(
@@ -88,20 +179,38 @@ def _upcast_fp8_outside_linear_weights(model: nn.Module, dtype: torch.dtype) -> 
                 p.data = p.data.to(dtype)
 
 
-def _load_dummy(preset: str, dtype, dev, weight_dtype, seed, input_name) -> nn.Module:
+def _load_dummy(preset: str, dtype, dev, weight_dtype, seed, input_name, memory_hint="") -> nn.Module:
     presets = all_presets()
     if preset not in presets:
         raise InputError(
             input_name, f"unknown preset 'dummy:{preset}'; known presets: {', '.join(sorted(presets))}"
         )
+    from .plan.memory import preset_parameters  # the planner imports the engine: import it when loading
+
     family, params = presets[preset]
+    # Every parameter is first allocated in the compute dtype (linear weights move to weight_dtype after the
+    # seeded init), so that is the peak to check.
+    count = preset_parameters(family.model_class, params)
+    smallest = min(family.presets, key=lambda n: _width(family.presets[n]))
+    dtype_name = str(dtype).replace("torch.", "")
+    _check_fits(
+        {f"{dtype_name} weights": count.total * _dtype_bytes(dtype)},
+        dev,
+        input_name,
+        hint=memory_hint
+        or f"Use a smaller preset (dummy:{smallest}), a 16-bit compute dtype or a device with more memory",
+    )
     with torch.device("meta"):
-        model = family.model_class(params)
-    model = model.to_empty(device=dev).to(dtype)
+        model = family.model_class(params).to(dtype)  # on meta: allocate once, in the compute dtype
+    model = model.to_empty(device=dev)
     dummy_init_(model, seed)
     if weight_dtype is not None:
         store_linear_weights(model, weight_dtype)
     return model.eval().requires_grad_(False)
+
+
+def _width(params) -> int:
+    return getattr(params, "hidden_size", None) or params.dim
 
 
 def preset_of(model: nn.Module) -> str | None:

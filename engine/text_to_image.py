@@ -18,12 +18,15 @@ import torch
 
 from .attention import use_attention_backend
 from .cache import STEP_CACHE_FEATURE, CacheTelemetry
+from .checks import check_finite, check_finite_number, check_seed
 from .compile.feature import start_compile_run
 from .compile.telemetry import CompileTelemetry
 from .conditioning import TextCondition
 from .denoiser import FlowDenoiser
 from .errors import InputError
 from .handle import ModelHandle
+from .plan.memory import flux_activation_bytes
+from .plan.preflight import check_fits
 from .sampling import SAMPLERS, explicit_sigmas, schedule_sigmas
 from .sampling.schedules import trim_for_denoise
 
@@ -72,13 +75,26 @@ def noise_for(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None
     return torch.cat([rows[i] for i in batch_index], dim=0)
 
 
-def check_latent(handle: ModelHandle, latent: torch.Tensor, input_name: str = "latent") -> None:
+def check_image_model(handle: ModelHandle, input_name: str = "model") -> None:
+    """Refuse a model this image sampler cannot run (a video model, an inpainting / control variant)."""
     if handle.family.name != "flux":
         raise InputError(
-            "model",
-            f"this sampler runs FLUX-family image models; {handle.family.name} is a video "
-            "model: use the causal video sampler (FewStepCausalVideoSampler, `python -m fewstep stream`)",
+            input_name,
+            f"this sampler runs FLUX-family image models; {handle.preset or 'this checkpoint'} is a "
+            f"{handle.family.name} video model: use the causal video sampler (FewStepCausalVideoSampler, "
+            "`python -m fewstep stream`)",
         )
+    fmt = handle.family.latent_format
+    if handle.params.in_channels != 4 * fmt.channels:
+        raise InputError(
+            input_name,
+            f"this checkpoint takes {handle.params.in_channels} input channels per token (an inpainting/control "
+            f"variant); text-to-image sampling needs {4 * fmt.channels}",
+        )
+
+
+def check_latent(handle: ModelHandle, latent: torch.Tensor, input_name: str = "latent") -> None:
+    check_image_model(handle)
     fmt = handle.family.latent_format
     if latent.ndim != 4 or latent.shape[1] != fmt.channels:
         raise InputError(
@@ -86,20 +102,18 @@ def check_latent(handle: ModelHandle, latent: torch.Tensor, input_name: str = "l
             f"expected an image latent [batch, {fmt.channels}, height/8, width/8] for {handle.family.name} "
             f"({fmt.name} VAE space); got shape {list(latent.shape)}",
         )
+    if latent.shape[0] == 0:
+        raise InputError(input_name, "the latent batch is empty (0 images): nothing to sample")
     h, w = latent.shape[-2:]
+    if h == 0 or w == 0:
+        raise InputError(input_name, f"image size {w * 8}x{h * 8} px: nothing to sample")
     if h % 2 or w % 2:
         raise InputError(
             input_name,
             f"image size {w * 8}x{h * 8} px is not a multiple of 16 (FLUX packs 2x2 latent patches); "
             "use a width and height divisible by 16",
         )
-    p = handle.params
-    if p.in_channels != 4 * fmt.channels:
-        raise InputError(
-            "model",
-            f"this checkpoint takes {p.in_channels} input channels per token (an inpainting/control variant); "
-            f"text-to-image sampling needs {4 * fmt.channels}",
-        )
+    check_finite(latent, input_name, "the latent")
 
 
 def check_condition(handle: ModelHandle, cond: TextCondition, input_name: str) -> None:
@@ -110,6 +124,12 @@ def check_condition(handle: ModelHandle, cond: TextCondition, input_name: str) -
             f"conditioning tokens are {list(cond.context.shape)}; this {handle.family.name} model expects "
             f"[batch, tokens, {p.context_in_dim}] (T5-XXL tokens, e.g. from CLIPTextEncodeFlux / DualCLIPLoader "
             "type flux)",
+        )
+    if cond.context.shape[0] == 0:
+        raise InputError(input_name, "the conditioning batch is empty (0 prompts)")
+    if cond.context.shape[1] == 0:
+        raise InputError(
+            input_name, "the conditioning has 0 text tokens; expected at least 1 (an encoded prompt)"
         )
     if cond.pooled is None:
         raise InputError(
@@ -122,6 +142,48 @@ def check_condition(handle: ModelHandle, cond: TextCondition, input_name: str) -
             input_name,
             f"pooled_output is {list(cond.pooled.shape)}; this model expects [batch, {p.vec_in_dim}]",
         )
+    if cond.pooled.shape[0] != cond.context.shape[0]:
+        raise InputError(
+            input_name,
+            f"the conditioning has {cond.context.shape[0]} token rows but {cond.pooled.shape[0]} pooled "
+            "rows; each prompt needs both (one row of each per prompt)",
+        )
+    check_finite(cond.context, input_name, "the conditioning tokens (context)")
+    check_finite(cond.pooled, input_name, "the pooled conditioning vector (pooled_output)")
+    if cond.guidance is not None:
+        check_finite_number(cond.guidance, input_name)
+
+
+def check_sigmas(sigmas: torch.Tensor, input_name: str = "sigmas") -> None:
+    """An explicit schedule: finite, strictly decreasing, at least one step."""
+    if sigmas.ndim != 1 or sigmas.numel() < 2:
+        raise InputError(
+            input_name, f"expected a 1-D schedule of at least 2 sigmas, got shape {list(sigmas.shape)}"
+        )
+    check_finite(sigmas, input_name, "the sigmas")
+    if bool((sigmas[1:] >= sigmas[:-1]).any()):
+        raise InputError(input_name, f"sigmas must be strictly decreasing, got {sigmas.tolist()}")
+
+
+def estimate_sample_bytes(
+    params, latent_shape: Sequence[int], text_tokens: int, rows: int, dtype: torch.dtype
+) -> dict[str, int]:
+    """Bytes one sampling run allocates beyond the loaded weights, by part (the memory preflight's input).
+
+    ``rows`` = latent batch x prompts evaluated per forward (both CFG halves when CFG runs). The latent-sized
+    float32 tensors (noise, the sample, x0, the update, the output) are counted as 8 copies; activations are
+    :func:`~fewstep.engine.plan.memory.flux_activation_bytes` (an estimate: see there).
+    """
+    b, c, h, w = latent_shape
+    image_tokens = (h // 2) * (w // 2)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    return {
+        "latents": 8 * b * c * h * w * 4,
+        "activations": flux_activation_bytes(params, image_tokens, text_tokens, rows, dtype_bytes),
+        "model inputs": rows
+        * (image_tokens * params.in_channels + text_tokens * params.context_in_dim)
+        * dtype_bytes,
+    }
 
 
 def build_sigmas(
@@ -133,8 +195,18 @@ def build_sigmas(
     return schedule_sigmas(schedule, steps, image_seq_len=image_seq_len, denoise=denoise)
 
 
-def check_sample_inputs(handle: ModelHandle, positive, negative, latent: torch.Tensor, sampler: str) -> None:
+def check_sample_inputs(
+    handle: ModelHandle,
+    positive,
+    negative,
+    latent: torch.Tensor,
+    sampler: str,
+    seed: int = 0,
+    cfg: float = 1.0,
+) -> None:
     """What ``sample_latent`` (and the worker pool's version of it) refuses before any work starts."""
+    check_seed(seed)
+    check_finite_number(cfg, "cfg")
     if sampler not in SAMPLERS:
         raise InputError("sampler", f"unknown sampler {sampler!r}; known: {', '.join(SAMPLERS)}")
     if not positive:
@@ -168,11 +240,29 @@ def sample_latent(
     callback: Callable[[dict], None] | None = None,
     sampler_options: dict | None = None,
 ) -> tuple[torch.Tensor, SampleReport]:
-    """Sample from ``latent`` (ComfyUI raw VAE space, zeros for text-to-image) and return the raw latent."""
-    check_sample_inputs(handle, positive, negative, latent, sampler)
+    """Sample from ``latent`` (ComfyUI raw VAE space, zeros for text-to-image) and return the raw latent.
+
+    Refused before any allocation: bad or non-finite inputs, and a job whose estimated memory
+    (:func:`estimate_sample_bytes`) does not fit the device. A non-finite result is an error naming the step
+    whose prediction first went non-finite.
+    """
+    check_sample_inputs(handle, positive, negative, latent, sampler, seed, cfg)
     if sigmas is None:
         sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
+    else:
+        check_sigmas(sigmas)
     sigmas = sigmas.to(torch.float32)
+    uses_cfg = bool(negative) and cfg != 1.0
+    prompts = len(positive) + (len(negative) if uses_cfg else 0)
+    text_tokens = max(c.context.shape[1] for c in [*positive, *(negative or [])])
+    check_fits(
+        estimate_sample_bytes(
+            handle.params, latent.shape, text_tokens, latent.shape[0] * prompts, handle.dtype
+        ),
+        handle.device,
+        "latent",
+        hint="Use a smaller image or batch",
+    )
 
     device, dtype = handle.device, handle.dtype
     fmt = handle.family.latent_format
@@ -197,11 +287,17 @@ def sample_latent(
 
     step_times: list[float] = []
     t_last = [time.perf_counter()]
+    # The first step whose x0 was non-finite, tracked on the device (one reduction per step, never read back
+    # during the run: no per-step sync); read once, only when the output turns out non-finite.
+    first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
 
     def on_step(info: dict) -> None:
+        nonlocal first_bad_step
         now = time.perf_counter()
         step_times.append(now - t_last[0])
         t_last[0] = now
+        went_bad = (first_bad_step < 0) & ~torch.isfinite(info["denoised"]).all()
+        first_bad_step = torch.where(went_bad, info["i"], first_bad_step)
         if callback is not None:
             callback(info)
 
@@ -224,6 +320,12 @@ def sample_latent(
             compiled.finish()
         raise
     seconds = time.perf_counter() - t0
+    if not bool(torch.isfinite(out).all()):
+        if run is not None:
+            run.reset()
+        if compiled is not None:
+            compiled.finish()
+        raise _non_finite_output(out, int(first_bad_step), sigmas, handle.dtype, cfg if uses_cfg else None)
     report = SampleReport(
         sigmas=sigmas.tolist(),
         sampler=sampler,
@@ -239,3 +341,25 @@ def sample_latent(
         compile=compiled.finish() if compiled is not None else None,
     )
     return fmt.process_out(out.float()).cpu(), report
+
+
+def _non_finite_output(
+    out: torch.Tensor, step: int, sigmas: torch.Tensor, dtype, cfg: float | None
+) -> InputError:
+    """The error for a non-finite result of finite inputs: the model (its weights or its dtype) produced it."""
+    bad = int((~torch.isfinite(out)).sum())
+    steps = len(sigmas) - 1
+    where = (
+        f"the model's prediction (x0) first went non-finite at step {step + 1} of {steps} "
+        f"(sigma {float(sigmas[step]):.4g})"
+        if step >= 0
+        else "every prediction (x0) was finite, the sampler's update was not"
+    )
+    cause = f"the weights hold NaN/Inf, or the compute dtype {str(dtype).replace('torch.', '')} overflowed"
+    if cfg is not None:
+        cause += f" (CFG scale {cfg})"
+    return InputError(
+        "model",
+        f"the sampled latent is not finite ({bad} of {out.numel()} values NaN or infinite): {where}, although "
+        f"the latent, the conditioning and the sigmas are finite; {cause}",
+    )

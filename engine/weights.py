@@ -27,11 +27,29 @@ CONTAINER_KEYS = ("state_dict", "model", "module", "generator_ema", "generator",
 KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
 
 
+def check_weights_file(path: str | os.PathLike, input_name: str = "weights") -> int:
+    """The size in bytes of a weights file that exists and is not empty (else a clear error)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise InputError(input_name, f"{path} is a folder, not a weights file")
+    if not os.path.isfile(path):
+        raise InputError(input_name, f"weights file not found: {path}")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise InputError(input_name, f"{path} is empty (0 bytes): an interrupted download or copy?")
+    return size
+
+
+def _why(exc: BaseException) -> str:
+    """An exception as one readable clause, even when its message is empty."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 def read_state_dict(path: str | os.PathLike, input_name: str = "weights") -> StateDict:
     """Load every tensor of a weights file onto the CPU, exactly as stored (no dtype conversion)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise InputError(input_name, f"weights file not found: {path}")
+    check_weights_file(path, input_name)
     lower = path.lower()
     if lower.endswith(SAFETENSORS_SUFFIXES):
         from safetensors import SafetensorError
@@ -40,7 +58,9 @@ def read_state_dict(path: str | os.PathLike, input_name: str = "weights") -> Sta
         try:
             return load_file(path, device="cpu")
         except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(input_name, f"{path} is not a readable safetensors file ({exc})") from exc
+            raise CheckpointError(
+                input_name, f"{path} is not a readable safetensors file ({_why(exc)})"
+            ) from exc
     if lower.endswith(TORCH_SUFFIXES):
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -50,7 +70,7 @@ def read_state_dict(path: str | os.PathLike, input_name: str = "weights") -> Sta
         except Exception as exc:  # noqa: BLE001 - the unpickler raises many types
             raise CheckpointError(
                 input_name,
-                f"{path} is not a plain PyTorch state dict (weights_only loading refused it: {exc})",
+                f"{path} is not a plain PyTorch state dict (weights_only loading refused it: {_why(exc)})",
             ) from exc
         return _unwrap(obj, path, input_name)
     raise InputError(
@@ -65,7 +85,8 @@ def _torch_load_plain(path: str, input_name: str):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(
-            input_name, f"{path} is not a plain PyTorch state dict (weights_only loading refused it: {exc})"
+            input_name,
+            f"{path} is not a plain PyTorch state dict (weights_only loading refused it: {_why(exc)})",
         ) from exc
 
 
@@ -134,6 +155,25 @@ def check_keys(model: nn.Module, sd: StateDict, source: str, input_name: str = "
             shown = ", ".join(items[:20]) + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
             lines.append(f"  {len(items)} {label}: {shown}")
     raise CheckpointError(input_name, "\n".join(lines))
+
+
+def check_finite_weights(sd: StateDict, source: str, input_name: str = "weights") -> None:
+    """Refuse a file whose tensors hold NaN / Inf: the model would only ever produce NaN images from it."""
+    bad = []
+    for key, t in sd.items():
+        if not t.is_floating_point():
+            continue
+        if t.element_size() == 1:  # isfinite has no fp8 kernel; every fp8 value is exact in float16
+            t = t.to(torch.float16)
+        if not bool(torch.isfinite(t).all()):
+            bad.append(key)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f", ... ({len(bad) - 5} more)" if len(bad) > 5 else "")
+        raise CheckpointError(
+            input_name,
+            f"{source}: {shown} {'hold' if len(bad) > 1 else 'holds'} NaN or infinite values; "
+            "the file is corrupt or was saved after a diverged training step",
+        )
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -39,7 +39,19 @@ def _check_mode(mode: str) -> str:
     return mode
 
 
-_mode = _check_mode(os.environ.get("FEWSTEP_KERNELS", "auto") or "auto")
+def _mode_from_environment() -> str:
+    """``FEWSTEP_KERNELS``, tolerantly: a bad value must not stop the pack from importing inside a server. (The
+    same rule and log line as ``engine.settings.env_choice``; this package does not import the engine.)"""
+    raw = os.environ.get("FEWSTEP_KERNELS", "").strip()
+    if raw in MODES:
+        return raw
+    if raw:
+        expected = ", ".join(MODES)
+        log.warning("fewstep: ignoring FEWSTEP_KERNELS=%r (expected one of %s); using 'auto'", raw, expected)
+    return "auto"
+
+
+_mode = _mode_from_environment()
 _failed: set[str] = set()  # kernels that raised in auto mode: the reference from then on
 
 

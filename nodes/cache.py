@@ -22,16 +22,23 @@ import math
 from pathlib import Path
 
 from ..engine.cache import METHODS, NATIVE_METHODS, STEP_CACHE_FEATURE, make_gate
-from ..engine.cache.calibration import config_hash
+from ..engine.cache.calibration import (
+    SUFFIX,
+    calibration_file_name,
+    config_hash,
+    default_calibration_dir,
+    list_calibration_files,
+)
 from ..engine.errors import InputError
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
-from .host import comfy_module
+from .host import comfy_module, list_model_files, register_model_folder
 
 log = logging.getLogger(__name__)
 
 GATE_KEY = "fewstep_cache_gate"  # model_options["transformer_options"][GATE_KEY]: the CacheGate
 RUN_KEY = "fewstep_cache_run"  # the per-run holder, only inside one sampling run's cloned options
-MAGCACHE_FOLDER = "fewstep_magcache"
+MAGCACHE_FOLDER = "fewstep_magcache"  # ComfyUI's models/fewstep_magcache: the one folder calibrations live in
+NO_CALIBRATION = "none"
 
 
 def _common_inputs(methods: tuple[str, ...], default_method: str, default_threshold: float) -> dict:
@@ -103,11 +110,11 @@ def _common_inputs(methods: tuple[str, ...], default_method: str, default_thresh
 def _optional_inputs() -> dict:
     return {
         "magcache_file": (
-            "STRING",
+            [NO_CALIBRATION, *calibration_files()],
             {
-                "default": "",
-                "tooltip": "MagCache calibration (JSON). Relative paths are in ComfyUI's output folder under "
-                f"{MAGCACHE_FOLDER}/. With calibrate on, the next run writes it.",
+                "default": NO_CALIBRATION,
+                "tooltip": "MagCache calibration to use: the files in models/fewstep_magcache (written by a "
+                "calibration run). none: the published ratios where there are some (FLUX.1-dev, 28 steps).",
             },
         ),
         "calibrate": (
@@ -115,27 +122,73 @@ def _optional_inputs() -> dict:
             {
                 "default": False,
                 "tooltip": "MagCache calibration run: compute every step and write the per-step ratios of this "
-                "model and step count to magcache_file.",
+                "model and step count to calibration_name in models/fewstep_magcache.",
+            },
+        ),
+        "calibration_name": (
+            "STRING",
+            {
+                "default": "",
+                "tooltip": "With calibrate on: the file name to write (e.g. flux-dev-28.json; a name, not a "
+                "path), in models/fewstep_magcache. Afterwards choose it in magcache_file.",
             },
         ),
     }
 
 
-def resolve_calibration_path(name: str) -> str:
-    """A relative name lives in ComfyUI's output folder (under fewstep_magcache/); outside ComfyUI, as given."""
-    if not name:
+def calibration_folder() -> tuple[Path, str]:
+    """The folder calibrations are written to and how errors name it: ComfyUI's models/fewstep_magcache
+    (registered with folder_paths) or, outside ComfyUI, the engine's default folder."""
+    paths = register_model_folder(MAGCACHE_FOLDER, {SUFFIX})
+    if paths:
+        return Path(paths[0]), f"ComfyUI's models/{MAGCACHE_FOLDER} folder"
+    folder = default_calibration_dir()
+    return folder, str(folder)
+
+
+def calibration_files() -> list[str]:
+    """The calibrations a gate can read: what the combo offers."""
+    folder, _ = calibration_folder()  # registers the folder inside ComfyUI before it is listed
+    if comfy_module("folder_paths") is not None:
+        return list_model_files(MAGCACHE_FOLDER)
+    return list_calibration_files(folder)
+
+
+def calibration_to_read(choice: str) -> str:
+    """The full path of the calibration chosen in ``magcache_file`` ("" for none); only files offered are read."""
+    if choice in ("", NO_CALIBRATION):  # "" is what magcache_file held before it became a list
         return ""
-    path = Path(name).expanduser()
-    fp = comfy_module("folder_paths")
-    if not path.is_absolute() and fp is not None:
-        path = Path(fp.get_output_directory()) / MAGCACHE_FOLDER / path
-    return str(path)
+    folder, described = calibration_folder()
+    files = calibration_files()
+    if choice in files:
+        fp = comfy_module("folder_paths")
+        path = fp.get_full_path(MAGCACHE_FOLDER, choice) if fp is not None else str(folder / choice)
+        if path is not None:
+            return path
+    raise InputError(
+        "magcache_file",
+        f"{choice!r} is not a calibration in {described}; choose one of {[NO_CALIBRATION, *files]}",
+    )
 
 
-def _gate_from_inputs(method, threshold, start, end, force, cfg_cutoff, magcache_file, calibrate, level):
+def calibration_to_write(name: str) -> str:
+    """The full path a calibration run writes to: ``name`` (a plain file name) in the calibration folder."""
+    folder, described = calibration_folder()
+    if not name:
+        raise InputError(
+            "calibration_name",
+            f"calibrate is on: give the file name to write the ratios to (e.g. flux-dev-28.json, in {described})",
+        )
+    return str(folder / calibration_file_name(name, "calibration_name"))
+
+
+def _gate_from_inputs(
+    method, threshold, start, end, force, cfg_cutoff, magcache_file, calibrate, calibration_name, level
+):
+    path = calibration_to_write(calibration_name) if calibrate else calibration_to_read(magcache_file)
     return make_gate(
         method=method, threshold=threshold, start=start, end=end, force=force, cfg_cutoff=cfg_cutoff,
-        magcache_file=resolve_calibration_path(magcache_file), calibrate=calibrate, level=level,
+        magcache_file=path, calibrate=calibrate, level=level,
     )  # fmt: skip
 
 
@@ -158,11 +211,12 @@ class FewStepCacheGate:
 
     @reports_input_errors("FewStepCacheGate")
     def attach(
-        self, model, method, threshold, start, end, force, cfg_cutoff, magcache_file="", calibrate=False
-    ):
+        self, model, method, threshold, start, end, force, cfg_cutoff, magcache_file=NO_CALIBRATION,
+        calibrate=False, calibration_name="",
+    ):  # fmt: skip
         gate = _gate_from_inputs(
-            method, threshold, start, end, force, cfg_cutoff, magcache_file, calibrate, "blocks"
-        )
+            method, threshold, start, end, force, cfg_cutoff, magcache_file, calibrate, calibration_name, "blocks"
+        )  # fmt: skip
         gate.check_model(model.model)
         return (model.with_feature(STEP_CACHE_FEATURE, gate),)
 
@@ -186,16 +240,17 @@ class FewStepCacheGateNative:
 
     @reports_input_errors("FewStepCacheGateNative")
     def attach(
-        self, model, method, threshold, start, end, force, cfg_cutoff, magcache_file="", calibrate=False
-    ):
+        self, model, method, threshold, start, end, force, cfg_cutoff, magcache_file=NO_CALIBRATION,
+        calibrate=False, calibration_name="",
+    ):  # fmt: skip
         gate = _gate_from_inputs(
-            method, threshold, start, end, force, cfg_cutoff, magcache_file, calibrate, "model"
-        )
+            method, threshold, start, end, force, cfg_cutoff, magcache_file, calibrate, calibration_name, "model"
+        )  # fmt: skip
         if method == "magcache" and gate.calibration is None and gate.calibrate_to is None:
             raise InputError(
                 "magcache_file",
                 "MagCache on a ComfyUI model needs ratios calibrated on it: run once with calibrate on "
-                "(they are written to magcache_file), then use that file",
+                "(they are written to calibration_name), then choose that file here",
             )
         ext = comfy_module("comfy.patcher_extension")
         if ext is None or not hasattr(model, "add_wrapper_with_key"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
 
@@ -46,6 +48,8 @@ def from_comfy(conditioning, input_name: str) -> list[TextCondition]:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], dict)):
             raise InputError(input_name, f"entry {i} is not a [tokens, options] pair")
         tokens, opts = entry
+        if not isinstance(tokens, torch.Tensor):
+            raise InputError(input_name, f"entry {i}: the tokens are a {type(tokens).__name__}, not a tensor")
         for key, what in UNSUPPORTED_KEYS.items():
             if opts.get(key) is not None:
                 raise InputError(
@@ -53,7 +57,7 @@ def from_comfy(conditioning, input_name: str) -> list[TextCondition]:
                     f"entry {i} carries a {what}, which this sampler does not apply; "
                     "use ComfyUI's own samplers with FewStepSchedule / FewStepSamplerSelect for it",
                 )
-        if float(opts.get("strength", 1.0)) != 1.0:
+        if _number(opts.get("strength", 1.0), input_name, i, "strength") != 1.0:
             raise InputError(input_name, f"entry {i} has strength {opts['strength']}; only 1.0 is supported")
         if (opts.get("start_percent", 0.0), opts.get("end_percent", 1.0)) != (0.0, 1.0):
             raise InputError(input_name, f"entry {i} is limited to a timestep range, which is not supported")
@@ -61,10 +65,22 @@ def from_comfy(conditioning, input_name: str) -> list[TextCondition]:
         if extra:
             log.warning("%s: conditioning entry %d options %s are not used by fewstep", input_name, i, extra)
         guidance = opts.get("guidance")
-        out.append(
-            TextCondition(tokens, opts.get("pooled_output"), None if guidance is None else float(guidance))
-        )
+        if guidance is not None:
+            guidance = _number(guidance, input_name, i, "guidance")
+        pooled = opts.get("pooled_output")
+        if pooled is not None and not isinstance(pooled, torch.Tensor):
+            raise InputError(
+                input_name, f"entry {i}: pooled_output is a {type(pooled).__name__}, not a tensor"
+            )
+        out.append(TextCondition(tokens, pooled, guidance))
     return out
+
+
+def _number(value, input_name: str, entry: int, key: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InputError(input_name, f"entry {entry}: {key} is {value!r}, not a number") from None
 
 
 def to_comfy(cond: TextCondition) -> list:

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from ..engine.errors import InputError
+
 log = logging.getLogger(__name__)
 
 
@@ -36,14 +38,38 @@ def list_model_files(folder: str) -> list[str]:
         return []
 
 
-def model_file_path(folder: str, name: str) -> str:
-    """Full path of ``name`` in a ComfyUI model folder; outside ComfyUI the name is a path."""
+def register_model_folder(folder: str, extensions: set[str]) -> list[str] | None:
+    """Make ``models/<folder>`` a ComfyUI model folder listing files with ``extensions``; its paths (the first is
+    where to write), or None outside ComfyUI. A folder set up by extra_model_paths.yaml keeps its paths."""
     fp = comfy_module("folder_paths")
-    if fp is not None:
+    if fp is None:
+        return None
+    registry = fp.folder_names_and_paths
+    if folder not in registry:
+        registry[folder] = ([os.path.join(fp.models_dir, folder)], set(extensions))
+    elif not registry[folder][1]:  # registered without extensions (every file): list only ours
+        registry[folder] = (registry[folder][0], set(extensions))
+    return fp.get_folder_paths(folder)
+
+
+def model_file_path(folder: str, name: str, input_name: str) -> str:
+    """Full path of ``name`` in a ComfyUI model folder; outside ComfyUI (CLI, scripts) the name is a path.
+
+    Inside ComfyUI (where anyone who can POST /prompt chooses ``name``) only a file the folder lists is accepted:
+    a path anywhere else, existing or not, gets the same error, so the answer tells nothing about other files.
+    """
+    fp = comfy_module("folder_paths")
+    if fp is None:
+        return os.path.expanduser(name)
+    if name in list_model_files(folder):
         path = fp.get_full_path(folder, name)
         if path is not None:
             return path
-    return os.path.expanduser(name)
+    raise InputError(
+        input_name,
+        f"{name!r} is not a file in ComfyUI's models/{folder} folder; inside ComfyUI only a name from its list "
+        "(or a dummy: entry) is accepted, not a path",
+    )
 
 
 def check_interrupt() -> None:

@@ -71,7 +71,7 @@ class FewStepDiTLoader:
         source = (
             model_name
             if model_name.startswith(DUMMY_PREFIX)
-            else model_file_path("diffusion_models", model_name)
+            else model_file_path("diffusion_models", model_name, "model_name")
         )
         device = torch_device()
         handle = open_model(

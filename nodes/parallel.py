@@ -108,15 +108,18 @@ class FewStepParallelLauncher:
                         "min": 0,
                         "max": 256,
                         "tooltip": "Ranks started on this machine (0 = all). The others join from other "
-                        "machines with `python -m fewstep worker` (the console prints the command).",
+                        "machines with `python -m fewstep worker` (the console prints the command); that needs "
+                        "FEWSTEP_POOL_TOKEN set in ComfyUI's environment and the same value on each worker.",
                     },
                 ),
                 "master_addr": (
                     "STRING",
                     {
                         "default": "127.0.0.1",
-                        "tooltip": "Address of this machine's store for the workers (127.0.0.1: local only; "
-                        "the address other machines reach this one at for remote ranks). Trusted networks only.",
+                        "tooltip": "The one address the pool's store listens on (127.0.0.1: this machine only; "
+                        "for ranks on other machines, this machine's address on a trusted network, which exposes "
+                        "the store's port there). Payloads are sealed with the pool's secret; ranks that join need "
+                        "FEWSTEP_POOL_TOKEN.",
                     },
                 ),
                 "master_port": (

@@ -62,7 +62,11 @@ class FewStepTinyVAELoader:
 
     @reports_input_errors("FewStepTinyVAELoader", {"vae": "vae_name"})
     def load(self, vae_name, dtype="auto"):
-        source = vae_name if vae_name.startswith(DUMMY_PREFIX) else model_file_path("vae_approx", vae_name)
+        source = (
+            vae_name
+            if vae_name.startswith(DUMMY_PREFIX)
+            else model_file_path("vae_approx", vae_name, "vae_name")
+        )
         device = torch_device()
         chosen = DTYPES[dtype] or (torch.float16 if device.type == "cuda" else torch.float32)
         return (load_tiny_vae(source, device=device, dtype=chosen, input_name="vae"),)

@@ -1,20 +1,25 @@
 """Causal video nodes: generate a video chunk by chunk with a rolling KV cache, and continue it later.
 
 A FEWSTEP_SESSION is a reference to a live stream kept in a bounded LRU (``FEWSTEP_MAX_SESSIONS``, default 4;
-``FEWSTEP_SESSION_GB``, default unlimited). Sessions are freed when ComfyUI unloads their model (its "free
-memory" endpoint, or another model needing the memory) and when they fall out of the LRU; continuing a freed
-session is an error that says so, and the sampler that made it runs again on the next queue.
+``FEWSTEP_SESSION_GB``, default half of the memory of the device the sessions run on). Sessions are freed when
+ComfyUI unloads their model (its "free memory" endpoint, or another model needing the memory; a FewStepCompile'd
+model included) and when they fall out of the LRU; continuing a freed session is an error that says so, and the
+sampler that made it runs again on the next queue.
 
 ComfyUI caches node outputs, while a session is a live object that FewStepCausalContinue moves forward. Each
 reference therefore records the frame position it was made at and how to rebuild the session (prompts, seed,
 settings): when a Continue re-runs on a reference whose session has since moved on (its num_chunks changed, say),
-the session is rebuilt up to that position first, so a graph always produces the same video.
+the session is rebuilt up to that position first, so a graph always produces the same video. The prompts a
+reference keeps for that are bounded (``FEWSTEP_MAX_PROMPTS`` different prompts, default 8; a prompt used again
+is kept once): past the bound a stale reference cannot be rebuilt, and says so.
+
+Cancel is checked before every DiT forward (each denoising step and each clean-context pass), and the progress
+bar advances per denoising step; each chunk's last frame is the preview.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +27,12 @@ import torch
 from ..engine.cache import STEP_CACHE_FEATURE
 from ..engine.causal import ROPE_MODES, CausalConfig, SessionStore, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
+from ..engine.causal.session import ChunkTiming
 from ..engine.compile.feature import start_compile_run
 from ..engine.errors import InputError
+from ..engine.plan.preflight import check_fits
 from ..engine.sampling import SCHEDULES
+from ..engine.settings import env_float, env_int
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
 from .conditioning import from_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
@@ -34,12 +42,17 @@ from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
 
+_SESSION_GB = env_float("FEWSTEP_SESSION_GB", None)
 SESSIONS = SessionStore(
-    max_sessions=int(os.environ.get("FEWSTEP_MAX_SESSIONS", "4")),
-    max_bytes=int(float(os.environ["FEWSTEP_SESSION_GB"]) * 2**30)
-    if os.environ.get("FEWSTEP_SESSION_GB")
-    else None,
+    max_sessions=env_int("FEWSTEP_MAX_SESSIONS", 4, minimum=1),
+    max_bytes=None if _SESSION_GB is None else int(_SESSION_GB * 2**30),  # None: from device memory
 )
+# different prompts a session reference keeps to rebuild its session
+MAX_PROMPTS = env_int("FEWSTEP_MAX_PROMPTS", 8, minimum=1)
+
+
+def _same_prompt(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
 
 
 @dataclass(frozen=True)
@@ -54,18 +67,37 @@ class SessionRecipe:
     tiny_vae: object = field(default=None, repr=False)
     prompts: tuple = field(default=(), repr=False)  # ((first latent frame, context [B, L, 4096]), ...)
     parallel: object = field(default=None, repr=False)  # FEWSTEP_PARALLEL: the session runs on a worker pool
+    rebuildable: bool = True  # False once more than MAX_PROMPTS different prompts were used (none are kept)
 
     def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
+        """The recipe after a prompt switch at ``frame``; a prompt used before is kept once (the same tensor)."""
+        if not self.rebuildable:
+            return self
+        kept = {id(c): c for _, c in self.prompts}
+        context = next((c for c in kept.values() if _same_prompt(c, context)), context)
+        kept[id(context)] = context
+        if len(kept) > MAX_PROMPTS:  # bound the memory a long chain of prompt switches holds
+            return dataclasses.replace(self, prompts=(), rebuildable=False)
         return dataclasses.replace(self, prompts=(*self.prompts, (frame, context)))
 
     def rebuild(self, position: int, where: str) -> VideoSession:
         """A new session advanced to ``position`` latent frames, prompt switches replayed."""
+        if not self.rebuildable:
+            raise InputError(
+                "session",
+                "this reference's session has moved on since it was made (another run continued it), and it "
+                f"cannot be rebuilt: it switched between more than {MAX_PROMPTS} different prompts, which are not "
+                "kept, to bound memory (FEWSTEP_MAX_PROMPTS sets how many are); continue from the newest output, "
+                "or run FewStepCausalVideoSampler again",
+                where,
+            )
         session, compiled = _open_session(self.model, self.prompts[0][1], self.height, self.width, self.config,
                                           self.seed, self.tiny_vae, where, self.parallel)  # fmt: skip
         for frame, context in (*self.prompts[1:], (position, None)):
             missing = frame - session.frames_generated
             if missing:
-                session.run(missing // self.config.chunk_frames)
+                for _ in _chunks_of(session, missing // self.config.chunk_frames, _cancel_hook):
+                    pass
             if context is not None:
                 session.set_prompt(context)
         if compiled is not None:
@@ -82,9 +114,6 @@ class SessionRef:
     recipe: SessionRecipe = field(repr=False)
 
 
-_SESSION_OF: dict[str, str] = {}  # sampler node id -> the session it made
-
-
 def _open_session(model, context, height, width, config, seed, tiny_vae, where, parallel=None):
     """(session, compile run or None): a session in this process, or on the launcher's worker pool when
     ``parallel`` is connected. A FewStepCompile feature on the model makes the session run the compiled forward
@@ -96,7 +125,7 @@ def _open_session(model, context, height, width, config, seed, tiny_vae, where, 
     step_cache = model.feature(STEP_CACHE_FEATURE)
     compiled = start_compile_run(model, step_cache_active=step_cache is not None)
     session = VideoSession(model.model if compiled is None else compiled.model, context, height, width, config,
-                           seed, tiny_vae, where=where, step_cache=step_cache)  # fmt: skip
+                           seed, tiny_vae, where=where, step_cache=step_cache, base_model=model.model)  # fmt: skip
     return session, compiled
 
 
@@ -111,13 +140,13 @@ def _free_sessions_on_unload(handle) -> None:
     def on_detach(_patcher, unpatch_all=True, *_):
         # ComfyUI also detaches (unpatch_all=False) whenever it re-loads a model that is already loaded; only a
         # real unload (free memory, or memory needed elsewhere) drops the sessions.
-        if unpatch_all:
-            SESSIONS.dispose_where(lambda s: s.model is model)
+        if unpatch_all:  # a compiled run's session holds a stand-in: compare the model it runs
+            SESSIONS.dispose_where(lambda s: getattr(s, "base_model", s.model) is model)
 
     patcher.add_callback_with_key(ext.CallbacksMP.ON_DETACH, "fewstep-sessions", on_detach)
 
 
-_SESSION_OF: dict[tuple, str] = {}  # sampler inputs -> the session they produced
+_SESSION_OF: dict[str, str] = {}  # sampler node id -> the session it made
 
 
 def _prompt(conditioning, input_name: str) -> torch.Tensor:
@@ -131,19 +160,53 @@ def _prompt(conditioning, input_name: str) -> torch.Tensor:
     return conds[0].context
 
 
+def _cancel_hook(chunk: int, step: int | None) -> None:
+    check_interrupt()
+
+
+def _chunks_of(session, n: int, before_forward):
+    """``session.chunks(n)`` with the per-forward hook where the session takes one (a pool's session is stopped
+    between chunks by the pool)."""
+    if isinstance(session, VideoSession):
+        return session.chunks(n, before_forward=before_forward)
+    return session.chunks(n)
+
+
+def _check_outputs_fit(batch: int, width: int, height: int, config: CausalConfig, chunks: int, decodes: bool,
+                       where: str) -> None:  # fmt: skip
+    """The outputs of a run stay in host memory until the node returns: refuse a run whose outputs cannot fit."""
+    frames = chunks * config.chunk_frames
+    latent = batch * 16 * frames * (height // 8) * (width // 8) * 4
+    images = batch * 4 * frames * 3 * height * width * 4 if decodes else 0
+    # the per-chunk parts and their concatenation exist together once
+    hint = "Generate fewer chunks per run (FewStepCausalContinue carries the session on), or a smaller video"
+    check_fits({f"outputs of {chunks} chunks": 2 * (latent + images)}, "cpu", "num_chunks", where, hint)
+
+
 def _run(session: VideoSession, chunks: int, node: str):
-    """Generate, with progress per chunk and each chunk's last frame as the preview."""
-    progress = Progress(chunks, desc=node)
-    parts, frames = [], []
+    """Generate, with Cancel checked before every forward, progress per denoising step and each chunk's last
+    frame as the preview."""
+    per_step = isinstance(session, VideoSession)
+    steps = len(session.sigmas) - 1
+    progress = Progress(chunks * steps if per_step else chunks, desc=node)
+    first_index = session.stats.chunks_generated
+
+    def before_forward(chunk: int, step: int | None) -> None:
+        check_interrupt()
+        if step is not None:
+            progress.update((chunk - first_index) * steps + step)
+
+    parts, frames, timings = [], [], []
     try:
-        for i, chunk in enumerate(session.chunks(chunks)):
+        for i, chunk in enumerate(_chunks_of(session, chunks, before_forward)):
             check_interrupt()
             parts.append(chunk.raw)
+            timings.append(ChunkTiming.of(chunk))
             preview = None
             if chunk.frames is not None and chunk.frames.shape[1]:
                 frames.append(chunk.frames)
                 preview = preview_payload(chunk.frames[0, -1].permute(1, 2, 0))
-            progress.update(i + 1, preview)
+            progress.update((i + 1) * steps if per_step else i + 1, preview)
     finally:
         progress.close()
     latent = torch.cat(parts, dim=2)
@@ -152,11 +215,10 @@ def _run(session: VideoSession, chunks: int, node: str):
         images = torch.cat(frames, dim=1).flatten(0, 1).permute(0, 2, 3, 1).contiguous()
     else:
         images = torch.zeros(0, h * 8, w * 8, 3)
-    return latent, images, _report(session, chunks)
+    return latent, images, _report(session, timings)
 
 
-def _report(session: VideoSession, chunks: int) -> str:
-    recent = session.stats.chunks[-chunks:]
+def _report(session: VideoSession, recent: list[ChunkTiming]) -> str:
     c = session.config
     lines = [
         f"{len(recent)} chunks x {c.chunk_frames} latent frames (frames {recent[0].start_frame}-"
@@ -328,6 +390,9 @@ class FewStepCausalVideoSampler:
                               schedule=schedule, steps=steps, context_noise=context_noise, rope=rope,
                               kv_dtype=kv_dtype, keep_recent_chunks=keep_recent_chunks)  # fmt: skip
         context = _prompt(positive, "positive")
+        config.window.check()
+        _check_outputs_fit(context.shape[0], width, height, config, num_chunks, tiny_vae is not None,
+                           "FewStepCausalVideoSampler")  # fmt: skip
         if parallel is None:  # with a pool the workers hold the model; this process does not run it
             load_for_run(model)
         session, compiled = _open_session(model, context, height, width, config, seed, tiny_vae,
@@ -386,6 +451,8 @@ class FewStepCausalContinue:
             live = recipe.rebuild(session.position, where)
             key = SESSIONS.add(live)
         live.where = where
+        _check_outputs_fit(live.batch, recipe.width, recipe.height, recipe.config, num_chunks,
+                           recipe.tiny_vae is not None, where)  # fmt: skip
         if positive is not None:
             context = _prompt(positive, "positive")
             live.set_prompt(context)

@@ -18,6 +18,7 @@ import types
 import pytest
 import torch
 from conftest import make_cond
+from fake_folder_paths import make_folder_paths
 
 from fewstep.engine import open_model
 from fewstep.engine.models.flux import flux_velocity
@@ -168,8 +169,7 @@ def comfy(monkeypatch, tmp_path):
     ext = types.SimpleNamespace(WrappersMP=types.SimpleNamespace(OUTER_SAMPLE=OUTER, CALC_COND_BATCH=CALC,
                                                                 DIFFUSION_MODEL=DIFFUSION))  # fmt: skip
     monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
-    folders = types.SimpleNamespace(get_output_directory=lambda: str(tmp_path / "output"))
-    monkeypatch.setitem(sys.modules, "folder_paths", folders)
+    monkeypatch.setitem(sys.modules, "folder_paths", make_folder_paths(tmp_path))
     return tmp_path
 
 
@@ -304,23 +304,23 @@ def test_native_cfg_gating_drops_the_unconditional_rows(comfy, nodes, engine_mod
 
 def test_native_magcache_calibration_and_identity(comfy, nodes, engine_model):
     patched = _attach(
-        nodes, _patcher(engine_model), method="magcache", magcache_file="flux.json", calibrate=True
+        nodes, _patcher(engine_model), method="magcache", calibration_name="flux.json", calibrate=True
     )
     plain, _, _ = _sample(_patcher(engine_model), engine_model)
     out, calls, _ = _sample(patched, engine_model)
     assert torch.equal(out, plain) and len(calls) == 28
-    path = comfy / "output" / "fewstep_magcache" / "flux.json"
+    path = comfy / "models" / "fewstep_magcache" / "flux.json"
     data = json.loads(path.read_text())
     assert (
         data["steps"] == 28
         and len(data["ratios"]) == 28
         and data["model"]["family"] == "comfy:DiffusionModel"
     )
-    use = _attach(nodes, _patcher(engine_model), method="magcache", threshold=0.24, magcache_file=str(path))
+    use = _attach(nodes, _patcher(engine_model), method="magcache", threshold=0.24, magcache_file="flux.json")
     _, calls, _ = _sample(use, engine_model)
     assert len(calls) < 28
     other = _attach(nodes, _patcher(engine_model, {"image_model": "flux", "depth": 19}), method="magcache",
-                    magcache_file=str(path))  # fmt: skip
+                    magcache_file="flux.json")  # fmt: skip
     with pytest.raises(ValueError, match=r"^FewStepCacheGateNative: input 'model': the MagCache calibration .*"
                        r"was recorded on comfy:DiffusionModel"):  # fmt: skip
         _sample(other, engine_model)

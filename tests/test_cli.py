@@ -108,5 +108,5 @@ def test_stream_bad_input():
     r = _cli("stream", "--window-frames", "2")
     assert (
         r.returncode == 2
-        and "stream: input 'window_frames': the window (2 latent frames) is smaller" in r.stderr
+        and "fewstep stream: input '--window-frames': the window (2 latent frames) is smaller" in r.stderr
     )

@@ -326,4 +326,4 @@ def test_stream_cli_reports_quantized_kv(capsys):
     full = json.loads(capsys.readouterr().out)
     assert report["kv_bytes_window"] < 0.6 * full["kv_bytes_window"]
     assert main([*common, "--kv-dtype", "int4", "--keep-recent", "4"]) == 2
-    assert "stream: input 'keep_recent_chunks': 4 recent chunks" in capsys.readouterr().err
+    assert "fewstep stream: input '--keep-recent': 4 recent chunks" in capsys.readouterr().err

@@ -204,7 +204,7 @@ def test_causal_video_chunks_on_two_ranks_equal_single_process(pool, wan, degree
     u, r = degrees
     p = wan.params
     assert remote.cache.bytes_per_token() == 2 * (p.num_heads // u) * p.head_dim * p.num_layers * 4
-    assert remote.stats.chunks[-1].kv_bytes == local.cache.nbytes // (u * r)  # this rank's share
+    assert remote.stats.recent[-1].kv_bytes == local.cache.nbytes // (u * r)  # this rank's share
 
 
 @pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
@@ -327,7 +327,7 @@ def test_a_worker_with_the_wrong_world_size_or_rank_is_refused(pool):
     from fewstep.engine.parallel.worker import Rendezvous, serve
 
     def join(world, rank):
-        serve(Rendezvous("127.0.0.1", pool.port, world, rank, 0, timeout=5))
+        serve(Rendezvous("127.0.0.1", pool.port, world, rank, 0, timeout=5, token=pool.token))
 
     with pytest.raises(InputError, match="input 'WORLD_SIZE': 3, but the pool at .* has 2 ranks"):
         join(3, 1)
@@ -380,8 +380,9 @@ def test_a_lost_worker_is_an_error_naming_it_and_leaves_no_process(flux, sig, me
         lost.run({"kind": "task", "name": "ping"})
 
 
-def test_shutdown_leaves_no_process_and_joined_workers_leave_too():
+def test_shutdown_leaves_no_process_and_joined_workers_leave_too(monkeypatch):
     """One rank local, one joined as from another machine (``python -m fewstep worker``'s code path)."""
+    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", "test-secret-" * 4)  # the joining worker inherits it
     host = WorkerPool(_config(local_ranks=1))
     starter = threading.Thread(target=host.start)
     starter.start()
@@ -402,8 +403,9 @@ def test_shutdown_leaves_no_process_and_joined_workers_leave_too():
     assert _wait_gone([*local, joined.pid], 5)
 
 
-def test_a_cancelled_start_stops_the_ranks_it_started():
+def test_a_cancelled_start_stops_the_ranks_it_started(monkeypatch):
     """A rank that never joins (local_ranks 1 of 2) and the user presses Cancel: the wait ends at once."""
+    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", "test-secret-" * 4)
     pool = WorkerPool(_config(local_ranks=1))
 
     class CancelledError(Exception):

@@ -392,10 +392,22 @@ def test_nan_and_exactly_zero_changes_are_reported():
     nan_handle = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
     with torch.no_grad():
         nan_handle.model.double_blocks[0].img_mlp[0].bias[0] = float("nan")
-    _, report = _run(nan_handle, make_gate("first_block", 0.5))
-    assert report.cache.skipped_steps == 0  # NaN is never below a threshold: the always-miss bug
-    assert any("NaN at steps [1, 2" in w for w in report.cache.warnings)
-    assert "warning: the measured change was NaN" in report.summary()
+    with pytest.raises(
+        InputError, match="the sampled latent is not finite"
+    ):  # sample_latent refuses the result
+        _run(nan_handle, make_gate("first_block", 0.5))
+    # the gate's own telemetry, from the sampler loop itself
+    sigmas = schedule_sigmas("flux.1-dev", STEPS, image_seq_len=64)
+    run = make_gate("first_block", 0.5).start_run(nan_handle.model, sigmas, "euler")
+    denoiser = FlowDenoiser(
+        nan_handle.model, nan_handle.family, [make_cond(nan_handle.params)], step_cache=run
+    )
+    with torch.inference_mode():
+        sample_euler(denoiser, torch.randn(_latent().shape), sigmas, disable=True)
+    cache = run.finish()
+    assert cache.skipped_steps == 0  # NaN is never below a threshold: the always-miss bug
+    assert any("NaN at steps [1, 2" in w for w in cache.warnings)
+    assert "warning: the measured change was NaN" in "\n".join(cache.summary_lines())
     frozen = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
     with torch.no_grad():  # block 0 leaves the image tokens unchanged: its residual is exactly 0 every step
         frozen.model.double_blocks[0].img_mod.lin.weight.zero_()

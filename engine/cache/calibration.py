@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from ..loader import preset_of
 
 FORMAT = "fewstep-magcache"
 VERSION = 1
+SUFFIX = ".json"
+DIR_VARIABLE = "FEWSTEP_MAGCACHE_DIR"
+MAX_NAME_LENGTH = 200
 
 # MagCache's published ratios for FLUX.1-dev at 28 steps (Zehong-Ma/MagCache, MagCache4FLUX/magcache_flux.py,
 # ``mag_ratios``; the same whole-stack image-token residual as here). Used when no file is given.
@@ -128,6 +132,55 @@ def load_calibration(path: str | Path, input_name: str = "magcache_file") -> Mag
     )  # fmt: skip
 
 
+def default_calibration_dir() -> Path:
+    """Where calibrations live outside ComfyUI: ``$FEWSTEP_MAGCACHE_DIR``, else ``$XDG_DATA_HOME/fewstep/magcache``
+    (``~/.local/share/fewstep/magcache``). Inside ComfyUI the nodes use ``models/fewstep_magcache`` instead."""
+    explicit = os.environ.get(DIR_VARIABLE, "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    data_home = os.environ.get("XDG_DATA_HOME", "").strip() or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
+    return Path(data_home) / "fewstep" / "magcache"
+
+
+def _name_problem(name) -> str | None:
+    if not isinstance(name, str) or not name:
+        return "it is empty"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "it contains a control character (NUL, newline...)"
+    if "/" in name or "\\" in name:
+        return "it contains a '/' or '\\' (a path)"
+    if name.startswith("."):
+        return "it starts with '.'"
+    if name != name.strip():
+        return "it starts or ends with a space"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"it is longer than {MAX_NAME_LENGTH} characters"
+    return None
+
+
+def calibration_file_name(name: str, input_name: str = "calibration_name") -> str:
+    """``name`` as a file in the calibration folder: a plain name (no path, no '..', no control characters),
+    with ``.json`` added when it has another ending."""
+    problem = _name_problem(name)
+    if problem is not None:
+        raise InputError(
+            input_name,
+            f"{name!r} is not a plain file name ({problem}): give a name such as 'flux-dev-28.json'; "
+            "calibrations are written to the pack's calibration folder",
+        )
+    return name if name.lower().endswith(SUFFIX) else name + SUFFIX
+
+
+def list_calibration_files(folder: str | Path) -> list[str]:
+    """The calibration (``.json``) files directly in ``folder``, sorted; none when it does not exist."""
+    try:
+        return sorted(p.name for p in Path(folder).iterdir() if p.suffix.lower() == SUFFIX and p.is_file())
+    except OSError:
+        return []
+
+
 def published_calibration(model, steps: int) -> MagCacheCalibration | None:
     ratios = PUBLISHED_RATIOS.get((preset_of(model), steps))
     if ratios is None:
@@ -140,8 +193,11 @@ def published_calibration(model, steps: int) -> MagCacheCalibration | None:
 __all__ = [
     "MagCacheCalibration",
     "PUBLISHED_RATIOS",
+    "calibration_file_name",
     "config_hash",
+    "default_calibration_dir",
     "describe_identity",
+    "list_calibration_files",
     "load_calibration",
     "model_identity",
     "published_calibration",

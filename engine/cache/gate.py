@@ -134,8 +134,8 @@ class CacheGate:
                 raise InputError(
                     "magcache_file",
                     f"MagCache needs per-step ratios for this model ({describe_identity(identity)}) and none are "
-                    "published for it: run once with calibrate on (the ratios are written to magcache_file), "
-                    "then use that file; or use method 'first_block'",
+                    "published for it: run a calibration once (calibrate on) and use the file it writes; or use "
+                    "method 'first_block'",
                 )
 
     # -- runs ------------------------------------------------------------------------------------------------------

@@ -261,6 +261,22 @@ class KVCache(nn.Module):
         self._step_key_freqs: RopeFreqs | None = None
 
     # -- accounting ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def planned_bytes(
+        layers: int, batch: int, tokens_per_frame: int, heads: int, head_dim: int, window: WindowSpec,
+        dtype: torch.dtype, kv_dtype: str = "bf16", keep_recent_chunks: int = 1,
+    ) -> int:  # fmt: skip
+        """The :attr:`nbytes` a cache built with these arguments will allocate, computed without allocating (the
+        memory preflight refuses a window that cannot fit before its buffers are zero-filled)."""
+        bits = _KV_BITS[kv_dtype]
+        ring = window.ring_frames
+        full_ring = ring if bits is None else (keep_recent_chunks + 1) * window.chunk_frames
+        rows = 2 * layers * batch * tokens_per_frame * heads  # K and V rows per frame slot, all layers
+        elt = torch.empty((), dtype=dtype).element_size()
+        full = (window.sink_frames + full_ring) * rows * head_dim * elt
+        quantized = 0 if bits is None else (ring - full_ring) * rows * group_bytes(head_dim, bits)
+        return full + quantized
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated by the cache (sum of ``nbytes`` of every buffer, scales and zero points included)."""

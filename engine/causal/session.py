@@ -9,21 +9,42 @@ chunk starts: a stream that stops never pays for it, and one that continues late
 A :class:`VideoSession` owns everything that lives across chunks: the KV cache, the cross-attention cache, the
 frame position, the prompt and the random generator. ``set_prompt`` switches the prompt as CausVid does (only
 the cross-attention cache is rebuilt; the self-attention cache carries the video on); ``dispose`` frees it.
+
+Memory stays flat for a stream of any length: a session keeps only what the next chunk needs (the caches, the
+last chunk's clean latents until its deferred commit, the stream decoder's state) and bounded statistics
+(:class:`SessionStats`); each chunk's latents and frames belong to the caller once yielded. Before allocating,
+the session's bytes are estimated and refused when they cannot fit the device (:func:`check_session_fits`).
+
+One caller at a time: a session refuses a second concurrent ``chunks`` / ``set_prompt`` (another thread, or a
+second generator interleaved with an unfinished one) with an :class:`InputError` rather than corrupting its cache.
+``before_forward(chunk, step)`` runs before every DiT forward (``step`` None for the clean-context pass), so a
+host's Cancel stops within one forward; a chunk interrupted that way leaves the session as it was before the
+chunk (the random generator is restored), so continuing it later gives the uninterrupted video. Each chunk's
+output is checked once for NaN / Inf (one read back with the copy to the CPU, no per-step sync).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..cache import causal_chunk_decision
+from ..checks import check_finite, check_seed
 from ..errors import InputError
 from ..latent_formats import WAN21
+from ..plan.preflight import check_fits
 from ..sampling import sample_dmd, schedule_sigmas
 from .kv_cache import CrossAttentionCache, KVCache, WindowSpec, check_kv_storage
+
+# ``before_forward(chunk index, denoising step or None for the clean-context pass)``, called before every forward
+ForwardHook = Callable[[int, "int | None"], None]
+
+RECENT_CHUNKS = 64  # chunk timings a session keeps (a caller that wants every chunk's timing keeps its own)
 
 
 @dataclass(frozen=True)
@@ -61,10 +82,40 @@ class ChunkResult:
         return WAN21.process_out(self.latents)
 
 
+@dataclass(frozen=True)
+class ChunkTiming:
+    """What a session remembers of a chunk it handed out (no tensors)."""
+
+    index: int
+    start_frame: int
+    seconds: float
+    commit_seconds: float
+    kv_bytes: int
+    kv_bytes_used: int
+
+    @classmethod
+    def of(cls, chunk: ChunkResult) -> ChunkTiming:
+        return cls(chunk.index, chunk.start_frame, chunk.seconds, chunk.commit_seconds, chunk.kv_bytes,
+                   chunk.kv_bytes_used)  # fmt: skip
+
+
 @dataclass
 class SessionStats:
-    chunks: list[ChunkResult] = field(default_factory=list)
+    """Bounded statistics: counts and totals, and the timings of the last ``RECENT_CHUNKS`` chunks."""
+
+    chunks_generated: int = 0
+    seconds_total: float = 0.0
     first_chunk_seconds: float | None = None
+    recent: deque[ChunkTiming] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))
+
+    def record(self, chunk: ChunkResult) -> ChunkTiming:
+        timing = ChunkTiming.of(chunk)
+        if self.first_chunk_seconds is None:
+            self.first_chunk_seconds = chunk.seconds
+        self.chunks_generated += 1
+        self.seconds_total += chunk.seconds
+        self.recent.append(timing)
+        return timing
 
 
 class VideoSession:
@@ -82,66 +133,120 @@ class VideoSession:
         where: str | None = None,
         step_cache=None,
         parallel=None,
+        base_model=None,
     ):
         """``parallel``: a sequence-parallel layout (``engine.parallel.CausalSharding``) when this session is one
-        rank of a worker pool; its cache then holds this rank's share of each frame's tokens and of the heads."""
+        rank of a worker pool; its cache then holds this rank's share of each frame's tokens and of the heads.
+        ``base_model``: the engine model ``model`` stands for when it is a wrapper (a compiled run), so a host can
+        free the sessions of a model it unloads; ``model`` itself by default."""
         p = model.params
         config = config or CausalConfig()
         self.model, self.config, self.where = model, config, where
+        self.base_model = model if base_model is None else base_model
         config.window.check(where)
         check_kv_storage(config.kv_dtype, config.keep_recent_chunks, config.window, p.head_dim, where)
         check_size(p, height, width, where)
+        check_context(p, context, None, where)
+        if tiny_vae is not None:
+            check_tiny_vae(tiny_vae, p, where)
+        try:
+            seed = check_seed(seed)
+        except InputError as err:
+            raise (err.located(where) if where else err) from None
         self.latent_hw = (height // 8, width // 8)
         self.grid_hw = (self.latent_hw[0] // p.patch_size[1], self.latent_hw[1] // p.patch_size[2])
         self.sigmas = schedule_sigmas(config.schedule, config.steps, input_name="schedule")
-        device = next(model.parameters()).device
+        self.device = device = next(model.parameters()).device
         self.dtype = model.patch_embedding.weight.dtype
         self.batch = context.shape[0]
         self.parallel = parallel
         tokens_per_frame, heads = self.grid_hw[0] * self.grid_hw[1], p.num_heads
         if parallel is not None:
             tokens_per_frame, heads = parallel.kv_layout(tokens_per_frame, heads)
+        check_session_fits(
+            session_bytes(p, self.batch, height, width, config, self.dtype, tokens_per_frame, heads,
+                          tiny_vae is not None),
+            device, where,
+        )  # fmt: skip
         self.cache = KVCache(
             layers=p.num_layers, batch=self.batch, tokens_per_frame=tokens_per_frame,
             heads=heads, head_dim=p.head_dim, window=config.window, dtype=self.dtype, device=device,
             rope=config.rope, kv_dtype=config.kv_dtype, keep_recent_chunks=config.keep_recent_chunks,
         )  # fmt: skip
         self.cross = CrossAttentionCache()
-        self.generator = torch.Generator(device=device).manual_seed(int(seed))
-        self.decoder = None
-        if tiny_vae is not None:
-            check_tiny_vae(tiny_vae, p, where)
-            self.tiny_vae, self.decoder = tiny_vae, tiny_vae.stream_decoder()
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.tiny_vae, self.decoder = tiny_vae, None if tiny_vae is None else tiny_vae.stream_decoder()
         # A step-cache gate (engine.cache) normally refuses a causal chunk: 4 DMD steps re-noise every step.
         self.step_cache = step_cache
         self.cache_decision = causal_chunk_decision(step_cache, self.sigmas, "dmd") if step_cache else None
         self.stats = SessionStats()
         self._pending: torch.Tensor | None = None  # the last chunk's clean latents, not yet committed
         self._context = None
+        self._frames_at_dispose = 0
+        self._in_use = threading.Lock()  # held by the one caller generating or switching the prompt
         self.disposed = False
         self.set_prompt(context)
 
     # -- state -----------------------------------------------------------------------------------------------------
     @property
     def frames_generated(self) -> int:
+        if self.cache is None:
+            return self._frames_at_dispose
         return self.cache.frames_committed + (0 if self._pending is None else self.config.chunk_frames)
 
     @property
     def nbytes(self) -> int:
+        if self.cache is None:
+            return 0
         return self.cache.nbytes + self.cross.nbytes + (0 if self._context is None else self._context.nbytes)
 
     def set_prompt(self, context: torch.Tensor) -> None:
         """Use ``context [B, L, 4096]`` from the next chunk on (the self-attention cache is kept)."""
         self._check_alive()
         check_context(self.model.params, context, self.batch, self.where)
-        with torch.inference_mode():
-            self._context = self.model.embed_context(context.to(self.cache.k[0].device))
-        self.cross.reset()
+        self._claim()
+        try:
+            self._check_alive()
+            with torch.inference_mode():
+                self._context = self.model.embed_context(context.to(self.device))
+            self.cross.reset()
+        finally:
+            self._release()
 
     def dispose(self) -> None:
-        """Free the caches; the session cannot be continued afterwards."""
-        self.cache = self.cross = self._context = self._pending = self.decoder = None
+        """Free the caches; the session cannot be continued afterwards. While a call is generating (another
+        thread), the caches are freed when its current chunk ends and that call stops with an error."""
         self.disposed = True
+        if self._in_use.acquire(blocking=False):
+            try:
+                self._free()
+            finally:
+                self._in_use.release()
+
+    def _free(self) -> None:
+        if self.cache is not None:
+            self._frames_at_dispose = self.frames_generated
+        self.cache = self.cross = self._context = self._pending = self.decoder = None
+
+    def _claim(self) -> None:
+        if not self._in_use.acquire(blocking=False):
+            raise InputError(
+                "session",
+                "this session is generating in another call (another thread or queue run, or an unfinished "
+                "chunks() loop); a session is used by one caller at a time: wait for that call to finish, or "
+                "start a second session",
+                self.where,
+            )
+
+    def _release(self) -> None:
+        self._in_use.release()
+        # disposed while this call held it: free now (checked after releasing, so that a dispose racing with the
+        # release either sees the session free and frees it itself, or is seen here)
+        if self.disposed and self._in_use.acquire(blocking=False):
+            try:
+                self._free()
+            finally:
+                self._in_use.release()
 
     def _check_alive(self) -> None:
         if self.disposed:
@@ -177,9 +282,11 @@ class VideoSession:
             block_runner=block_runner,
         )
 
-    def _commit(self) -> float:
+    def _commit(self, chunk_index: int, before_forward: ForwardHook | None) -> float:
         if self._pending is None:
             return 0.0
+        if before_forward is not None:
+            before_forward(chunk_index, None)
         t0 = time.perf_counter()
         self._velocity(self._pending, self.config.context_noise, self.cache.frames_committed)
         self.cache.commit()
@@ -189,56 +296,143 @@ class VideoSession:
     def _noise(self, shape) -> torch.Tensor:
         return torch.randn(shape, generator=self.generator, device=self.generator.device, dtype=torch.float32)
 
-    @torch.inference_mode()
-    def chunks(self, n: int) -> Iterator[ChunkResult]:
-        """Generate ``n`` more chunks, yielding each as soon as it is denoised."""
+    def chunks(self, n: int, before_forward: ForwardHook | None = None) -> Iterator[ChunkResult]:
+        """Generate ``n`` more chunks, yielding each as soon as it is denoised.
+
+        ``before_forward(chunk, step)`` runs before every DiT forward: ``step`` is the denoising step (0-based),
+        or None for the clean-context pass that commits the previous chunk at the start of ``chunk``. An
+        exception it raises (a host's Cancel) stops the call within one forward; the session stays as it was
+        before the interrupted chunk, so continuing it later gives the same video."""
         self._check_alive()
         if n < 1:
             raise InputError("chunks", f"expected at least 1 chunk, got {n}", self.where)
+        self._claim()
+        try:
+            for _ in range(n):
+                self._check_alive()  # disposed by another caller between chunks
+                yield self._chunk(before_forward)
+        finally:
+            self._release()
+
+    @torch.inference_mode()
+    def _chunk(self, before_forward: ForwardHook | None) -> ChunkResult:
+        index = self.stats.chunks_generated
+        rng = self.generator.get_state()
+        try:
+            return self._generate_chunk(index, before_forward)
+        except BaseException:
+            # the deferred commit and the chunk's K/V writes are idempotent; the noise drawn is not
+            self.generator.set_state(rng)
+            raise
+
+    def _generate_chunk(self, index: int, before_forward: ForwardHook | None) -> ChunkResult:
         c = self.config.chunk_frames
         shape = (self.batch, self.model.params.in_dim, c, *self.latent_hw)
         sigmas = self.sigmas.to(self.generator.device)
-        for _ in range(n):
-            t0 = time.perf_counter()
-            commit_s = self._commit()
-            start = self.cache.frames_committed
+        t0 = time.perf_counter()
+        commit_s = self._commit(index, before_forward)
+        start = self.cache.frames_committed
 
-            run = None  # a step-cache run, only when the gate was forced on for causal chunks
-            if self.cache_decision is not None and self.cache_decision.enabled:
-                run = self.step_cache.start_run(self.model, self.sigmas, "dmd", context="causal chunk")
+        run = None  # a step-cache run, only when the gate was forced on for causal chunks
+        if self.cache_decision is not None and self.cache_decision.enabled:
+            run = self.step_cache.start_run(self.model, self.sigmas, "dmd", context="causal chunk")
+        finite_steps: list[torch.Tensor] = []  # one flag per step, read back once with the chunk
 
-            def denoised(x, sigma, start=start, run=run, **_):
-                runner = None
-                if run is not None:
-                    run.begin_step(sigma)
-                    runner = run.block_runner()
-                return x - sigma.view(-1, 1, 1, 1, 1) * self._velocity(x, sigma[0] * 1000.0, start, runner)
+        def denoised(x, sigma, start=start, run=run, **_):
+            if before_forward is not None:
+                before_forward(index, len(finite_steps))
+            runner = None
+            if run is not None:
+                run.begin_step(sigma)
+                runner = run.block_runner()
+            out = x - sigma.view(-1, 1, 1, 1, 1) * self._velocity(x, sigma[0] * 1000.0, start, runner)
+            finite_steps.append(torch.isfinite(out).all())
+            return out
 
-            x = sigmas[0] * self._noise(shape)
-            x0 = sample_dmd(denoised, x, sigmas, noise_sampler=lambda *_: self._noise(shape), disable=True)
-            telemetry = run.finish() if run is not None else None
-            self._pending = x0
-            frames = None
-            if self.decoder is not None:
-                frames = self.decoder.push(self.tiny_vae.raw_to_latent(WAN21.process_out(x0.float())))
-            result = ChunkResult(
-                index=len(self.stats.chunks), start_frame=start, latents=x0.float().cpu(),
-                frames=None if frames is None else frames.float().cpu(), seconds=time.perf_counter() - t0,
-                commit_seconds=commit_s, kv_bytes=self.cache.nbytes, kv_bytes_used=self.cache.bytes_used(),
-                step_cache=telemetry,
-            )  # fmt: skip
-            if self.stats.first_chunk_seconds is None:
-                self.stats.first_chunk_seconds = result.seconds
-            self.stats.chunks.append(result)
-            yield result
+        x = sigmas[0] * self._noise(shape)
+        x0 = sample_dmd(denoised, x, sigmas, noise_sampler=lambda *_: self._noise(shape), disable=True)
+        telemetry = run.finish() if run is not None else None
+        latents = x0.float().cpu()
+        finite = torch.stack(finite_steps).tolist()
+        if not all(finite):
+            raise InputError(
+                "model",
+                f"{self._chunk_name(index, start)}: the denoised latents hold NaN or infinite values, first after "
+                f"denoising step {finite.index(False) + 1} of {len(finite)}; the weights or the conditioning hold "
+                "NaN/Inf, or the compute dtype overflowed",
+                self.where,
+            )
+        self._pending = x0
+        frames = None
+        if self.decoder is not None:
+            raw = self.tiny_vae.raw_to_latent(WAN21.process_out(x0.float()))
+            frames = self.decoder.push(raw).float().cpu()
+            if not bool(torch.isfinite(frames).all()):
+                self.dispose()  # its stream decoder has taken in the chunk: the session cannot go on
+                raise InputError(
+                    "tiny_vae",
+                    f"{self._chunk_name(index, start)}: the decoded frames hold NaN or infinite values (the "
+                    "latents are finite); check the tiny VAE's weights. The session was stopped",
+                    self.where,
+                )
+        result = ChunkResult(
+            index=index, start_frame=start, latents=latents, frames=frames, seconds=time.perf_counter() - t0,
+            commit_seconds=commit_s, kv_bytes=self.cache.nbytes, kv_bytes_used=self.cache.bytes_used(),
+            step_cache=telemetry,
+        )  # fmt: skip
+        self.stats.record(result)
+        return result
 
-    def run(self, n: int, callback: Callable[[ChunkResult], None] | None = None) -> list[ChunkResult]:
+    def _chunk_name(self, index: int, start: int) -> str:
+        return f"chunk {index} (latent frames {start}-{start + self.config.chunk_frames - 1})"
+
+    def run(
+        self,
+        n: int,
+        callback: Callable[[ChunkResult], None] | None = None,
+        before_forward: ForwardHook | None = None,
+    ) -> list[ChunkResult]:
         out = []
-        for chunk in self.chunks(n):
+        chunks = self.chunks(n) if before_forward is None else self.chunks(n, before_forward)
+        for chunk in chunks:
             if callback is not None:
                 callback(chunk)
             out.append(chunk)
         return out
+
+
+def session_bytes(
+    p, batch: int, height: int, width: int, config: CausalConfig, dtype: torch.dtype, tokens_per_frame: int,
+    heads: int, decodes_frames: bool = False,
+) -> dict[str, int]:  # fmt: skip
+    """Estimated bytes a session allocates, by part: the KV window (exact, as :class:`KVCache` allocates it), the
+    cross-attention cache of a prompt (exact), one chunk's activations and, with a tiny VAE, its decoded frames."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    window = config.window
+    chunk_tokens = tokens_per_frame * window.chunk_frames
+    window_tokens = tokens_per_frame * window.window_frames
+    parts = {
+        "KV window": KVCache.planned_bytes(p.num_layers, batch, tokens_per_frame, heads, p.head_dim, window,
+                                           dtype, config.kv_dtype, config.keep_recent_chunks),
+        "cross-attention cache": (2 * p.num_layers + 1) * batch * p.text_len * p.dim * elt,
+        # a block's working set (hidden states, FFN, q/k/v) plus one layer's window read back for attention
+        "chunk activations": batch * chunk_tokens * (p.ffn_dim + 6 * p.dim) * 4
+        + 2 * batch * window_tokens * heads * p.head_dim * elt,
+    }  # fmt: skip
+    if decodes_frames:
+        parts["decoded frames"] = batch * 4 * window.chunk_frames * 3 * height * width * 4
+    return parts
+
+
+def check_session_fits(
+    parts: dict[str, int], device, where: str | None = None, input_name: str | None = None, hint: str = ""
+) -> int:
+    """``check_fits`` on a session's parts, naming the input behind the largest one (``input_name`` if given)."""
+    owner = {"KV window": "window_frames", "cross-attention cache": "positive"}
+    if input_name is None:
+        input_name = owner.get(max(parts, key=parts.get), "width")
+    hint = hint or "Use a smaller window_frames, a smaller width / height, or a smaller model"
+    return check_fits(parts, device, input_name, where, hint)
 
 
 def check_size(p, height: int, width: int, where: str | None = None) -> None:
@@ -267,6 +461,12 @@ def check_context(p, context: torch.Tensor, batch: int | None, where: str | None
         raise InputError(
             "positive", f"conditioning batch {context.shape[0]} differs from the session's {batch}", where
         )
+    if context.numel() == 0 or context.shape[1] == 0:
+        raise InputError("positive", f"conditioning {list(context.shape)} holds no text tokens", where)
+    try:
+        check_finite(context, "positive", "conditioning")
+    except InputError as err:
+        raise (err.located(where) if where else err) from None
 
 
 def check_tiny_vae(vae, p, where: str | None = None) -> None:

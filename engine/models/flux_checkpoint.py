@@ -127,7 +127,7 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> FluxPar
     """Infer the configuration from tensor names and shapes (official layout)."""
     try:
         hidden, in_channels = sd["img_in.weight"].shape
-        out_channels = sd["final_layer.linear.weight"].shape[0]
+        sd["final_layer.linear.weight"]  # noqa: B018 - required; its shape is checked against the model's
         head_dim = sd["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
         mlp_hidden = sd["double_blocks.0.img_mlp.0.weight"].shape[0]
         vec_in_dim = sd["vector_in.in_layer.weight"].shape[1]
@@ -142,7 +142,10 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> FluxPar
         )
     return FluxParams(
         in_channels=in_channels,
-        out_channels=out_channels,
+        # Every FLUX.1 variant (dev, schnell, Fill, Kontext, Depth) predicts the 2x2 patches of the 16-channel
+        # latent: 64. Not read from the final layer, so a wrong final layer is reported by its own key's shape
+        # instead of making the model expect a different (correct) bias.
+        out_channels=FluxParams.out_channels,
         vec_in_dim=vec_in_dim,
         context_in_dim=context_in_dim,
         hidden_size=hidden,

@@ -9,7 +9,7 @@ Host side (this process, e.g. ComfyUI)::
     pool.shutdown()  # also on interpreter exit, or when ComfyUI frees memory
 
 Workers on other machines join with ``MASTER_ADDR=... MASTER_PORT=... WORLD_SIZE=... RANK=... python -m fewstep
-worker``. Modules: ``config`` (what a pool is, preflight), ``mesh`` (process groups, token collectives),
+worker`` and the pool's secret in ``FEWSTEP_POOL_TOKEN`` (see ``transport``: every payload is sealed with it). Modules: ``config`` (what a pool is, preflight), ``mesh`` (process groups, token collectives),
 ``sequence`` (the attention algorithms), ``sharding`` (block runners that shard a model's tokens), ``pool`` (host
 side: start, watch, stop), ``worker`` / ``jobs`` (worker side), ``client`` (sampling and video on a pool),
 ``transport`` (payloads through the store), ``tasks`` (diagnostics).

@@ -356,9 +356,7 @@ class RemoteVideoSession:
             kv_bytes_used=payload["kv_bytes_used"],
         )  # fmt: skip
         self.frames_generated = chunk.start_frame + self.config.chunk_frames
-        if self.stats.first_chunk_seconds is None:
-            self.stats.first_chunk_seconds = chunk.seconds
-        self.stats.chunks.append(chunk)
+        self.stats.record(chunk)  # bounded: timings only, the chunk goes to the caller
         return chunk
 
     run = VideoSession.run  # the same loop over ``self.chunks(n)``

@@ -5,8 +5,10 @@ rank. Ranks report to the store: ``step/<n>/<rank>`` counts each unit of progres
 sampling step, each video chunk), rank 0 also bumps ``progress/<n>`` per step or chunk and writes ``chunk/<n>/<i>`` (video) and
 ``result/<n>``. A failure writes ``error/<n>/<rank>`` and bumps ``failed/<n>``; every rank bumps
 ``finished/<n>`` when it is done with the job, whatever happened. Each of these writes is followed by a bump of
-``events/<n>``, the one counter the host polls while it waits. ``cancel/<n>``, set by the host, stops every
-rank at the same step: sequence-parallel ranks agree on it with one all-reduce per step.
+``events/<n>``, the one counter the host polls while it waits. Each rank bumps ``read/<n>`` once it has read the
+job; the last one deletes the job's payload from the store (the host deletes the rest when the job ends).
+``cancel/<n>``, set by the host, stops every rank at the same step: sequence-parallel ranks agree on it with one
+all-reduce per step.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ class WorkerContext:
         self.job = n
         try:
             job = transport.get(self.store, f"job/{n}")
+            if self.store.add(f"read/{n}", 1) == self.world:  # every rank has it: no copy left in the store
+                transport.delete(self.store, f"job/{n}")
             for key in job.get("drop_sessions", ()):
                 session = self.sessions.pop(key, None)
                 if session is not None:

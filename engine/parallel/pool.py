@@ -1,8 +1,8 @@
 """The host side of a worker pool: start the ranks, hand them jobs, watch them, stop them.
 
-The host process is not a rank: it hosts the TCP store the ranks meet at (``master_addr:master_port``, loopback
-by default), starts the local ranks as fresh interpreters and only ever talks to the store, with a deadline on
-every wait. So a dead or hung worker becomes an error naming the rank, never a hang of the host:
+The host process is not a rank: it hosts the TCP store the ranks meet at, listening on ``master_addr:master_port``
+only (loopback by default), starts the local ranks as fresh interpreters and only ever talks to the store, with a
+deadline on every wait. So a dead or hung worker becomes an error naming the rank, never a hang of the host:
 
 * a local worker that exits is noticed at once (its exit status or signal is in the error);
 * a worker whose heartbeat (every 0.5 s, from a thread of its own) stops for ``timeout`` seconds is named as
@@ -15,6 +15,11 @@ After such a failure the pool is stopped (its workers may be stuck inside a coll
 starts a new one. ``shutdown`` (called by the node, on interpreter exit through ``atexit``, or when ComfyUI
 frees memory) asks the workers to leave, then terminates and reaps whatever is left: no process outlives it.
 
+Security: the store has no authentication of its own, so every payload is sealed with a per-pool secret
+(``transport.SecureStore``): a random token handed to local workers in their environment (never on the command
+line), or ``FEWSTEP_POOL_TOKEN`` from this process's environment when ranks join from elsewhere. A job's payloads
+are deleted from the store when the job ends (done, failed or cancelled), and a stopped pool stops listening.
+
 Local workers are started with ``subprocess`` as ``python -c <bootstrap>``: a fresh interpreter, which is what
 multiprocessing's spawn method gives, without spawn re-running the host's ``__main__`` in each child (ComfyUI's
 ``main.py`` runs its start-up at import) or importing the pack by a module name that only exists inside ComfyUI.
@@ -25,16 +30,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import ipaddress
 import itertools
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,6 +66,11 @@ sys.exit(main())
 """
 
 
+# the counters a job leaves in the store (see ``jobs``), deleted with its payloads when every rank is done
+JOB_COUNTERS = ("events", "progress", "failed", "finished", "read", "cancel")
+RANK_COUNTERS = ("step", "done", "cancelled")
+
+
 class ParallelError(FewStepError):
     """A worker failed, died or stopped responding; the message names the rank."""
 
@@ -73,28 +84,71 @@ def describe_exit(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _check_listen_address(addr: str, port: int) -> None:
-    """Fail at once, naming the input, when the store could not listen there (torch's TCPStore would retry for
-    the whole timeout and print pages of c10d warnings first)."""
+def _listen(addr: str, port: int) -> socket.socket:
+    """A socket listening on ``addr:port`` only, for the store (torch's TCPStore server would listen on every
+    interface); an error naming the input at once when it cannot (TCPStore would retry for its whole timeout)."""
     try:
         infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
     except OSError as err:
         raise InputError("master_addr", f"{addr!r} does not resolve ({err.strerror or err})") from None
     family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((sockaddr[0], port))
-        except OSError as err:
-            if port and err.errno == errno.EADDRINUSE:
-                raise InputError(
-                    "master_port", f"port {port} on {addr} is in use (0 picks a free one)"
-                ) from None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((sockaddr[0], port))
+        listener.listen(128)
+    except OSError as err:
+        listener.close()
+        if port and err.errno == errno.EADDRINUSE:
+            raise InputError("master_port", f"port {port} on {addr} is in use (0 picks a free one)") from None
+        raise InputError(
+            "master_addr",
+            f"{addr!r} is not an address of this machine ({err.strerror or err}): the store listens here; "
+            "use 127.0.0.1 for local ranks or this machine's address on the network",
+        ) from None
+    return listener
+
+
+def is_loopback(addr: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), None when there is none."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in names if name in ("lo", "lo0")), None)
+
+
+def pool_token(config: ParallelConfig, where: str | None = None) -> bytes:
+    """The pool's secret: ``FEWSTEP_POOL_TOKEN`` when set here (ranks that join by hand need the same value),
+    else a fresh random one that only the local workers receive."""
+    raw = os.environ.get(transport.TOKEN_ENV, "").strip()
+    if raw:
+        if len(raw) < 32:
             raise InputError(
-                "master_addr",
-                f"{addr!r} is not an address of this machine ({err.strerror or err}): the store listens here; "
-                "use 127.0.0.1 for local ranks or this machine's address on the network",
-            ) from None
+                transport.TOKEN_ENV,
+                f"{len(raw)} characters; at least 32 random characters (e.g. the output of `python -c "
+                "'import secrets; print(secrets.token_hex(32))'`)",
+                where,
+            )
+        return raw.encode()
+    if config.launched_ranks < config.world:
+        raise InputError(
+            "local_ranks",
+            f"{config.launched_ranks} of {config.world} ranks start here; the ranks that join need the pool's "
+            f"secret: set {transport.TOKEN_ENV} (at least 32 random characters, e.g. from `python -c 'import "
+            "secrets; print(secrets.token_hex(32))'`) in this process's environment before it starts, and the "
+            "same value in each joining worker's environment",
+            where,
+        )
+    return transport.new_token()
 
 
 class WorkerPool:
@@ -110,8 +164,10 @@ class WorkerPool:
             )
         self.backend = config.resolved_backend(where)
         self.world = config.world
-        self.id = f"pool{next(self._ids)}-{uuid.uuid4().hex[:6]}"
-        self.store = None
+        self.token = pool_token(config, where)
+        # random: the pool's keys are derived from it, so nothing sealed for another pool authenticates here
+        self.id = f"pool{next(self._ids)}-{secrets.token_hex(16)}"
+        self.store: transport.SecureStore | None = None
         self.port = None
         self.procs: dict[int, subprocess.Popen] = {}
         self.ranks: dict[int, dict] = {}
@@ -121,6 +177,7 @@ class WorkerPool:
         self.drop_sessions: list[str] = []  # worker-side video sessions to free with the next job
         self._jobs = 0
         self._unfinished: list[int] = []
+        self._chunks_read: dict[int, int] = {}
         self._lock = threading.RLock()
 
     # -- life cycle ------------------------------------------------------------------------------------------------
@@ -128,18 +185,22 @@ class WorkerPool:
         """Start the store and the local ranks and wait for every rank. ``interrupt``, called while waiting,
         may raise to cancel the start (ComfyUI's cancel button); the workers are then stopped."""
         cfg = self.config
-        _check_listen_address(cfg.master_addr, cfg.master_port)
+        listener = _listen(cfg.master_addr, cfg.master_port)
+        port = listener.getsockname()[1]
         try:
-            self.store = dist.TCPStore(
-                cfg.master_addr, cfg.master_port, None, True, timeout=timedelta(seconds=cfg.timeout),
-                wait_for_workers=False,
+            store = dist.TCPStore(
+                cfg.master_addr, port, None, True, timeout=timedelta(seconds=cfg.timeout), wait_for_workers=False,
+                master_listen_fd=listener.fileno(),
             )  # fmt: skip
         except (RuntimeError, OSError) as err:
+            listener.close()
             raise InputError(
-                "master_port",
-                f"cannot listen on {cfg.master_addr}:{cfg.master_port}: {str(err).splitlines()[0]}",
+                "master_port", f"cannot listen on {cfg.master_addr}:{port}: {str(err).splitlines()[0]}"
             ) from None
-        self.port = self.store.port
+        listener.detach()  # the store's server owns the socket now and closes it when it stops
+        self.store = transport.SecureStore(store, self.token, self.id)
+        self.port = store.port
+        store.set(transport.POOL_ID_KEY, self.id)
         transport.put(self.store, "config", cfg.to_dict())
         transport.put(self.store, "pool", {"backend": self.backend, "threads": cfg.threads(), "id": self.id})
         _track(self)
@@ -162,13 +223,21 @@ class WorkerPool:
             LOCAL_RANK=str(rank), FEWSTEP_PACKAGE_ROOT=str(PACKAGE_ROOT), FEWSTEP_PARENT_PID=str(os.getpid()),
             FEWSTEP_WORKER_THREADS=str(threads), FEWSTEP_WORKER_TIMEOUT=str(cfg.timeout),
             OMP_NUM_THREADS=str(threads), TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+            # the environment, not argv: /proc/<pid>/environ is readable by this user only, argv by everyone
+            FEWSTEP_POOL_TOKEN=self.token.decode(),
         )  # fmt: skip
+        loopback = _loopback_interface() if is_loopback(cfg.master_addr) else None
+        if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo listens on the address of this machine's host name otherwise, often one on the network
+            env["GLOO_SOCKET_IFNAME"] = loopback
         return subprocess.Popen([sys.executable, "-c", BOOTSTRAP], env=env, stdin=subprocess.DEVNULL)
 
     def join_command(self) -> str:
+        """How a rank joins from another machine; names the secret's variable, never its value (this is logged)."""
         return (
             f"MASTER_ADDR={self.config.master_addr} MASTER_PORT={self.port} WORLD_SIZE={self.world} "
-            f"RANK=<rank> LOCAL_RANK=<gpu> python -m fewstep worker"
+            f"RANK=<rank> LOCAL_RANK=<gpu> python -m fewstep worker (with {transport.TOKEN_ENV} in its environment "
+            f"set to this process's {transport.TOKEN_ENV})"
         )
 
     def _wait_ready(self, interrupt=None) -> None:
@@ -229,6 +298,7 @@ class WorkerPool:
             self.closed = True
             self._tell_workers_to_leave()
             _stop(self.procs.values(), grace)
+            self.store = None  # the store's server stops with its last reference: no port, no data left
             _untrack(self)
 
     def _abort(self, reason: str) -> None:
@@ -240,6 +310,7 @@ class WorkerPool:
             self.closed = True
             self._tell_workers_to_leave()
             _stop(self.procs.values(), grace=0.0, force=True)
+            self.store = None
             _untrack(self)
 
     def _tell_workers_to_leave(self) -> None:
@@ -283,42 +354,59 @@ class WorkerPool:
             raise
 
     def events(self, n: int, kind: str = "job"):
-        """Generator of ``("progress", count)`` and ``("chunk", payload)`` events of job ``n``; returns its result."""
+        """Generator of ``("progress", count)`` and ``("chunk", payload)`` events of job ``n``; returns its result.
+
+        A payload that is not the pool's (planted or changed by another client of the store) stops the pool and
+        is an error: the host never returns it."""
+        try:
+            result = yield from self._events(n, kind)
+        except transport.ForgedMessageError as err:
+            self._abort(f"a forged message in job {n}")
+            raise ParallelError(
+                f"job {n}: {err}; the worker pool was stopped and restarts on the next run"
+            ) from None
+        self._finished_with(n)
+        return result
+
+    @property
+    def _live_store(self) -> transport.SecureStore:
+        # read on each use, never kept in a local: a stopped pool's store must be free to go (and stop listening)
         store = self.store
+        if store is None:
+            raise ParallelError(f"the worker pool was shut down ({self.failure or 'closed'})")
+        return store
+
+    def _events(self, n: int, kind: str):
         watch = _Watch(self, n, kind)
         poll = transport.Poll(0.0005, 0.005)
-        progress = next_chunk = 0
+        progress = 0
         seen = -1
+        self._chunks_read[n] = 0
         while True:
-            changes = transport.counter(store, f"events/{n}")  # one round trip per poll while nothing happens
+            # one round trip per poll while nothing happens
+            changes = transport.counter(self._live_store, f"events/{n}")
             if changes == seen:
                 watch.check()
                 poll.wait()
                 continue
             seen = changes
             active = False
-            while transport.ready(store, f"chunk/{n}/{next_chunk}"):
-                payload = transport.get(store, f"chunk/{n}/{next_chunk}")
-                transport.delete(store, f"chunk/{n}/{next_chunk}")
-                next_chunk += 1
+            for payload in self._read_chunks(n):
                 active = True
                 yield ("chunk", payload)
-            count = transport.counter(store, f"progress/{n}")
+            count = transport.counter(self._live_store, f"progress/{n}")
             if count > progress:
                 progress, active = count, True
                 yield ("progress", count)
-            if transport.ready(store, f"result/{n}"):
-                result = transport.get(store, f"result/{n}")
-                transport.delete(store, f"result/{n}")
-                while transport.ready(store, f"chunk/{n}/{next_chunk}"):  # written before the result
-                    payload = transport.get(store, f"chunk/{n}/{next_chunk}")
-                    transport.delete(store, f"chunk/{n}/{next_chunk}")
-                    next_chunk += 1
+            if transport.ready(self._live_store, f"result/{n}"):
+                result = transport.get(self._live_store, f"result/{n}")
+                transport.delete(self._live_store, f"result/{n}")
+                for payload in self._read_chunks(n):  # written before the result
                     yield ("chunk", payload)
                 return result
-            if transport.counter(store, f"failed/{n}"):
+            if transport.counter(self._live_store, f"failed/{n}"):
                 self._raise_failure(n, kind)
-            if store.check([f"cancelled/{n}/0"]):
+            if self._live_store.check([f"cancelled/{n}/0"]):
                 raise ParallelError(f"{kind} was cancelled on the workers")
             watch.check()
             if active:
@@ -326,8 +414,18 @@ class WorkerPool:
             else:
                 poll.wait()
 
+    def _read_chunks(self, n: int):
+        """The video chunks of job ``n`` that are in the store, in order, each deleted once read."""
+        while transport.ready(self._live_store, f"chunk/{n}/{self._chunks_read[n]}"):
+            key = f"chunk/{n}/{self._chunks_read[n]}"
+            payload = transport.get(self._live_store, key)
+            transport.delete(self._live_store, key)
+            self._chunks_read[n] += 1
+            yield payload
+
     def cancel(self, n: int) -> None:
-        """Stop job ``n`` on every rank and wait (at most ``timeout``) until they are back; else stop the pool."""
+        """Stop job ``n`` on every rank and wait (at most ``timeout``) until they are back; else stop the pool.
+        Either way nothing of the job is left in the store."""
         with self._lock:
             if self.closed:
                 return
@@ -338,8 +436,33 @@ class WorkerPool:
                     self._abort(f"job {n} did not stop within {self.config.timeout:g} s of being cancelled")
                     return
                 time.sleep(0.005)
-            for key in (f"result/{n}",):
-                transport.delete(self.store, key)
+            self._forget(n)
+
+    def _finished_with(self, n: int) -> None:
+        """Job ``n`` ended here: forget it now if every rank is done with it, else with the next submit."""
+        with self._lock:
+            if not self.closed and transport.counter(self.store, f"finished/{n}") >= self.world:
+                self._forget(n)
+
+    def _forget(self, n: int) -> None:
+        """Delete every key of job ``n`` (payloads and counters). Only once every rank is done with the job: no
+        rank writes to it again, and none deletes concurrently (the last rank to read the job deletes it)."""
+        store = self.store
+        transport.delete(store, f"job/{n}")
+        transport.delete(store, f"result/{n}")
+        chunk = self._chunks_read.pop(n, 0)
+        while transport.ready(store, f"chunk/{n}/{chunk}"):
+            transport.delete(store, f"chunk/{n}/{chunk}")
+            chunk += 1
+        for r in range(self.world):
+            transport.delete(store, f"error/{n}/{r}")
+            transport.delete(store, f"dp/{n}/{r}")
+            for name in RANK_COUNTERS:
+                store.delete_key(f"{name}/{n}/{r}")
+        for name in JOB_COUNTERS:
+            store.delete_key(f"{name}/{n}")
+        if n in self._unfinished:
+            self._unfinished.remove(n)
 
     def _raise_failure(self, n: int, kind: str) -> None:
         store = self.store
@@ -355,9 +478,16 @@ class WorkerPool:
             if finished >= self.world or time.monotonic() > deadline:
                 break
             time.sleep(0.005)
+        if not errors:  # ranks write their report before they count the failure: the counter was not theirs
+            self._abort(f"job {n}: a failure without a report")
+            raise ParallelError(
+                f"{kind}: the store marks job {n} failed but no rank reported an error (a client of the store "
+                "without the pool's secret changed it); the worker pool was stopped and restarts on the next run"
+            )
         first = errors[min(errors)]
         healthy = finished >= self.world and all(e.get("input_name") for e in errors.values())
         if healthy:  # a check every rank made before any collective: the pool is fine
+            self._forget(n)
             raise InputError(first["input_name"], first["problem"])
         lost = self._lost_ranks(beats, time.monotonic() - started, exclude=set(errors))
         self._abort(f"rank {min(lost) if lost else first['rank']} failed")
@@ -393,16 +523,10 @@ class WorkerPool:
         return lost
 
     def _cleanup(self) -> None:
-        """Delete the payloads of jobs every rank has finished with."""
-        keep = []
-        for n in self._unfinished:
+        """Forget the jobs that ended here while a rank was still busy with them, now that every rank is done."""
+        for n in list(self._unfinished):
             if transport.counter(self.store, f"finished/{n}") >= self.world:
-                transport.delete(self.store, f"job/{n}")
-                for r in range(self.world):
-                    transport.delete(self.store, f"error/{n}/{r}")
-            else:
-                keep.append(n)
-        self._unfinished = keep
+                self._forget(n)
 
 
 class _Watch:

@@ -1,8 +1,10 @@
 """A pool worker: one rank. Started by the host (``WorkerPool``) or on another machine with
-``MASTER_ADDR=<host> MASTER_PORT=<port> WORLD_SIZE=<n> RANK=<r> [LOCAL_RANK=<gpu>] python -m fewstep worker``.
+``MASTER_ADDR=<host> MASTER_PORT=<port> WORLD_SIZE=<n> RANK=<r> [LOCAL_RANK=<gpu>] python -m fewstep worker``, with
+the pool's secret in ``FEWSTEP_POOL_TOKEN`` (the environment, never the command line).
 
 A worker connects to the host's TCP store (an error naming ``MASTER_ADDR`` within the timeout when it cannot),
-reads the pool's configuration from it, checks its rank and device, waits for every rank (``startup_timeout``),
+reads the pool's configuration from it (an error naming ``FEWSTEP_POOL_TOKEN`` when it does not authenticate with
+the worker's secret), checks its rank and device, waits for every rank (``startup_timeout``),
 joins the process group (gloo or nccl, every collective bounded by ``timeout``) and then serves jobs until the
 host says ``shutdown``: job ``n`` is read from the store by every rank, rank 0 writes the result. A heartbeat
 thread bumps a counter in the store every half second so the host can name a rank that stopped; it also ends
@@ -19,7 +21,7 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -50,6 +52,8 @@ class Rendezvous:
     timeout: float = 60.0
     parent_pid: int | None = None  # the host process, for workers it started itself
     threads: int | None = None
+    # the pool's secret (FEWSTEP_POOL_TOKEN): kept out of repr, so a logged rendezvous does not show it
+    token: bytes | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, env=None) -> Rendezvous:
@@ -68,6 +72,13 @@ class Rendezvous:
                 values[key] = int(raw)
             except ValueError:
                 raise InputError(key, f"expected a whole number, got {raw!r}") from None
+        token = env.get(transport.TOKEN_ENV, "").strip()
+        if not token:
+            raise InputError(
+                transport.TOKEN_ENV,
+                "not set; a worker needs the pool's secret: set it in this worker's environment to the value of "
+                f"{transport.TOKEN_ENV} on the host (never as a command-line argument, which other users can read)",
+            )
         threads = env.get("FEWSTEP_WORKER_THREADS")
         parent = env.get("FEWSTEP_PARENT_PID")
         return cls(
@@ -79,6 +90,7 @@ class Rendezvous:
             timeout=float(env.get("FEWSTEP_WORKER_TIMEOUT", "60")),
             parent_pid=int(parent) if parent else None,
             threads=int(threads) if threads else None,
+            token=token.encode(),
         )
 
 
@@ -168,15 +180,25 @@ def available_memory() -> int | None:
 
 def serve(rdzv: Rendezvous) -> int:
     """Join the pool and serve jobs until the host shuts it down. Returns the exit status."""
-    store = connect(rdzv.master_addr, rdzv.master_port, rdzv.timeout)
+    if not rdzv.token:
+        raise InputError(transport.TOKEN_ENV, "not set; a worker needs the pool's secret")
+    raw = connect(rdzv.master_addr, rdzv.master_port, rdzv.timeout)
     try:
-        store.wait(["config"], timedelta(seconds=rdzv.timeout))
+        raw.wait(["config"], timedelta(seconds=rdzv.timeout))
     except RuntimeError:
         raise InputError(
             "MASTER_ADDR", f"{rdzv.master_addr}:{rdzv.master_port} is not a FewStep pool"
         ) from None
-    config = ParallelConfig.from_dict(transport.get(store, "config"))
-    pool = transport.get(store, "pool")
+    store = transport.SecureStore(raw, rdzv.token, raw.get(transport.POOL_ID_KEY).decode(errors="replace"))
+    try:
+        config = ParallelConfig.from_dict(transport.get(store, "config"))
+        pool = transport.get(store, "pool")
+    except transport.ForgedMessageError:
+        raise InputError(
+            transport.TOKEN_ENV,
+            f"the pool at {rdzv.master_addr}:{rdzv.master_port} does not accept it (its configuration does not "
+            f"authenticate with this secret): set {transport.TOKEN_ENV} to the host's value",
+        ) from None
     rank, world = rdzv.rank, config.world
     if rdzv.world_size != world:
         raise InputError(
@@ -215,7 +237,7 @@ def _serve(rdzv, store, config: ParallelConfig, pool: dict, rank: int, world: in
     try:
         _wait_for_everyone(store, rank, world, config.startup_timeout)
         dist.init_process_group(
-            backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+            backend, store=dist.PrefixStore("pg", store.raw), rank=rank, world_size=world,
             timeout=timedelta(seconds=config.timeout), device_id=device if backend == "nccl" else None,
         )  # fmt: skip
         info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "backend": backend,

@@ -83,7 +83,14 @@ def explicit_sigmas(values: Sequence[float] | str, input_name: str = "sigmas") -
             values = [float(v) for v in values.replace(",", " ").split()]
         except ValueError as exc:
             raise InputError(input_name, f"expected numbers separated by commas, got {values!r}") from exc
-    sig = torch.tensor(list(values), dtype=torch.float32)
+    values = list(values)
+    for i, v in enumerate(values):
+        # NaN compares false with everything, so the ordering check below would let it through
+        if not math.isfinite(float(v)):
+            raise InputError(
+                input_name, f"sigma {i} is {float(v)}: not a finite number; sigmas are numbers in [0, 1]"
+            )
+    sig = torch.tensor(values, dtype=torch.float32)
     if sig.numel() == 0:
         raise InputError(input_name, "the sigma list is empty")
     if sig[-1] != 0:

@@ -81,22 +81,44 @@ class StreamOutput:
     skipped: bool = False  # repeated for a skipped input: nothing ran for it
 
 
+SKIPS_KEPT = 24  # skipped pushes listed by number in the summary (the counts are exact for any length)
+
+
 @dataclass
 class StreamStats:
+    """Bounded for a stream of any length: counts, the first skipped pushes, and the rows of the forwards as runs
+    (the row count changes only during warm-up and flush)."""
+
     groups_in: int = 0
     groups_skipped: int = 0
-    skipped_groups: list[int] = field(
-        default_factory=list
-    )  # which pushes (0 = first since the reset) were skipped
+    skipped_groups: list[int] = field(default_factory=list)  # the first SKIPS_KEPT skipped pushes (0 = first)
+    last_skipped_group: int | None = None
     groups_out: int = 0
-    rows: list[int] = field(default_factory=list)  # rows of each DiT forward, in order
+    forwards: int = 0
+    # [rows of a forward, how many forwards in a row had them]
+    row_runs: list[list[int]] = field(default_factory=list)
     seconds_dit: float = 0.0  # forwards and the step arithmetic
     seconds_encode: float = 0.0
     seconds_decode: float = 0.0
 
+    def add_forward(self, rows: int) -> None:
+        self.forwards += 1
+        if self.row_runs and self.row_runs[-1][0] == rows:
+            self.row_runs[-1][1] += 1
+        else:
+            self.row_runs.append([rows, 1])
+
+    def add_skip(self, group: int) -> None:
+        self.groups_in += 1
+        self.groups_skipped += 1
+        self.last_skipped_group = group
+        if len(self.skipped_groups) < SKIPS_KEPT:
+            self.skipped_groups.append(group)
+
     @property
-    def forwards(self) -> int:
-        return len(self.rows)
+    def rows(self) -> list[int]:
+        """Rows of each DiT forward, in order (expanded from the runs on demand)."""
+        return [rows for rows, n in self.row_runs for _ in range(n)]
 
 
 def check_model(handle: ModelHandle, input_name: str = "model") -> None:
@@ -301,7 +323,7 @@ class StreamBatch:
 
     # -- the model -------------------------------------------------------------------------------------------------
     def _velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: TextCondition) -> torch.Tensor:
-        self.stats.rows.append(x.shape[0])
+        self.stats.add_forward(x.shape[0])
         v = self.family.velocity(self.model, x.to(self.dtype), sigma.reshape(-1).float(), cond)
         return v.float()
 
@@ -424,9 +446,7 @@ class StreamBatch:
         frames = frames.unsqueeze(0) if frames.ndim == 3 else frames
         self.last_push_skipped = self.filter(frames)
         if self.last_push_skipped:
-            self.stats.groups_in += 1
-            self.stats.groups_skipped += 1
-            self.stats.skipped_groups.append(self._take_group())
+            self.stats.add_skip(self._take_group())
             return None if self._last is None else dataclasses.replace(self._last, skipped=True)
         t0 = time.perf_counter()
         latents = self.vae.encode(frames).float()
@@ -531,7 +551,7 @@ class StreamBatch:
         steady = c.rows_per_forward()
         lines.append(
             f"{s.forwards} DiT forwards for {s.groups_in - s.groups_skipped} processed groups of {fb} frame(s) "
-            f"(steady state {steady} rows per forward; rows per forward: {_runs(s.rows)})"
+            f"(steady state {steady} rows per forward; rows per forward: {_runs(s.row_runs)})"
         )
         lines.append(
             f"latency: T = {c.steps} forwards (a frame pushed at push p comes out of push p + {c.steps - 1}); "
@@ -539,10 +559,15 @@ class StreamBatch:
         )
         filt = self.filter
         if filt.enabled:
-            skipped = [g * fb + j for g in s.skipped_groups for j in range(fb) if g * fb + j < frames]
-            which = ", ".join(map(str, skipped[:24])) + (", ..." if len(skipped) > 24 else "")
+            listed = [g * fb + j for g in s.skipped_groups for j in range(fb) if g * fb + j < frames]
+            listed = listed[:SKIPS_KEPT]
+            # only the last group can hold padding frames past ``frames`` (a clip not a multiple of fb)
+            last = s.last_skipped_group
+            padding = 0 if last is None else max(0, min(fb, (last + 1) * fb - frames))
+            skipped = s.groups_skipped * fb - padding
+            which = ", ".join(map(str, listed)) + (", ..." if skipped > len(listed) else "")
             lines.append(
-                f"similarity filter: {len(skipped)} of {frames} frames skipped (threshold "
+                f"similarity filter: {skipped} of {frames} frames skipped (threshold "
                 f"{filt.threshold:g}, at most {filt.max_skip} in a row, seed {filt.seed})"
                 + (f": frames {which} (0-based) repeat the last processed frame" if skipped else "")
             )
@@ -561,14 +586,6 @@ class StreamBatch:
         return "\n".join(lines)
 
 
-def _runs(values: list[int]) -> str:
-    """``[1, 2, 3, 3, 3, 2, 1]`` -> ``1, 2, 3 x3, 2, 1``."""
-    out: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j < len(values) and values[j] == values[i]:
-            j += 1
-        out.append(f"{values[i]}" if j - i == 1 else f"{values[i]} x{j - i}")
-        i = j
-    return ", ".join(out) or "none"
+def _runs(runs: list[list[int]]) -> str:
+    """``[[1, 1], [2, 1], [3, 3], [2, 1], [1, 1]]`` -> ``1, 2, 3 x3, 2, 1``."""
+    return ", ".join(f"{rows}" if n == 1 else f"{rows} x{n}" for rows, n in runs) or "none"

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .. import latent_formats as lf
+from ..checks import check_finite
 from ..errors import CheckpointError, InputError
 from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
 from ..weights import dummy_init_, read_state_dict, top_level_summary
@@ -115,6 +116,9 @@ class TinyVAE:
                 f"{v.name} ({v.models}) decodes {v.channels}-channel latents {layout}; "
                 f"got shape {list(latents.shape)}",
             )
+        if latents.numel() == 0:
+            raise InputError(input_name, f"no latents to decode (shape {list(latents.shape)})")
+        check_finite(latents, input_name, "the latents")
 
     def check_images(self, images: torch.Tensor, input_name: str = "images") -> None:
         v = self.variant
@@ -125,8 +129,11 @@ class TinyVAE:
             raise InputError(
                 input_name, f"{v.name} encodes RGB images {layout}; got shape {list(images.shape)}{hint}"
             )
+        if images.numel() == 0:
+            raise InputError(input_name, f"no images to encode (shape {list(images.shape)})")
         if not images.is_floating_point():
             raise InputError(input_name, f"expected float images in [0, 1]; got {images.dtype}")
+        check_finite(images, input_name, "the images")
         lo, hi = float(images.min()), float(images.max())
         if lo < -1e-3 or hi > 1 + 1e-3:
             raise InputError(

@@ -2,17 +2,13 @@
 a tiny native model, rejected workflows, memory release.
 
 Needs a ComfyUI checkout: ``COMFYUI_DIR=/path/to/ComfyUI`` (and ``COMFYUI_PYTHON`` for its interpreter; default:
-``$COMFYUI_DIR/../venv/bin/python`` when it exists, else this Python). The server runs on 127.0.0.1 with a
-temporary base directory whose custom_nodes/ links this repository (and the probe pack from
-``../shared/comfyui/probe`` when present, which provides a tiny SD1.5-layout native model).
+``$COMFYUI_DIR/../venv/bin/python`` when it exists, else this Python); the server fixture is in comfy_server.py.
 """
 
+# ruff: noqa: F811 - the tests take the imported ``server`` fixture as an argument
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,82 +16,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from comfy_server import PROBE, ROOT, WORKFLOWS, free_port, queue, requires_comfyui, server  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKFLOWS = ROOT / "workflows"
-PROBE = ROOT.parent / "shared" / "comfyui" / "probe" / "probe_pack_v3"
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
-
-pytestmark = pytest.mark.skipif(
-    not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").exists(),
-    reason="set COMFYUI_DIR to a ComfyUI checkout (see README: end-to-end tests) to run these",
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _python() -> str:
-    explicit = os.environ.get("COMFYUI_PYTHON")
-    if explicit:
-        return explicit
-    sibling = Path(COMFYUI_DIR).parent / "venv" / "bin" / "python"
-    return str(sibling) if sibling.exists() else sys.executable
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("comfy")
-    for sub in ("custom_nodes", "output", "input", "temp", "user", "models"):
-        (base / sub).mkdir()
-    (base / "custom_nodes" / "ComfyUI-FewStep").symlink_to(ROOT)
-    if PROBE.exists():
-        (base / "custom_nodes" / "probe_pack_v3").symlink_to(PROBE)
-    port = _free_port()
-    with open(base / "server.log", "w") as log:
-        proc = subprocess.Popen(
-            [_python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory",
-             str(base), "--database-url", f"sqlite:///{base}/user/comfyui.db", "--disable-auto-launch",
-             "--preview-method", "none"],
-            cwd=COMFYUI_DIR, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            yield {"url": url, "info": _wait_ready(url, proc, base), "base": base, "pid": proc.pid}
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _wait_ready(url: str, proc, base: Path) -> dict:
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/object_info", timeout=5) as r:
-                return json.load(r)
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    "ComfyUI did not start:\n" + (base / "server.log").read_text()[-3000:]
-                ) from None
-            time.sleep(0.5)
-
-
-def queue(server, workflow, *extra, timeout=600):
-    """Run ``python -m fewstep queue`` (the project's own client) and return (exit code, stdout + stderr)."""
-    if isinstance(workflow, dict):
-        path = server["base"] / f"wf_{time.monotonic_ns()}.json"
-        path.write_text(json.dumps(workflow))
-        workflow = path
-    r = subprocess.run([sys.executable, "-m", "fewstep", "queue", str(workflow), "--server", server["url"], *extra],
-                       capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    return r.returncode, r.stdout + r.stderr
+pytestmark = requires_comfyui
 
 
 def test_every_pack_node_is_registered(server):
@@ -177,7 +100,7 @@ def test_ui_format_workflow_is_converted(server):
 
 def test_unreachable_server_is_a_clear_error():
     r = subprocess.run([sys.executable, "-m", "fewstep", "queue", str(WORKFLOWS / "flux_schnell_fewstep_dummy.api.json"),
-                        "--server", f"http://127.0.0.1:{_free_port()}"], capture_output=True, text=True)  # fmt: skip
+                        "--server", f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 5 and "cannot" in r.stderr and "is the server running?" in r.stderr
 
 

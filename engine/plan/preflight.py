@@ -1,0 +1,145 @@
+"""Refuse work that cannot fit, before allocating it.
+
+Every entry point that allocates something sized by user input (weights, activations, a KV window, decoded
+frames) first adds up its estimate and calls :func:`check_fits`, which compares it with the memory free on the
+device it will run on (host RAM on a CPU). A refusal is an :class:`InputError` naming the input that made the
+work too big, the estimate by part and the limit, instead of an allocator traceback minutes later.
+
+``FEWSTEP_MEMORY_LIMIT_GB`` caps the budget below what the device reports (a shared server, or tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InputError
+from ..settings import env_float
+
+# Keep a margin for what the estimate does not see (allocator fragmentation, the host's own working set).
+USABLE_FRACTION = 0.9
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo, capped by a cgroup memory limit when one is set."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if available is None:  # not Linux: the physical size is the best cheap answer
+        try:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            available = 1 << 62
+    for path, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw != "max" and int(raw) < (1 << 60):
+                with open(usage) as f:
+                    used = int(f.read().strip())
+                available = min(available, max(0, int(raw) - used))
+            break
+        except (OSError, ValueError):
+            continue
+    return available
+
+
+def available_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes this process can still allocate on ``device`` (free GPU memory, or available host RAM)."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = free
+    else:
+        budget = _host_available_bytes()
+    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None)
+    if limit_gb is not None:
+        budget = min(budget, int(limit_gb * 2**30))
+    return budget
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def check_fits(
+    parts: dict[str, int],
+    device: torch.device | str | None,
+    input_name: str,
+    where: str | None = None,
+    hint: str = "",
+) -> int:
+    """Raise an :class:`InputError` on ``input_name`` when the sum of ``parts`` (bytes) does not fit ``device``.
+
+    Returns the total. ``parts`` names what the bytes are for (``{"weights": ..., "kv window": ...}``); the
+    message lists them, the total and the budget; ``hint`` says what to change (a smaller preset, fewer frames).
+    """
+    total = int(sum(parts.values()))
+    budget = int(available_bytes(device) * USABLE_FRACTION)
+    if total > budget:
+        detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
+        dev = torch.device(device or "cpu")
+        where_mem = "free GPU memory" if dev.type == "cuda" else "available host memory"
+        raise InputError(
+            input_name,
+            f"this needs about {format_bytes(total)} ({detail}) but only {format_bytes(budget)} of {where_mem} "
+            f"can be used on {dev}; refused before allocating" + (f". {hint}" if hint else ""),
+            where,
+        )
+    return total
+
+
+def _host_total_bytes() -> int:
+    """MemTotal from /proc/meminfo (the physical size elsewhere), capped by a cgroup memory limit when set."""
+    total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = 1 << 62
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+            if raw != "max" and int(raw) < (1 << 60):
+                total = min(total, int(raw))
+            break
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def total_bytes(device: torch.device | str | None = None) -> int:
+    """The memory size of ``device`` (GPU memory, or host RAM), capped by ``FEWSTEP_MEMORY_LIMIT_GB``: a stable
+    base for default budgets (what is free changes with every model loaded)."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = _host_total_bytes()
+    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None)
+    if limit_gb is not None:
+        total = min(total, int(limit_gb * 2**30))
+    return total

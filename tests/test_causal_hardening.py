@@ -1,0 +1,429 @@
+"""Causal video hardening (issue 15): bounded session memory, Cancel within one forward, one caller per
+session, non-finite outputs and conditioning, memory preflight, sessions freed with a compiled model, tolerant
+FEWSTEP_* settings, and stream-batch statistics that do not grow with the stream."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import threading
+import types
+import weakref
+from collections import deque
+
+import pytest
+import torch
+from conftest import ROOT, make_cond
+from test_nodes import _run
+
+from fewstep.engine import InputError, load_dit, load_tiny_vae
+from fewstep.engine.causal import CausalConfig, SessionStore, VideoSession
+
+H, W = 32, 48  # px: a 4x6 latent, 2x3 tokens per frame
+CONFIG = CausalConfig(chunk_frames=2, window_frames=4, sink_frames=1)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+
+
+def _ctx(seed=1, tokens=9):
+    return torch.randn(1, tokens, 4096, generator=torch.Generator().manual_seed(seed))
+
+
+def _held(root) -> tuple[int, int]:
+    """(tensor bytes, container bytes) reachable from ``root`` through containers and dataclasses."""
+    seen, stack, tensor_bytes, other_bytes = set(), [root], 0, 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            tensor_bytes += obj.nbytes
+            continue
+        if isinstance(obj, (list, tuple, deque, set, dict)):
+            other_bytes += sys.getsizeof(obj)  # what grows with a stream: its containers
+        if isinstance(obj, (list, tuple, deque, set, dict)) or hasattr(obj, "__dataclass_fields__"):
+            stack.extend(gc.get_referents(obj))
+    return tensor_bytes, other_bytes
+
+
+def _count_forwards(model):
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+# -- 1. memory stays flat ----------------------------------------------------------------------------------------
+def test_session_statistics_hold_no_tensors_and_do_not_grow(wan):
+    vae = load_tiny_vae("dummy:taew2_1", device="cpu", dtype=torch.float32)
+    session = VideoSession(wan, _ctx(), 16, 16, CausalConfig(chunk_frames=1, window_frames=2), tiny_vae=vae)
+    for _ in session.chunks(3):
+        pass
+    early = _held(session.stats)
+    for _ in session.chunks(80):
+        pass
+    late = _held(session.stats)
+    assert late[0] == early[0] == 0  # no latents, no frames
+    assert late[1] <= 16 * 2**10  # bounded timings of the last chunks
+    assert session.stats.chunks_generated == 83 and session.stats.first_chunk_seconds > 0
+
+
+# -- 5. Cancel within one forward --------------------------------------------------------------------------------
+def test_a_hook_that_raises_stops_within_one_forward_and_the_session_continues_unchanged(wan):
+    class StopError(Exception):
+        pass
+
+    seen = []
+
+    def stop_at_sixth(chunk, step):
+        seen.append((chunk, step))
+        if len(seen) == 6:
+            raise StopError
+
+    calls, handle = _count_forwards(wan)
+    try:
+        session = VideoSession(wan, _ctx(), H, W, CONFIG, seed=3)
+        with pytest.raises(StopError):
+            for _ in session.chunks(3, before_forward=stop_at_sixth):
+                pass
+        assert len(calls) == 5  # four steps of chunk 0, then chunk 1's clean-context pass for chunk 0
+    finally:
+        handle.remove()
+    assert seen == [(0, 0), (0, 1), (0, 2), (0, 3), (1, None), (1, 0)]
+    # the interrupted chunk left the session consistent: continuing gives the uninterrupted video
+    rest = [c.latents for c in session.chunks(2)]
+    whole = VideoSession(wan, _ctx(), H, W, CONFIG, seed=3)
+    expected = [c.latents for c in whole.chunks(3)]
+    assert torch.allclose(torch.cat(rest, dim=2), torch.cat(expected[1:], dim=2), atol=1e-6)
+
+
+def test_the_video_node_checks_cancel_before_every_forward(pack, wan, monkeypatch):
+    class InterruptError(Exception):  # stands for ComfyUI's InterruptProcessingException
+        pass
+
+    checks = []
+
+    def throw():
+        checks.append(1)
+        if len(checks) == 2:
+            raise InterruptError
+
+    m = pack.NODE_CLASS_MAPPINGS
+    (handle,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0)
+    mm = types.SimpleNamespace(throw_exception_if_processing_interrupted=throw)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    calls, hook = _count_forwards(handle.model)
+    try:
+        with pytest.raises(InterruptError):
+            _run(m["FewStepCausalVideoSampler"], model=handle, positive=cond, width=48, height=32, num_chunks=3,
+                 chunk_frames=2, window_frames=4, unique_id="cancel")  # fmt: skip
+    finally:
+        hook.remove()
+    assert len(calls) == 1  # Cancel before the second forward: one forward ran
+
+
+# -- 6. one caller at a time -------------------------------------------------------------------------------------
+def test_a_second_thread_gets_a_clear_error_and_the_first_one_is_not_corrupted(wan):
+    inside, release = threading.Event(), threading.Event()
+    results, errors = {}, []
+
+    def hold(chunk, step):
+        if chunk == 1 and step == 0:
+            inside.set()
+            release.wait(30)
+
+    session = VideoSession(wan, _ctx(), H, W, CONFIG, seed=3)
+
+    def first():
+        results["first"] = [c.latents for c in session.chunks(2, before_forward=hold)]
+
+    def second():
+        try:
+            list(session.chunks(1))
+        except InputError as err:
+            errors.append(str(err))
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert inside.wait(30)
+    b = threading.Thread(target=second)
+    b.start()
+    b.join(30)
+    with pytest.raises(InputError, match="input 'session': .* used by one caller at a time"):
+        session.set_prompt(_ctx(seed=7))
+    release.set()
+    a.join(30)
+    assert len(errors) == 1 and "used by one caller at a time" in errors[0]
+    expected = [c.latents for c in VideoSession(wan, _ctx(), H, W, CONFIG, seed=3).chunks(2)]
+    assert torch.equal(torch.cat(results["first"], dim=2), torch.cat(expected, dim=2))
+    assert len(list(session.chunks(1))) == 1  # free again once the first caller is done
+
+
+def test_disposing_a_session_while_it_generates_frees_it_when_the_chunk_ends(wan):
+    session = VideoSession(wan, _ctx(), H, W, CONFIG, seed=3)
+
+    def dispose_midway(chunk, step):
+        if chunk == 0 and step == 2:
+            session.dispose()
+
+    with pytest.raises(InputError, match="input 'session': this session was disposed"):
+        list(session.chunks(2, before_forward=dispose_midway))
+    assert session.disposed and session.cache is None and session.nbytes == 0
+
+
+# -- 7. non-finite values ----------------------------------------------------------------------------------------
+def test_nan_conditioning_is_refused(wan):
+    bad = _ctx()
+    bad[0, 3, 5] = float("nan")
+    with pytest.raises(InputError, match=r"^test: input 'positive': .*NaN or infinite"):
+        VideoSession(wan, bad, H, W, CONFIG, where="test")
+    session = VideoSession(wan, _ctx(), H, W, CONFIG)
+    with pytest.raises(InputError, match=r"input 'positive': .*NaN or infinite"):
+        session.set_prompt(torch.full((1, 4, 4096), float("inf")))
+
+
+def test_non_finite_latents_and_frames_name_the_chunk_and_step():
+    broken = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+    session = VideoSession(broken, _ctx(), H, W, CONFIG, seed=3, where="test")
+    list(session.chunks(1))
+    with torch.no_grad():
+        broken.head.head.weight.fill_(float("nan"))
+    with pytest.raises(
+        InputError,
+        match=r"^test: input 'model': chunk 1 \(latent frames 2-3\): the denoised latents hold NaN or infinite "
+        r"values, first after denoising step 1 of 4",
+    ):
+        list(session.chunks(1))
+    wan = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+    vae = load_tiny_vae("dummy:taew2_1", device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        next(vae.decoder.parameters()).fill_(float("inf"))
+    session = VideoSession(wan, _ctx(), H, W, CONFIG, seed=3, tiny_vae=vae, where="test")
+    with pytest.raises(
+        InputError,
+        match=r"^test: input 'tiny_vae': chunk 0 \(latent frames 0-1\): the decoded frames hold NaN",
+    ):
+        list(session.chunks(1))
+
+
+# -- 8. preflight ------------------------------------------------------------------------------------------------
+def test_a_window_that_cannot_fit_is_refused_before_allocating(wan, monkeypatch):
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "0.001")
+    with pytest.raises(
+        InputError,
+        match=r"^test: input 'window_frames': this needs about .* \(KV window .*\) but only .* of available host "
+        r"memory can be used on cpu; refused before allocating",
+    ):
+        VideoSession(wan, _ctx(), H, W, CausalConfig(chunk_frames=2, window_frames=2000), where="test")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_the_kv_estimate_is_what_the_cache_allocates(wan, kv_dtype):
+    from fewstep.engine.causal import KVCache, WindowSpec
+
+    window = WindowSpec(2, 9, 1)
+    args = dict(layers=2, batch=2, tokens_per_frame=6, heads=2, head_dim=32, window=window, dtype=torch.float32,
+                kv_dtype=kv_dtype, keep_recent_chunks=1)  # fmt: skip
+    assert KVCache.planned_bytes(**args) == KVCache(**args, device="cpu").nbytes
+
+
+def test_the_node_refuses_outputs_that_cannot_fit(pack, monkeypatch):
+    def stop():  # the old code generated chunk after chunk: stop it at the first one
+        raise RuntimeError("ran without a preflight")
+
+    m = pack.NODE_CLASS_MAPPINGS
+    (handle,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0)
+    (tiny,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taew2_1")
+    monkeypatch.setitem(
+        sys.modules,
+        "comfy.model_management",
+        types.SimpleNamespace(throw_exception_if_processing_interrupted=stop),
+    )
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "0.05")
+    with pytest.raises(
+        ValueError,
+        match=r"^FewStepCausalVideoSampler: input 'num_chunks': this needs about .*outputs of 10000 chunks .*"
+        r"refused before allocating",
+    ):
+        _run(m["FewStepCausalVideoSampler"], model=handle, positive=cond, width=64, height=64, num_chunks=10000,
+             chunk_frames=2, window_frames=4, tiny_vae=tiny, unique_id="big")  # fmt: skip
+
+
+# -- 1. prompt history -------------------------------------------------------------------------------------------
+def test_prompt_history_is_bounded_and_a_rebuild_past_it_says_why(pack):
+    video = sys.modules[f"{pack.__name__}.nodes.video"]
+    m = pack.NODE_CLASS_MAPPINGS
+    (handle,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, tokens=64)
+    out = _run(m["FewStepCausalVideoSampler"], model=handle, positive=cond, width=48, height=32, num_chunks=1,
+               chunk_frames=1, window_frames=2, steps=1, unique_id="prompts")  # fmt: skip
+    prompt_bytes = cond[0][0].nbytes
+    refs = [out[2]]
+    for i in range(30):
+        (new,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, tokens=64, seed=100 + i)
+        refs.append(_run(m["FewStepCausalContinue"], session=refs[-1], num_chunks=1, positive=new)[2])
+    held, _ = _held(refs[-1].recipe)
+    assert held <= video.MAX_PROMPTS * prompt_bytes
+    # an alternating pair of prompts is kept once each: rebuilds stay possible
+    (other,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, tokens=64, seed=5)
+    ref = out[2]
+    for i in range(2 * video.MAX_PROMPTS):
+        prompt = other if i % 2 else cond
+        ref = _run(m["FewStepCausalContinue"], session=ref, num_chunks=1, positive=prompt)[2]
+    assert _held(ref.recipe)[0] <= 2 * prompt_bytes
+    _run(m["FewStepCausalContinue"], session=ref, num_chunks=1)
+    _run(m["FewStepCausalContinue"], session=ref, num_chunks=1)  # stale: rebuilt
+    # past the bound a stale reference cannot be rebuilt, and says so
+    _run(m["FewStepCausalContinue"], session=refs[-1], num_chunks=1)
+    with pytest.raises(
+        ValueError,
+        match=r"^FewStepCausalContinue: input 'session': .* cannot be rebuilt: .*FEWSTEP_MAX_PROMPTS",
+    ):
+        _run(m["FewStepCausalContinue"], session=refs[-1], num_chunks=1)
+
+
+# -- 2. compiled model's sessions freed on unload ----------------------------------------------------------------
+def test_sessions_of_a_compiled_model_are_freed_when_comfyui_unloads_it(pack, monkeypatch):
+    callbacks = {}
+
+    class Patcher:
+        def __init__(self, model, load_device, offload_device):
+            self.model = model
+
+        def get_callbacks(self, kind, key):
+            return callbacks.get((kind, key), [])
+
+        def add_callback_with_key(self, kind, key, fn):
+            callbacks.setdefault((kind, key), []).append(fn)
+
+    mm = types.SimpleNamespace(
+        get_torch_device=lambda: torch.device("cpu"), unet_offload_device=lambda: torch.device("cpu"),
+        load_models_gpu=lambda models, force_full_load=False: None,
+        throw_exception_if_processing_interrupted=lambda: None,
+    )  # fmt: skip
+    ext = types.SimpleNamespace(CallbacksMP=types.SimpleNamespace(ON_DETACH="on_detach_after"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
+    m = pack.NODE_CLASS_MAPPINGS
+    (handle,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0)
+    (compiled,) = _run(
+        m["FewStepCompile"], model=handle, compile="off", cuda_graph="whole", allow_fallback=True
+    )
+    out = _run(m["FewStepCausalVideoSampler"], model=compiled, positive=cond, width=48, height=32, num_chunks=1,
+               chunk_frames=2, window_frames=4, unique_id="compiled")  # fmt: skip
+    store = sys.modules[f"{pack.__name__}.nodes.video"].SESSIONS
+    assert store.alive(out[2].key)
+    (on_detach,) = callbacks[("on_detach_after", "fewstep-sessions")]
+    on_detach(handle.host, True)  # free memory
+    assert not store.alive(out[2].key)
+
+
+# -- 3. default byte bound ---------------------------------------------------------------------------------------
+def test_the_session_store_has_a_default_byte_bound_from_device_memory(wan, monkeypatch):
+    from fewstep.engine.causal.store import DEFAULT_SESSION_FRACTION
+
+    def started():
+        session = VideoSession(wan, _ctx(), H, W, CONFIG)
+        list(session.chunks(1))  # the cross-attention cache is filled by the first forward
+        return session
+
+    one = started()
+    # a budget of 3 sessions' bytes: the default bound (a fraction of it) holds one session, not two
+    limit = 3 * one.nbytes
+    assert DEFAULT_SESSION_FRACTION * limit < 2 * one.nbytes
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", str(limit / 2**30))
+    store = SessionStore(max_sessions=10)
+    first = store.add(one)
+    store.add(started())
+    assert len(store) == 1 and not store.alive(first)
+    assert store.max_bytes == int(DEFAULT_SESSION_FRACTION * limit)
+
+
+# -- 4. tolerant settings ----------------------------------------------------------------------------------------
+def test_bad_settings_do_not_stop_the_pack_from_importing():
+    env = {"FEWSTEP_MAX_SESSIONS": "abc", "FEWSTEP_SESSION_GB": "x", "FEWSTEP_KERNELS": "bogus", "PATH": ""}
+    code = (
+        "import fewstep.nodes.video as v, fewstep.kernels as k; "
+        "print(v.SESSIONS.max_sessions, v.SESSIONS.explicit_max_bytes, k.kernel_mode())"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4", "None", "auto"]
+    for line in ("FEWSTEP_MAX_SESSIONS='abc'", "FEWSTEP_SESSION_GB='x'", "FEWSTEP_KERNELS='bogus'"):
+        assert line in r.stderr
+
+
+# -- 1. the stream CLI drops each chunk once written ----------------------------------------------------------------
+def test_the_stream_cli_keeps_no_chunk_after_handling_it(tmp_path, monkeypatch):
+    from fewstep.cli import stream as stream_cli
+
+    alive_at_yield = []
+    original = VideoSession.chunks
+
+    def watched(self, n, **kwargs):
+        refs = []
+        for chunk in original(self, n, **kwargs):
+            gc.collect()
+            alive_at_yield.append(sum(r() is not None for r in refs))
+            refs += [weakref.ref(chunk.latents), weakref.ref(chunk.frames)]
+            yield chunk
+
+    monkeypatch.setattr(VideoSession, "chunks", watched)
+    parser = __import__("argparse").ArgumentParser()
+    stream_cli.add_arguments(parser)
+    for out in (None, str(tmp_path)):
+        alive_at_yield.clear()
+        args = parser.parse_args(["--height", "32", "--width", "48", "--chunks", "5", "--chunk-frames", "2",
+                                  "--window-frames", "4", "--tiny-vae", "dummy:taew2_1", "--json"]
+                                 + (["--out", out] if out else []))  # fmt: skip
+        assert stream_cli.run(args) == 0
+        assert alive_at_yield == [0] * 5
+
+
+def test_the_stream_cli_writes_the_same_file_chunk_by_chunk(tmp_path, wan):
+    from safetensors.torch import load_file
+
+    from fewstep.cli import stream as stream_cli
+
+    parser = __import__("argparse").ArgumentParser()
+    stream_cli.add_arguments(parser)
+    args = parser.parse_args(["--height", "32", "--width", "48", "--chunks", "3", "--chunk-frames", "2",
+                              "--window-frames", "4", "--tiny-vae", "dummy:taew2_1", "--json", "--out",
+                              str(tmp_path)])  # fmt: skip
+    assert stream_cli.run(args) == 0
+    saved = load_file(str(tmp_path / "latents.safetensors"))
+    model = load_dit("dummy:wan-tiny", device="cpu", dtype=torch.float32)
+    vae = load_tiny_vae("dummy:taew2_1", device="cpu")
+    context = torch.randn(1, 64, 4096, generator=torch.Generator().manual_seed(1))
+    session = VideoSession(model, context, 32, 48, CausalConfig(chunk_frames=2, window_frames=4), 0, vae)
+    chunks = session.run(3)
+    assert torch.equal(saved["latent"], torch.cat([c.raw for c in chunks], dim=2))
+    assert torch.equal(saved["frames"], torch.cat([c.frames for c in chunks], dim=1))
+
+
+# -- 10. stream batch statistics -----------------------------------------------------------------------------------
+def test_stream_batch_statistics_do_not_grow_with_the_stream(tiny_handle):
+    from fewstep.engine.stream import StreamBatch, StreamConfig
+
+    taef1 = load_tiny_vae("dummy:taef1", device="cpu", dtype=torch.float32)
+    config = StreamConfig(t_index_list=(20,), similarity_threshold=0.5, max_skip_frames=3)
+    stream = StreamBatch(
+        tiny_handle, taef1, make_cond(tiny_handle.params), height=16, width=16, config=config
+    )
+    frame = torch.full((3, 16, 16), 0.3)
+    sizes = []
+    for n in (40, 120):  # pushes: each processed one is followed by 3 skipped ones
+        while stream.stats.groups_in < n:
+            stream.push(frame)
+        sizes.append(_held(stream.stats)[1])
+    assert stream.stats.groups_skipped == 90 and stream.stats.forwards == 30
+    assert sizes[1] == sizes[0]
+    assert "90 of 120 frames skipped" in stream.summary()

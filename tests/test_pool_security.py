@@ -1,0 +1,286 @@
+"""The worker pool's store against a client on the same machine that has no token: where the store listens,
+what such a client can read or plant, what is left in the store after a job, and how workers get the token.
+
+The attacker here is a plain ``TCPStore`` client on loopback: the store itself has no authentication, so it can
+connect, list, read, write and delete keys. What the pool guarantees is that it cannot read a payload in the
+clear, cannot make the host return a result (or a worker run a job) it planted, and finds no payload of a job
+that has ended."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fewstep.engine import InputError
+from fewstep.engine.parallel import ParallelConfig, ParallelError, WorkerPool, transport
+from fewstep.engine.parallel.worker import Rendezvous, serve
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
+)
+
+PAYLOADS = ("job", "result", "chunk", "dp", "error")  # the keys that carry data (tensors, messages)
+COUNTERS = ("events", "progress", "failed", "finished", "read", "cancel", "cancelled", "step", "done")
+MARKER = torch.arange(4096, dtype=torch.float32) * 1.2345 + 7.0  # recognisable bytes in a payload
+
+
+def _config(**changes) -> ParallelConfig:
+    """One local worker: the cheapest pool that exercises every message of a job."""
+    values = {"mode": "dp", "dp_degree": 1, "backend": "gloo", "timeout": 30.0, "threads_per_rank": 1}
+    return ParallelConfig(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = WorkerPool(_config()).start()
+    yield pool
+    pool.shutdown()
+
+
+def _attacker(port: int):
+    """A client of the pool's store that knows the port and nothing else."""
+    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=5))
+
+
+def _listening(port: int) -> set[str]:
+    """Addresses with a TCP socket listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = set()
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{name}") as table:
+            for line in list(table)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                    continue
+                raw = bytes.fromhex(address)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(socket.inet_ntop(family, raw))
+    return found
+
+
+def _listening_ports_of(pid: int) -> dict[int, str]:
+    """port -> address of every listening TCP socket the process ``pid`` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with_target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.islink(f"/proc/{pid}/fd/{fd}") else ""
+        if with_target.startswith("socket:["):
+            inodes.add(with_target[8:-1])
+    ports = {}
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{name}") as table:
+            for line in list(table)[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:
+                    continue
+                address, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                ports[int(hex_port, 16)] = socket.inet_ntop(family, raw)
+    return ports
+
+
+def _finish(pool: WorkerPool, n: int):
+    """Wait for job ``n`` and return its result (``WorkerPool.events`` returns it)."""
+    events = pool.events(n)
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
+
+
+def _job_keys(spy, n: int, kinds=PAYLOADS) -> list[str]:
+    """The keys in the store that belong to job ``n`` (``<kind>/<n>`` and below it)."""
+    return sorted(
+        k
+        for k in spy.list_keys()
+        if k.split("/")[0] in kinds and len(k.split("/")) > 1 and k.split("/")[1] == str(n)
+    )
+
+
+# -- where the store listens ----------------------------------------------------------------------------------------
+def test_the_store_listens_only_on_master_addr(pool):
+    assert _listening(pool.port) == {"127.0.0.1"}
+
+
+def test_loopback_pools_keep_the_workers_collectives_on_loopback(pool):
+    """gloo listens on the address of this machine's host name unless told otherwise; a loopback pool tells it."""
+    pid = pool.pids()[0]
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = f.read().split(b"\0")
+    assert b"GLOO_SOCKET_IFNAME=lo" in environ
+    ports = _listening_ports_of(pid)
+    assert ports and all(address.startswith("127.") for address in ports.values()), ports
+
+
+def test_a_shut_down_pool_stops_listening():
+    pool = WorkerPool(_config()).start()
+    port = pool.port
+    assert _listening(port) == {"127.0.0.1"}
+    pool.shutdown()
+    assert _listening(port) == set()
+
+
+# -- the token -----------------------------------------------------------------------------------------------------
+def test_local_workers_get_the_token_by_environment_never_on_the_command_line(pool):
+    pid = pool.pids()[0]
+    token = pool.token.decode()
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        environ = f.read().split(b"\0")
+    assert f"FEWSTEP_POOL_TOKEN={token}".encode() in environ  # readable by this user (and root) only
+    assert token.encode() not in cmdline  # argv is readable by every user of the machine
+    assert token not in pool.join_command() and token not in pool.describe()
+    assert len(token) == 64 and WorkerPool(_config()).token != pool.token  # 256 random bits, one per pool
+
+
+def test_remote_ranks_need_a_token_set_on_the_host_and_the_join_command_does_not_print_it(monkeypatch):
+    remote = {"mode": "sp", "ulysses_degree": 2, "local_ranks": 1}
+    monkeypatch.delenv("FEWSTEP_POOL_TOKEN", raising=False)
+    with pytest.raises(
+        InputError,
+        match=r"input 'local_ranks': 1 of 2 ranks start here; the ranks that join need the pool's secret: set "
+        r"FEWSTEP_POOL_TOKEN",
+    ):
+        WorkerPool(_config(**remote))
+    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", "short")
+    with pytest.raises(InputError, match=r"input 'FEWSTEP_POOL_TOKEN': 5 characters; at least 32"):
+        WorkerPool(_config(**remote))
+    secret = "s3cret-" * 6
+    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", secret)
+    host = WorkerPool(_config(**remote))
+    assert host.token == secret.encode()
+    assert "FEWSTEP_POOL_TOKEN" in host.join_command() and secret not in host.join_command()
+
+
+def test_a_worker_without_the_pools_token_is_refused(pool):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(pool.port), "WORLD_SIZE": "1", "RANK": "0"}
+    with pytest.raises(
+        InputError, match=r"input 'FEWSTEP_POOL_TOKEN': not set; a worker needs the pool's secret"
+    ):
+        Rendezvous.from_env(env)
+    wrong = Rendezvous.from_env({**env, "FEWSTEP_POOL_TOKEN": "w" * 40})
+    assert "w" * 40 not in repr(wrong)  # a logged rendezvous does not show the secret
+    with pytest.raises(
+        InputError, match=rf"input 'FEWSTEP_POOL_TOKEN': the pool at 127.0.0.1:{pool.port} does not accept it"
+    ):
+        serve(wrong)
+    assert pool.run({"kind": "task", "name": "ping"})["world"] == 1  # the pool is unharmed
+
+
+# -- what a client without the token can read or plant -------------------------------------------------------------
+def test_a_loopback_client_without_the_token_cannot_read_a_job_in_the_clear(pool):
+    busy = pool.submit({"kind": "task", "name": "sleep", "args": {"seconds": 1.0}})
+    waiting = pool.submit({"kind": "task", "name": "ping", "context": MARKER})  # read when the sleep ends
+    spy = _attacker(pool.port)
+    parts = [k for k in _job_keys(spy, waiting, ("job",)) if "/part" in k]
+    assert parts, spy.list_keys()
+    raw = b"".join(spy.get(k) for k in sorted(parts))
+    assert MARKER.numpy().tobytes()[:256] not in raw
+    with pytest.raises(Exception):  # noqa: B017 - whatever torch.load says, it must not decode the job
+        torch.load(io.BytesIO(raw), weights_only=True)
+    assert _finish(pool, busy) == {"slept": 1.0}
+    assert _finish(pool, waiting)["world"] == 1
+
+
+def test_a_replayed_or_moved_message_is_refused():
+    """A message is bound to its key and its pool: a copy under another key, or in another pool of the same
+    secret, does not authenticate."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    secret = b"k" * 32
+    store = transport.SecureStore(server, secret, "pool1-abc")
+    transport.put(store, "result/1", {"latent": MARKER})
+    assert torch.equal(transport.get(store, "result/1")["latent"], MARKER)
+    for key in server.list_keys():
+        if key.startswith("result/1"):
+            server.set(key.replace("result/1", "result/2"), server.get(key))
+    with pytest.raises(transport.ForgedMessageError, match=r"'result/2' .*refused"):
+        transport.get(store, "result/2")
+    with pytest.raises(transport.ForgedMessageError, match=r"'result/1' .*refused"):
+        transport.get(transport.SecureStore(server, secret, "pool2-def"), "result/1")
+    server.set("result/1", "1000000000")  # a header claiming parts that were never written
+    with pytest.raises(transport.ForgedMessageError, match=r"'result/1'"):
+        transport.get(store, "result/1")
+
+
+def test_a_planted_result_is_refused_and_stops_the_pool():
+    pool = WorkerPool(_config()).start()
+    port, pids = pool.port, pool.pids()
+    n = pool.submit({"kind": "task", "name": "sleep", "args": {"seconds": 5.0}})
+    spy = _attacker(port)
+    spy.set(f"result/{n}/part0", transport.dumps({"forged": True}))  # the layout the pool writes
+    spy.set(f"result/{n}", "1")
+    spy.add(f"events/{n}", 1)
+    with pytest.raises(ParallelError, match=rf"job {n}: the message under 'result/{n}' .*refused"):
+        _finish(pool, n)
+    assert pool.closed
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _listening(port) == set()
+
+
+def test_a_planted_job_is_refused_by_the_workers():
+    pool = WorkerPool(_config()).start()
+    try:
+        spy = _attacker(pool.port)
+        spy.set("job/1/part0", transport.dumps({"kind": "task", "name": "sleep", "args": {"seconds": 0.0}}))
+        spy.set("job/1", "1")
+        deadline = time.monotonic() + 10
+        while spy.add("finished/1", 0) < 1 and time.monotonic() < deadline:  # the worker has dealt with it
+            time.sleep(0.01)
+        with pytest.raises(ParallelError, match=r"rank 0 .*the message under 'job/1' .*refused"):
+            pool.run({"kind": "task", "name": "ping"})
+    finally:
+        pool.shutdown()
+
+
+def test_a_failure_marked_without_a_report_is_an_error_not_a_traceback():
+    pool = WorkerPool(_config()).start()
+    n = pool.submit({"kind": "task", "name": "sleep", "args": {"seconds": 2.0}})
+    spy = _attacker(pool.port)
+    spy.add(f"failed/{n}", 1)
+    spy.add(f"events/{n}", 1)
+    with pytest.raises(ParallelError, match=rf"the store marks job {n} failed but no rank reported an error"):
+        _finish(pool, n)
+    assert pool.closed
+
+
+# -- nothing of a job is left in the store when it ends -------------------------------------------------------------
+def test_payload_keys_are_gone_when_a_job_succeeds_and_the_store_stays_flat(pool):
+    spy = _attacker(pool.port)
+    first = pool._jobs + 1
+    for _ in range(3):
+        assert pool.run({"kind": "task", "name": "ping", "context": MARKER})["world"] == 1
+        assert _job_keys(spy, pool._jobs) == []
+    for n in (first, first + 1):  # counters too, once every rank is done with a job
+        assert _job_keys(spy, n, PAYLOADS + COUNTERS) == []
+
+
+def test_payload_keys_are_gone_when_a_job_fails_or_is_cancelled(pool):
+    spy = _attacker(pool.port)
+    with pytest.raises(InputError, match="unknown task 'nope'"):
+        pool.run({"kind": "task", "name": "nope", "context": MARKER})
+    assert _job_keys(spy, pool._jobs) == []
+
+    class CancelledError(Exception):
+        pass
+
+    def cancel(_count):
+        raise CancelledError
+
+    with pytest.raises(CancelledError):  # the sleep task does not look at cancel: the host waits for its end
+        pool.run(
+            {"kind": "task", "name": "sleep", "args": {"seconds": 1.0}, "context": MARKER}, on_progress=cancel
+        )
+    assert _job_keys(spy, pool._jobs) == []
+    assert pool.run({"kind": "task", "name": "ping"})["world"] == 1

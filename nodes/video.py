@@ -96,7 +96,7 @@ class SessionRecipe:
         for frame, context in (*self.prompts[1:], (position, None)):
             missing = frame - session.frames_generated
             if missing:
-                for _ in _chunks_of(session, missing // self.config.chunk_frames, _cancel_hook):
+                for _ in session.chunks(missing // self.config.chunk_frames, before_forward=_cancel_hook):
                     pass
             if context is not None:
                 session.set_prompt(context)
@@ -164,14 +164,6 @@ def _cancel_hook(chunk: int, step: int | None) -> None:
     check_interrupt()
 
 
-def _chunks_of(session, n: int, before_forward):
-    """``session.chunks(n)`` with the per-forward hook where the session takes one (a pool's session is stopped
-    between chunks by the pool)."""
-    if isinstance(session, VideoSession):
-        return session.chunks(n, before_forward=before_forward)
-    return session.chunks(n)
-
-
 def _check_outputs_fit(batch: int, width: int, height: int, config: CausalConfig, chunks: int, decodes: bool,
                        where: str) -> None:  # fmt: skip
     """The outputs of a run stay in host memory until the node returns: refuse a run whose outputs cannot fit."""
@@ -198,7 +190,7 @@ def _run(session: VideoSession, chunks: int, node: str):
 
     parts, frames, timings = [], [], []
     try:
-        for i, chunk in enumerate(_chunks_of(session, chunks, before_forward)):
+        for i, chunk in enumerate(session.chunks(chunks, before_forward=before_forward)):
             check_interrupt()
             parts.append(chunk.raw)
             timings.append(ChunkTiming.of(chunk))

@@ -207,6 +207,37 @@ def test_causal_video_chunks_on_two_ranks_equal_single_process(pool, wan, degree
     assert remote.stats.recent[-1].kv_bytes == local.cache.nbytes // (u * r)  # this rank's share
 
 
+class _CancelledByHookError(Exception):
+    pass
+
+
+def test_a_pool_video_reports_every_forward_and_cancel_stops_within_one(pool, wan):
+    """The host hears of each forward the ranks run (4 steps per chunk, then the commit of the previous chunk), so
+    ComfyUI's Cancel, raised by the hook, stops the ranks before the chunk completes, not at the next chunk."""
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=0, steps=4)
+    calls = []
+    remote = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3)
+    chunks = list(remote.chunks(2, before_forward=lambda chunk, step: calls.append(chunk)))
+    assert len(chunks) == 2
+    assert len(calls) == 4 + 5  # chunk 1 commits chunk 0 first: one forward more
+
+    def cancel_on_second(chunk, step, seen=[]):  # noqa: B006 - a counter local to this hook
+        seen.append(chunk)
+        if len(seen) == 2:
+            raise _CancelledByHookError
+
+    cancelled = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3)
+    got = []
+    with pytest.raises(_CancelledByHookError):
+        for chunk in cancelled.chunks(3, before_forward=cancel_on_second):
+            got.append(chunk)
+    assert len(got) < 3  # stopped mid-run (the second forward's report may arrive with the first chunk)
+    # the ranks stopped and the pool runs the next job
+    again = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3)
+    torch.testing.assert_close(next(iter(again.chunks(1))).latents, chunks[0].latents, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
 def test_wan_forward_on_two_ranks_equals_single_process(pool, wan, degrees):
     """Bidirectional Wan: self-attention over every frame's sharded tokens, cross-attention to the whole prompt."""

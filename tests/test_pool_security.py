@@ -17,6 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from net_listen import listening_ports_of
 
 from fewstep.engine import InputError
 from fewstep.engine.parallel import ParallelConfig, ParallelError, WorkerPool, transport
@@ -66,27 +67,6 @@ def _listening(port: int) -> set[str]:
     return found
 
 
-def _listening_ports_of(pid: int) -> dict[int, str]:
-    """port -> address of every listening TCP socket the process ``pid`` holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with_target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.islink(f"/proc/{pid}/fd/{fd}") else ""
-        if with_target.startswith("socket:["):
-            inodes.add(with_target[8:-1])
-    ports = {}
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/{pid}/net/{name}") as table:
-            for line in list(table)[1:]:
-                fields = line.split()
-                if fields[3] != "0A" or fields[9] not in inodes:
-                    continue
-                address, hex_port = fields[1].split(":")
-                raw = bytes.fromhex(address)
-                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                ports[int(hex_port, 16)] = socket.inet_ntop(family, raw)
-    return ports
-
-
 def _finish(pool: WorkerPool, n: int):
     """Wait for job ``n`` and return its result (``WorkerPool.events`` returns it)."""
     events = pool.events(n)
@@ -117,7 +97,7 @@ def test_loopback_pools_keep_the_workers_collectives_on_loopback(pool):
     with open(f"/proc/{pid}/environ", "rb") as f:
         environ = f.read().split(b"\0")
     assert b"GLOO_SOCKET_IFNAME=lo" in environ
-    ports = _listening_ports_of(pid)
+    ports = listening_ports_of(pid)
     assert ports and all(address.startswith("127.") for address in ports.values()), ports
 
 

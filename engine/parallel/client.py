@@ -306,8 +306,12 @@ class RemoteVideoSession:
                 self.where,
             )
 
-    def chunks(self, n: int):
-        """Generate ``n`` more chunks on the pool, yielding each as rank 0 streams it back."""
+    def chunks(self, n: int, before_forward=None):
+        """Generate ``n`` more chunks on the pool, yielding each as rank 0 streams it back.
+
+        ``before_forward(chunk, None)`` runs on this host each time the workers report a forward (they report one
+        before every DiT forward): an exception it raises (ComfyUI's Cancel) cancels the job, and the workers stop
+        within one forward, as an in-process :class:`VideoSession` does."""
         self._check_alive()
         if n < 1:
             raise InputError("chunks", f"expected at least 1 chunk, got {n}", self.where)
@@ -323,6 +327,7 @@ class RemoteVideoSession:
         n_job = pool.submit(job)
         self.started, self._new_prompt = True, None
         events = pool.events(n_job, "causal video")
+        forwards = 0  # reported by the workers so far
         try:
             while True:
                 try:
@@ -332,8 +337,14 @@ class RemoteVideoSession:
                     return
                 if kind == "chunk":
                     yield self._chunk(payload)
+                elif kind == "progress" and before_forward is not None:
+                    for _ in range(payload - forwards):  # polls may see several forwards at once
+                        before_forward(self.stats.chunks_generated, None)
+                    forwards = payload
         except GeneratorExit:
-            pool.cancel(n_job)  # the consumer stopped (ComfyUI's interrupt): stop the ranks at the next chunk
+            pool.cancel(
+                n_job
+            )  # the consumer stopped (ComfyUI's interrupt): stop the ranks at their next forward
             self._disposed = True
             raise
         except InputError:

@@ -347,8 +347,16 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
         if job.get("context") is not None:
             session.set_prompt(job["context"].to(ctx.device))
     t0 = time.perf_counter()
-    for i, chunk in enumerate(session.chunks(job["chunks"])):
-        ctx.progress()
+
+    def before_forward(chunk: int, step: int | None) -> None:
+        # every rank runs the same loop, so the agreement below is a collective every rank reaches: a cancel
+        # stops the job within one forward (denoising step or clean-context pass), not at the next chunk
+        ctx.progress()  # a progress event per forward: the host checks its own interrupt on each
+        if mesh.agree(ctx.cancel_requested()):
+            raise JobCancelledError
+
+    for i, chunk in enumerate(session.chunks(job["chunks"], before_forward=before_forward)):
+        ctx.progress(step=False)
         if ctx.rank == 0:
             transport.put(ctx.store, f"chunk/{ctx.job}/{i}", {
                 "index": chunk.index, "start_frame": chunk.start_frame, "latents": chunk.latents,

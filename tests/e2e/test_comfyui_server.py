@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from comfy_server import PROBE, ROOT, WORKFLOWS, free_port, queue, requires_comfyui, server  # noqa: F401
+from net_listen import listening_ports_of
 
 pytestmark = requires_comfyui
 
@@ -146,6 +147,12 @@ def test_freeing_memory_stops_the_parallel_workers(server):
     assert code == 0, out
     workers = _descendants(server["pid"]) - before
     assert len(workers) >= 2, "expected the two worker processes of the pool under the server"
+    # the pool's store (in the server process) and the workers' gloo sockets listen on loopback only
+    listening = {pid: listening_ports_of(pid) for pid in {server["pid"], *workers}}
+    assert len(listening[server["pid"]]) >= 2, listening  # ComfyUI's own port and the pool's store
+    assert all(addr in ("127.0.0.1", "::1") for ports in listening.values() for addr in ports.values()), (
+        listening
+    )
     _free(server)
     deadline = time.monotonic() + 30
     while workers & _descendants(server["pid"]) and time.monotonic() < deadline:

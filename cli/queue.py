@@ -140,7 +140,36 @@ def format_node_errors(node_errors: dict, prompt: dict) -> list[str]:
     return lines
 
 
+class _PrintableOnly:
+    """A text stream that escapes control characters (other than newline and tab) before writing: names, texts and
+    error messages the server sends are printed, and a hostile server must not drive the user's terminal with
+    escape sequences."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(printable(text))
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but newline and tab written as its escape (``\\x1b``)."""
+    return "".join(ch if ch in "\n\t" or ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
 def run(args) -> int:
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _PrintableOnly(stdout), _PrintableOnly(stderr)
+    try:
+        return _run_command(args)
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+
+
+def _run_command(args) -> int:
     try:
         client = ComfyClient(args.server, timeout=args.timeout)
     except ValueError as exc:

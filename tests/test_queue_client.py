@@ -425,6 +425,25 @@ def test_execution_error_is_exit_3(fake_server, tmp_path, capsys):
     assert capsys.readouterr().err == "error: node 9 (SaveLatent) failed: disk full\n"
 
 
+def test_server_text_cannot_drive_the_terminal(fake_server, tmp_path, capsys):
+    """Names and messages from the server are printed with control characters escaped (no terminal escapes)."""
+    fake_server.events = [
+        {
+            "type": "execution_error",
+            "data": {
+                "prompt_id": PROMPT_ID,
+                "node_id": "9\x1b]0;owned\x07",
+                "node_type": "Save\x1b[2J",
+                "exception_message": "bad\x1b[31m red",
+            },
+        },
+    ]
+    assert _queue(fake_server, tmp_path) == 3
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err
+    assert err == "error: node 9\\x1b]0;owned\\x07 (Save\\x1b[2J) failed: bad\\x1b[31m red\n"
+
+
 def test_no_result_in_time_is_exit_4(fake_server, tmp_path, capsys):
     fake_server.events = []
     wf = tmp_path / "wf.json"

@@ -152,6 +152,15 @@ def test_wrong_shape_is_blamed_on_the_right_key(tmp_path):
     assert "bias" not in str(err.value)
 
 
+def test_wrong_wan_head_shape_is_blamed_on_the_weight(tmp_path):
+    sd = {k: v.clone() for k, v in load_dit("dummy:wan-tiny").state_dict().items()}
+    sd["head.head.weight"] = torch.zeros(5, sd["head.head.weight"].shape[1])
+    save_file(sd, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(InputError, match=r"wrong shapes: head\.head\.weight \(5, ") as err:
+        load_dit(str(tmp_path / "bad.safetensors"))
+    assert "bias" not in str(err.value)
+
+
 # -- memory preflight ---------------------------------------------------------------------------------------------
 def test_model_that_cannot_fit_is_refused_before_allocating(monkeypatch):
     monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "0.05")

@@ -28,7 +28,7 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> WanPara
         ffn_dim = sd["blocks.0.ffn.0.weight"].shape[0]
         text_dim = sd["text_embedding.0.weight"].shape[1]
         freq_dim = sd["time_embedding.0.weight"].shape[1]
-        head_out = sd["head.head.weight"].shape[0]
+        sd["head.head.weight"]  # noqa: B018 - required; its shape is checked against the model's
     except KeyError as exc:
         raise CheckpointError("weights", f"{source}: Wan layout without {exc.args[0]!r}") from exc
     if "blocks.0.cross_attn.k_img.weight" in sd:
@@ -42,7 +42,9 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> WanPara
     heads = _heads_for(dim)
     return WanParams(
         dim=dim, ffn_dim=ffn_dim, num_heads=heads, num_layers=layers, in_dim=in_dim,
-        out_dim=head_out // (patch[0] * patch[1] * patch[2]), text_dim=text_dim, freq_dim=freq_dim,
+        # Wan 2.1 text-to-video predicts the 16-channel latent. Not read from the head, so a wrong head is reported
+        # by its own key's shape instead of making the model expect a different (correct) bias.
+        out_dim=WanParams.out_dim, text_dim=text_dim, freq_dim=freq_dim,
         patch_size=patch,
     )  # fmt: skip
 

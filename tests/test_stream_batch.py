@@ -649,3 +649,15 @@ def test_node_errors_name_the_node_and_input(node, tiny_handle, taef1, prompts):
     for extra, message in cases:
         with pytest.raises(ValueError, match=rf"^FewStepStreamBatch: {message}"):
             node().stylize(**_node_args(node, **{**base, **extra}))
+
+
+def test_non_finite_model_output_is_an_error_naming_the_group(taef1):
+    """NaN weights (finite frames and prompt) are caught on the first finished group, not streamed out."""
+    handle = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
+    handle.model.final_layer.linear.bias.data[0] = float("nan")
+    stream = _stream(handle, taef1, (make_cond(handle.params, seed=0), make_cond(handle.params, seed=1)),
+                     t_index_list=(10, 25))  # fmt: skip
+    frames = torch.rand(2, 3, H, W, generator=torch.Generator().manual_seed(0))
+    assert stream.push(frames[0]) is None  # warm-up: nothing finished yet
+    with pytest.raises(InputError, match=r"input 'model': the denoised latents of input group 0 hold NaN"):
+        stream.push(frames[1])

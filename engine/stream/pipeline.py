@@ -412,6 +412,14 @@ class StreamBatch:
         self.stats.seconds_dit += time.perf_counter() - t0
         if done is None:
             return None
+        if not bool(
+            torch.isfinite(done).all()
+        ):  # one reduction per finished group (read back with it anyway)
+            raise InputError(
+                "model",
+                f"the denoised latents of input group {groups[-1]} hold NaN or infinite values although its frames "
+                "and the conditioning are finite; the weights hold NaN/Inf, or the compute dtype overflowed",
+            )
         self.stats.groups_out += 1
         return StreamOutput(group=groups[-1], latents=done)
 

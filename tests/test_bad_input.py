@@ -20,6 +20,8 @@ from fewstep.engine.errors import InputError
 from fewstep.engine.loader import load_dit
 from fewstep.engine.sampling import explicit_sigmas
 from fewstep.engine.text_to_image import sample_latent
+from fewstep.engine.vae import load_tiny_vae
+from fewstep.engine.vae.flux_ae import load_flux_ae
 
 
 def _cli(capsys, *argv):
@@ -300,3 +302,21 @@ def test_conditioning_with_a_non_number_is_refused(pack):
         ValueError, match=r"^FewStepSampler: input 'positive': entry 0: guidance is 'abc', not a"
     ):
         m["FewStepSampler"]().sample(model, bad, {"samples": torch.zeros(1, 16, 8, 8)}, **args)
+
+
+def test_decoding_what_cannot_fit_is_refused_before_running(monkeypatch):
+    tiny = load_tiny_vae("dummy:taef1", device="cpu", dtype=torch.float32)
+    ae = load_flux_ae("dummy:flux1-ae-tiny", device="cpu", dtype=torch.float32)
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "0.01")
+    with pytest.raises(
+        InputError, match=r"input 'latent': this needs about 3\.05 GiB \(activations 3\.00 GiB"
+    ):
+        tiny.decode(torch.zeros(1, 16, 256, 256))
+    with pytest.raises(InputError, match=r"input 'images': this needs about .* refused before allocating"):
+        tiny.encode(torch.zeros(1, 3, 2048, 2048))
+    with pytest.raises(
+        InputError, match=r"input 'latent': .*mid-block attention .* refused before allocating"
+    ):
+        ae.decode(torch.zeros(1, 16, 256, 256))
+    with pytest.raises(InputError, match=r"input 'image': .* refused before allocating"):
+        ae.encode(torch.zeros(1, 3, 2048, 2048))

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import CheckpointError, InputError
 from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
+from ..plan.preflight import check_fits
 from ..weights import StateDict, check_keys, dummy_init_, read_state_dict, top_level_summary
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,21 @@ class FluxAutoencoder(nn.Module):
     def _first_param(self) -> torch.Tensor:
         return next(self.decoder.parameters())
 
+    def _check_fits(self, batch: int, height: int, width: int, w: torch.Tensor, input_name: str) -> None:
+        """Refuse before running when the activations cannot fit the device. An estimate: the last up blocks run
+        ``ch`` (128) channels at full resolution with about four such maps alive at once (input, two convolutions and
+        the residual), and the mid-block attention at 1/8 resolution keeps a tokens x tokens score matrix when the
+        backend has no fused kernel."""
+        p = self.params
+        elt = w.element_size()
+        pixels = batch * height * width
+        tokens = (height // p.spatial_factor) * (width // p.spatial_factor)
+        check_fits(
+            {"activations": 4 * p.ch * pixels * elt, "mid-block attention": batch * tokens * tokens * elt,
+             "RGB output": 3 * pixels * 4},
+            w.device, input_name, hint="Decode / encode fewer or smaller images at a time (or use a tiny VAE)",
+        )  # fmt: skip
+
     @torch.no_grad()
     def decode(self, raw_latent: torch.Tensor) -> torch.Tensor:
         """Raw (unscaled) latent ``[B, z, h, w]`` -> float32 RGB ``[B, 3, 8h, 8w]`` in [0, 1] (clamped)."""
@@ -224,6 +240,8 @@ class FluxAutoencoder(nn.Module):
             raw_latent, "latent", p.z_channels, 1, f"a raw FLUX.1 VAE latent [B, {p.z_channels}, h, w]"
         )
         w = self._first_param()
+        b, _, h, wd = raw_latent.shape
+        self._check_fits(b, h * p.spatial_factor, wd * p.spatial_factor, w, "latent")
         z = raw_latent.to(device=w.device, dtype=w.dtype).contiguous(memory_format=torch.channels_last)
         out = self.decoder(z)
         return ((out.float() + 1.0) / 2.0).clamp_(0.0, 1.0)
@@ -245,6 +263,7 @@ class FluxAutoencoder(nn.Module):
         f = p.spatial_factor
         _check_nchw(images, "image", p.in_channels, f, f"RGB images [B, {p.in_channels}, H, W] in [0, 1]")
         w = self._first_param()
+        self._check_fits(images.shape[0], images.shape[2], images.shape[3], w, "image")
         x = images.to(device=w.device, dtype=w.dtype).contiguous(memory_format=torch.channels_last)
         moments = self.encoder(x * 2.0 - 1.0)
         return moments[:, : p.z_channels].float().contiguous()  # the mean; the log-variance is dropped

@@ -22,6 +22,7 @@ from .. import latent_formats as lf
 from ..checks import check_finite
 from ..errors import CheckpointError, InputError
 from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
+from ..plan.preflight import check_fits
 from ..weights import dummy_init_, read_state_dict, top_level_summary
 from . import taesd
 
@@ -163,6 +164,8 @@ class TinyVAE:
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         self.check_latents(latents)
+        self._check_fits(latents.shape[0] * _frames_out(self.variant, latents), latents.shape[-2] * 8,
+                         latents.shape[-1] * 8, "latent")  # fmt: skip
         decoder = self._need("decoder")
         z = latents.to(self.device, self.dtype)
         if self.variant.kind == "image":
@@ -172,11 +175,23 @@ class TinyVAE:
     @torch.inference_mode()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         self.check_images(images)
+        self._check_fits(images.shape[:-3].numel(), images.shape[-2], images.shape[-1], "images")
         encoder = self._need("encoder")
         x = images.to(self.device, self.dtype)
         if self.variant.kind == "image":
             return encoder(x.contiguous(memory_format=torch.channels_last))
         return self.video.encode_video(x).transpose(1, 2)
+
+    def _check_fits(self, images: int, height: int, width: int, input_name: str) -> None:
+        """Refuse before running when the full-resolution activations cannot fit the device. An estimate: the
+        TAESD / TAEHV convolutions keep about three 64-channel feature maps at full resolution alive at once,
+        plus the float32 RGB output."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        pixels = images * height * width
+        check_fits(
+            {"activations": 3 * 64 * pixels * elt, "RGB output": 3 * pixels * 4}, self.device, input_name,
+            hint="Decode / encode fewer or smaller images at a time",
+        )  # fmt: skip
 
     def stream_decoder(self) -> StreamDecoder:
         if self.variant.kind != "video":
@@ -331,6 +346,12 @@ def load_tiny_vae(
     for part, (sub, _, fname) in found.items():
         _load_module(getattr(vae, part), sub, fname, input_name)
     return _finish(vae, dev, dtype)
+
+
+def _frames_out(variant, latents: torch.Tensor) -> int:
+    """Images one latent of the batch decodes to: 1 for an image, 4 per latent frame for video (TAEHV's upper
+    bound: it decodes 4 frames per latent frame, less the first ones it trims)."""
+    return 1 if variant.kind == "image" else 4 * latents.shape[2]
 
 
 def _check_variant(chosen: str, candidates: list[str], name: str, input_name: str) -> None:

@@ -33,7 +33,7 @@ IRREGULAR_FLAGS = {
         "negative": "--negative-seed",
         "latent": "--height/--width/--batch",
     },
-    "stream": {"keep_recent_chunks": "--keep-recent", "num_chunks": "--chunks", "context": "--cond"},
+    "stream": {"keep_recent_chunks": "--keep-recent", "context": "--cond"},
 }
 
 

@@ -105,6 +105,16 @@ def check_at_least(args, **minimums: int) -> None:
             raise InputError("--" + dest.replace("_", "-"), f"expected at least {low}, got {value}")
 
 
+def prepare_out(path: str) -> None:
+    """Create ``--out`` (a folder); a file already at that path is an error naming the flag."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError("--out", f"{path} exists and is not a folder; --out names the folder to write into")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise InputError("--out", f"cannot create the folder {path}: {err.strerror or err}") from None
+
+
 def check_size(height: int, width: int) -> None:
     for name, v in (("--height", height), ("--width", width)):
         if v <= 0 or v % 16:

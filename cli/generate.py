@@ -8,7 +8,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from ..engine.checks import check_seed
+from ..engine.checks import check_finite_number, check_seed
 from ..engine.handle import open_model
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.sampling import SCHEDULES
@@ -20,6 +20,7 @@ from .common import (
     check_at_least,
     check_size,
     load_condition,
+    prepare_out,
     source_of,
     synthetic_condition,
     write_json,
@@ -51,6 +52,11 @@ def run(args) -> int:
     check_size(args.height, args.width)
     check_at_least(args, batch=1, tokens=1, steps=1)
     check_seed(args.seed)
+    if args.negative_seed is not None:
+        check_seed(args.negative_seed, "--negative-seed")
+    check_finite_number(args.guidance, "--guidance")
+    check_finite_number(args.cfg, "--cfg")
+    prepare_out(args.out)  # before loading anything: a bad --out fails at once
     timings = {}
     t = time.perf_counter()
     dummy = args.weights == "dummy"
@@ -101,7 +107,6 @@ def run(args) -> int:
     timings["per_step_s"] = report.seconds_per_step
 
     t = time.perf_counter()
-    os.makedirs(args.out, exist_ok=True)
     save_file({"latent": out.contiguous()}, os.path.join(args.out, "latent.safetensors"))
     timings["save_s"] = time.perf_counter() - t
     images = []

@@ -11,12 +11,13 @@ import torch
 
 from ..engine.causal import ROPE_MODES, CausalConfig, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
+from ..engine.checks import check_seed
 from ..engine.errors import InputError
 from ..engine.handle import open_model
 from ..engine.models.registry import FAMILIES
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.vae import load_tiny_vae
-from .common import load_condition, write_json
+from .common import check_at_least, load_condition, prepare_out, write_json
 
 HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
 
@@ -92,6 +93,10 @@ def chunk_count(args) -> int:
 
 def run(args) -> int:
     n_chunks = chunk_count(args)
+    check_at_least(args, tokens=1, chunks=1)
+    check_seed(args.seed)
+    if args.out:
+        prepare_out(args.out)
     source = f"dummy:{args.model}" if args.weights == "dummy" else args.weights
     handle = open_model(source, weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
                         device=args.device, input_name="--weights")  # fmt: skip
@@ -102,7 +107,7 @@ def run(args) -> int:
         context = load_condition(args.cond, None).context
     else:
         context = torch.randn(
-            1, args.tokens, p.text_dim, generator=torch.Generator().manual_seed(args.seed + 1)
+            1, args.tokens, p.text_dim, generator=torch.Generator().manual_seed((args.seed + 1) % 2**64)
         )
     config = CausalConfig(
         chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
@@ -118,7 +123,6 @@ def run(args) -> int:
     # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
     writer = None
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         latent_frames = n_chunks * args.chunk_frames
         tensors = {"latent": ((session.batch, p.in_dim, latent_frames, *session.latent_hw), 2)}
         if vae is not None:

@@ -1,19 +1,23 @@
 """``FEWSTEP_*`` environment settings, read tolerantly.
 
 A bad value (``FEWSTEP_MAX_SESSIONS=abc``) must not stop the pack from importing inside a server: it is logged
-once, in one line naming the variable, the value and the default used instead.
+once per process, in one line naming the variable, the value and the default used instead.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+_warned: set[tuple[str, str]] = set()  # (variable, bad value) pairs already logged
 
-def _env(name: str, default, parse: Callable[[str], object], check: Callable[[object], bool], expected: str):
+
+def _env(name: str, default, parse: Callable[[str], object], check: Callable[[object], bool], expected: str,
+         default_text: str | None):  # fmt: skip
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -23,26 +27,28 @@ def _env(name: str, default, parse: Callable[[str], object], check: Callable[[ob
             return value
     except (TypeError, ValueError):
         pass
-    log.warning("fewstep: ignoring %s=%r (expected %s); using %r", name, raw, expected, default)
+    if (name, raw) not in _warned:
+        _warned.add((name, raw))
+        log.warning("fewstep: ignoring %s=%r (expected %s); using %s", name, raw, expected,
+                    default_text or repr(default))  # fmt: skip
     return default
 
 
-def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
-    """An integer >= ``minimum`` from the environment, else ``default`` (a bad value is logged)."""
-    return _env(name, default, int, lambda v: v >= minimum, f"an integer >= {minimum}")
+def env_int(name: str, default: int | None, minimum: int = 0, default_text: str | None = None) -> int | None:
+    """An integer >= ``minimum`` from the environment, else ``default`` (a bad value is logged once;
+    ``default_text`` says what the default means, e.g. when it is None)."""
+    return _env(name, default, int, lambda v: v >= minimum, f"an integer >= {minimum}", default_text)
 
 
-def env_float(name: str, default: float | None, minimum: float = 0.0) -> float | None:
-    """A finite number > ``minimum`` from the environment, else ``default`` (a bad value is logged)."""
-    return _env(
-        name,
-        default,
-        float,
-        lambda v: v == v and v not in (float("inf"),) and v > minimum,
-        f"a number > {minimum}",
-    )
+def env_float(
+    name: str, default: float | None, minimum: float = 0.0, default_text: str | None = None
+) -> float | None:
+    """A finite number > ``minimum`` from the environment, else ``default`` (a bad value is logged once;
+    ``default_text`` says what the default means, e.g. when it is None)."""
+    return _env(name, default, float, lambda v: math.isfinite(v) and v > minimum, f"a number > {minimum}",
+                default_text)  # fmt: skip
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    """One of ``choices`` from the environment, else ``default`` (a bad value is logged)."""
-    return _env(name, default, str, lambda v: v in choices, "one of " + ", ".join(choices))
+    """One of ``choices`` from the environment, else ``default`` (a bad value is logged once)."""
+    return _env(name, default, str, lambda v: v in choices, "one of " + ", ".join(choices), None)

@@ -42,7 +42,7 @@ from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
 
-_SESSION_GB = env_float("FEWSTEP_SESSION_GB", None)
+_SESSION_GB = env_float("FEWSTEP_SESSION_GB", None, default_text="half of the device's memory")
 SESSIONS = SessionStore(
     max_sessions=env_int("FEWSTEP_MAX_SESSIONS", 4, minimum=1),
     max_bytes=None if _SESSION_GB is None else int(_SESSION_GB * 2**30),  # None: from device memory
@@ -373,7 +373,7 @@ class FewStepCausalVideoSampler:
         key = _SESSION_OF.get(unique_id)
         return key if key is not None and SESSIONS.alive(key) else float("nan")
 
-    @reports_input_errors("FewStepCausalVideoSampler")
+    @reports_input_errors("FewStepCausalVideoSampler", {"context": "positive", "chunks": "num_chunks"})
     def generate(self, model, positive, width, height, num_chunks, chunk_frames, window_frames, sink_frames,
                  schedule, steps, seed, tiny_vae=None, context_noise=0.0, rope="cache", kv_dtype="bf16",
                  keep_recent_chunks=1, parallel=None, unique_id=None):  # fmt: skip
@@ -431,7 +431,7 @@ class FewStepCausalContinue:
             },
         }
 
-    @reports_input_errors("FewStepCausalContinue")
+    @reports_input_errors("FewStepCausalContinue", {"context": "positive", "chunks": "num_chunks"})
     def extend(self, session, num_chunks, positive=None):
         if not isinstance(session, SessionRef):
             raise InputError("session", "expected a FEWSTEP_SESSION from FewStepCausalVideoSampler")

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_cond
+from conftest import ROOT, make_cond
 from safetensors.torch import save_file
 
 from fewstep.cli import main
@@ -259,6 +259,63 @@ def test_stream_cond_file_errors(capsys, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     status, err = _cli(capsys, "stream", "--cond", str(tmp_path / "junk.safetensors"))
     assert status == 2 and "input '--cond': " in _one_error_line(err) and "not a readable safetensors" in err
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["generate", "--guidance", "nan"], "input '--guidance': expected a finite number, got nan"),
+        (
+            ["generate", "--negative-seed", "-1"],
+            "input '--negative-seed': expected an integer in [0, 2^64 - 1]",
+        ),
+        (["generate", "--negative-seed", str(2**64)], "input '--negative-seed': expected an integer in"),
+        (["generate", "--out", "README.md"], "input '--out': README.md exists and is not a folder"),
+        (["stream", "--seed", str(2**64)], "input '--seed': expected an integer in [0, 2^64 - 1]"),
+        (["stream", "--tokens", "0"], "input '--tokens': expected at least 1, got 0"),
+        (["stream", "--chunks", "0"], "input '--chunks': expected at least 1, got 0"),
+        (["stream", "--context-noise", "nan"], "input '--context-noise': expected a finite number, got nan"),
+        (
+            ["stream", "--context-noise", "5000"],
+            "input '--context-noise': 5000.0 is not a timestep in [0, 1000]",
+        ),
+        (["stream", "--out", "README.md"], "input '--out': README.md exists and is not a folder"),
+    ],
+)
+def test_more_cli_options_are_one_line_errors_naming_the_flag(capsys, monkeypatch, argv, expected):
+    monkeypatch.chdir(ROOT)
+    extra = ["--model", "flux-tiny", "--height", "16", "--width", "16"] if argv[0] == "generate" else []
+    status, err = _cli(capsys, *argv[:1], *extra, *argv[1:])
+    assert status == 2 and expected in _one_error_line(err)
+    assert _one_error_line(err).startswith(f"error: fewstep {argv[0]}: ")
+
+
+def test_stream_largest_seed_runs_and_its_conditioning_errors_name_cond(capsys, tmp_path):
+    status, _ = _cli(capsys, "stream", "--chunks", "1", "--seed", str(2**64 - 1))
+    assert status == 0
+    for name, context in (("nan", torch.full((1, 4, 4096), float("nan"))), ("ints", torch.ones(1, 4, 4096).long()),
+                          ("empty", torch.zeros(1, 0, 4096))):  # fmt: skip
+        save_file({"context": context}, str(tmp_path / f"{name}.safetensors"))
+        status, err = _cli(capsys, "stream", "--cond", str(tmp_path / f"{name}.safetensors"))
+        assert status == 2 and _one_error_line(err).startswith("error: fewstep stream: input '--cond': "), err
+
+
+def test_video_node_errors_name_its_inputs(pack):
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = m["FewStepDiTLoader"]().load("dummy:wan-tiny")
+    args = dict(width=48, height=32, num_chunks=1, chunk_frames=2, window_frames=4, sink_frames=0,
+                schedule="wan-dmd-4step", steps=4, seed=0)  # fmt: skip
+    bad = [[torch.full((1, 4, 4096), float("nan")), {}]]
+    with pytest.raises(
+        ValueError, match=r"^FewStepCausalVideoSampler: input 'positive': conditioning: .* NaN"
+    ):
+        m["FewStepCausalVideoSampler"]().generate(model, bad, **args)
+    good = [[torch.zeros(1, 4, 4096), {}]]
+    with pytest.raises(
+        ValueError,
+        match=r"^FewStepCausalVideoSampler: input 'context_noise': expected a finite number, got nan",
+    ):
+        m["FewStepCausalVideoSampler"]().generate(model, good, **args, context_noise=float("nan"))
 
 
 def test_cli_errors_name_the_flag_not_the_engine_argument(capsys):

@@ -159,7 +159,7 @@ def test_bad_sizes_conditioning_and_vae(wan):
     with pytest.raises(InputError, match=r"input 'height': 40 px is not a positive multiple of 16"):
         VideoSession(wan, _ctx(), 40, W)
     with pytest.raises(
-        InputError, match=r"input 'positive': conditioning is \[1, 9, 768\]; Wan expects umT5 tokens"
+        InputError, match=r"input 'context': conditioning is \[1, 9, 768\]; Wan expects umT5 tokens"
     ):
         VideoSession(wan, torch.zeros(1, 9, 768), H, W)
     with pytest.raises(InputError, match=r"input 'tiny_vae': taef1 decodes 16-channel image latents"):

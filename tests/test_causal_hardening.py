@@ -180,10 +180,10 @@ def test_disposing_a_session_while_it_generates_frees_it_when_the_chunk_ends(wan
 def test_nan_conditioning_is_refused(wan):
     bad = _ctx()
     bad[0, 3, 5] = float("nan")
-    with pytest.raises(InputError, match=r"^test: input 'positive': .*NaN or infinite"):
+    with pytest.raises(InputError, match=r"^test: input 'context': .*NaN or infinite"):
         VideoSession(wan, bad, H, W, CONFIG, where="test")
     session = VideoSession(wan, _ctx(), H, W, CONFIG)
-    with pytest.raises(InputError, match=r"input 'positive': .*NaN or infinite"):
+    with pytest.raises(InputError, match=r"input 'context': .*NaN or infinite"):
         session.set_prompt(torch.full((1, 4, 4096), float("inf")))
 
 

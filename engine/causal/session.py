@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import causal_chunk_decision
-from ..checks import check_finite, check_seed
+from ..checks import check_finite, check_finite_number, check_seed
 from ..errors import InputError
 from ..latent_formats import WAN21
 from ..plan.preflight import check_fits
@@ -151,8 +151,15 @@ class VideoSession:
             check_tiny_vae(tiny_vae, p, where)
         try:
             seed = check_seed(seed)
+            check_finite_number(config.context_noise, "context_noise")
         except InputError as err:
             raise (err.located(where) if where else err) from None
+        if not 0 <= config.context_noise <= 1000:
+            raise InputError(
+                "context_noise",
+                f"{config.context_noise} is not a timestep in [0, 1000] (0: the clean chunk, as Self-Forcing commits)",
+                where,
+            )
         self.latent_hw = (height // 8, width // 8)
         self.grid_hw = (self.latent_hw[0] // p.patch_size[1], self.latent_hw[1] // p.patch_size[2])
         self.sigmas = schedule_sigmas(config.schedule, config.steps, input_name="schedule")
@@ -428,7 +435,7 @@ def check_session_fits(
     parts: dict[str, int], device, where: str | None = None, input_name: str | None = None, hint: str = ""
 ) -> int:
     """``check_fits`` on a session's parts, naming the input behind the largest one (``input_name`` if given)."""
-    owner = {"KV window": "window_frames", "cross-attention cache": "positive"}
+    owner = {"KV window": "window_frames", "cross-attention cache": "context"}
     if input_name is None:
         input_name = owner.get(max(parts, key=parts.get), "width")
     hint = hint or "Use a smaller window_frames, a smaller width / height, or a smaller model"
@@ -448,23 +455,26 @@ def check_size(p, height: int, width: int, where: str | None = None) -> None:
 
 
 def check_context(p, context: torch.Tensor, batch: int | None, where: str | None = None) -> None:
+    if not isinstance(context, torch.Tensor) or not context.is_floating_point():
+        got = context.dtype if isinstance(context, torch.Tensor) else type(context).__name__
+        raise InputError("context", f"conditioning of {got}; expected float umT5 token features", where)
     if context.ndim != 3 or context.shape[-1] != p.text_dim:
         raise InputError(
-            "positive",
+            "context",
             f"conditioning is {list(context.shape)}; Wan expects umT5 tokens [batch, "
             f"tokens, {p.text_dim}] (e.g. CLIPTextEncode with the umt5_xxl text encoder)",
             where,
         )
     if context.shape[1] > p.text_len:
-        raise InputError("positive", f"{context.shape[1]} tokens; Wan reads at most {p.text_len}", where)
+        raise InputError("context", f"{context.shape[1]} tokens; Wan reads at most {p.text_len}", where)
     if batch is not None and context.shape[0] != batch:
         raise InputError(
-            "positive", f"conditioning batch {context.shape[0]} differs from the session's {batch}", where
+            "context", f"conditioning batch {context.shape[0]} differs from the session's {batch}", where
         )
     if context.numel() == 0 or context.shape[1] == 0:
-        raise InputError("positive", f"conditioning {list(context.shape)} holds no text tokens", where)
+        raise InputError("context", f"conditioning {list(context.shape)} holds no text tokens", where)
     try:
-        check_finite(context, "positive", "conditioning")
+        check_finite(context, "context", "conditioning")
     except InputError as err:
         raise (err.located(where) if where else err) from None
 

@@ -63,7 +63,7 @@ def available_bytes(device: torch.device | str | None = None) -> int:
         budget = free
     else:
         budget = _host_available_bytes()
-    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None)
+    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None, default_text="no limit but the device's")
     if limit_gb is not None:
         budget = min(budget, int(limit_gb * 2**30))
     return budget
@@ -139,7 +139,7 @@ def total_bytes(device: torch.device | str | None = None) -> int:
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         total = _host_total_bytes()
-    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None)
+    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None, default_text="no limit but the device's")
     if limit_gb is not None:
         total = min(total, int(limit_gb * 2**30))
     return total

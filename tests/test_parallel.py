@@ -238,6 +238,19 @@ def test_a_pool_video_reports_every_forward_and_cancel_stops_within_one(pool, wa
     torch.testing.assert_close(next(iter(again.chunks(1))).latents, chunks[0].latents, rtol=0, atol=0)
 
 
+def test_a_pool_video_session_has_one_caller_at_a_time(pool, wan):
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    remote = RemoteVideoSession(pool, wan, ctx, 32, 48, CausalConfig(chunk_frames=2, window_frames=6), seed=3)
+    running = remote.chunks(2)
+    next(running)  # a job is running on the pool for this session
+    with pytest.raises(InputError, match="input 'session': .* used by one caller at a time"):
+        list(remote.chunks(1))
+    with pytest.raises(InputError, match="input 'session': .* used by one caller at a time"):
+        remote.set_prompt(ctx)
+    assert len(list(running)) == 1  # the first caller is unaffected
+    assert len(list(remote.chunks(1))) == 1 and remote.frames_generated == 6
+
+
 @pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
 def test_wan_forward_on_two_ranks_equals_single_process(pool, wan, degrees):
     """Bidirectional Wan: self-attention over every frame's sharded tokens, cross-attention to the whole prompt."""

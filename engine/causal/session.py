@@ -236,14 +236,7 @@ class VideoSession:
         self.cache = self.cross = self._context = self._pending = self.decoder = None
 
     def _claim(self) -> None:
-        if not self._in_use.acquire(blocking=False):
-            raise InputError(
-                "session",
-                "this session is generating in another call (another thread or queue run, or an unfinished "
-                "chunks() loop); a session is used by one caller at a time: wait for that call to finish, or "
-                "start a second session",
-                self.where,
-            )
+        claim(self._in_use, self.where)
 
     def _release(self) -> None:
         self._in_use.release()
@@ -440,6 +433,18 @@ def check_session_fits(
         input_name = owner.get(max(parts, key=parts.get), "width")
     hint = hint or "Use a smaller window_frames, a smaller width / height, or a smaller model"
     return check_fits(parts, device, input_name, where, hint)
+
+
+def claim(lock: threading.Lock, where: str | None) -> None:
+    """Take a session's one-caller lock, or refuse the second caller (never wait: a queue run would hang)."""
+    if not lock.acquire(blocking=False):
+        raise InputError(
+            "session",
+            "this session is generating in another call (another thread or queue run, or an unfinished "
+            "chunks() loop); a session is used by one caller at a time: wait for that call to finish, or "
+            "start a second session",
+            where,
+        )
 
 
 def check_size(p, height: int, width: int, where: str | None = None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,6 +29,7 @@ from ..causal.session import (
     check_context,
     check_size,
     check_tiny_vae,
+    claim,
 )
 from ..compile.feature import COMPILE_FEATURE
 from ..conditioning import TextCondition
@@ -270,6 +272,7 @@ class RemoteVideoSession:
         self._context = context.float().cpu()
         self._new_prompt = None
         self._disposed = False
+        self._in_use = threading.Lock()  # held by the one caller generating
 
     @property
     def disposed(self) -> bool:
@@ -289,7 +292,11 @@ class RemoteVideoSession:
     def set_prompt(self, context: torch.Tensor) -> None:
         self._check_alive()
         check_context(self.handle.params, context, self.batch, self.where)
-        self._new_prompt = context.float().cpu()
+        claim(self._in_use, self.where)  # not while a job runs: its prompt is already sent
+        try:
+            self._new_prompt = context.float().cpu()
+        finally:
+            self._in_use.release()
 
     def dispose(self) -> None:
         if not self._disposed and not self.pool.closed:
@@ -315,6 +322,13 @@ class RemoteVideoSession:
         self._check_alive()
         if n < 1:
             raise InputError("chunks", f"expected at least 1 chunk, got {n}", self.where)
+        claim(self._in_use, self.where)  # one caller at a time, as an in-process session
+        try:
+            yield from self._run_job(n, before_forward)
+        finally:
+            self._in_use.release()
+
+    def _run_job(self, n: int, before_forward):
         job = {"kind": "video", "model": model_spec(self.handle), "key": self.key, "chunks": int(n),
                "degrees": list(self.degrees)}  # fmt: skip
         if not self.started:

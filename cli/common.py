@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from ..engine.checks import check_image_size
 from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
 from ..engine.models.registry import all_presets
@@ -116,9 +117,7 @@ def prepare_out(path: str) -> None:
 
 
 def check_size(height: int, width: int) -> None:
-    for name, v in (("--height", height), ("--width", width)):
-        if v <= 0 or v % 16:
-            raise InputError(name, f"{v} is not a positive multiple of 16")
+    check_image_size(height, width, 16, "8x VAE downscaling and 2x2 patches")
 
 
 def write_json(path: str, data) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..engine.errors import InputError
+from ..engine.checks import check_image_size
 from ..engine.plan import DEFAULT_MFU, GPUS, KV_LAYOUTS, WEIGHT_DTYPE_BYTES, known_models, plan_preset
 
 HELP = (
@@ -91,11 +91,8 @@ def run(args) -> int:
         "mfu": args.mfu,
         "vae": not args.no_vae,
     }
-    for name in ("height", "width"):  # 0 means "the default" on the node; here an omitted option does
-        if settings[name] is not None and settings[name] <= 0:
-            raise InputError(
-                name, f"{settings[name]} px: expected a positive multiple of 16 (omit for the default)"
-            )
+    # 0 means "the default" on the node; here an omitted option does
+    check_image_size(settings["height"], settings["width"], 16, "omit the option for the model's default")
     plan = plan_preset(args.model, **settings)  # errors name engine arguments; main() maps them to the flags
     print(json.dumps(plan.fields, indent=2) if args.json else plan.table())
     return 0

@@ -29,6 +29,16 @@ def check_finite(tensor: torch.Tensor, input_name: str, what: str) -> None:
     )
 
 
+def check_image_size(
+    height: int | None, width: int | None, multiple: int, why: str, where: str | None = None
+) -> None:
+    """Each of ``height`` / ``width`` (pixels; None: not given) a positive multiple of ``multiple``; ``why`` says
+    where the multiple comes from. The one wording of this check, for the engine, the planner and the CLI."""
+    for input_name, v in (("height", height), ("width", width)):
+        if v is not None and (v <= 0 or v % multiple):
+            raise InputError(input_name, f"{v} px is not a positive multiple of {multiple} ({why})", where)
+
+
 def check_finite_number(value: float, input_name: str) -> None:
     if not math.isfinite(float(value)):
         raise InputError(input_name, f"expected a finite number, got {value}")

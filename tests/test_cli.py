@@ -62,7 +62,7 @@ def test_generate_writes_latent_and_timings(tmp_path):
 
 def test_generate_bad_input_is_a_clear_error(tmp_path):
     r = _cli("generate", "--model", "flux-tiny", "--height", "72", "--out", str(tmp_path))
-    assert r.returncode == 2 and "input '--height': 72 is not a positive multiple of 16" in r.stderr
+    assert r.returncode == 2 and "input '--height': 72 px is not a positive multiple of 16" in r.stderr
     assert "Traceback" not in r.stderr
     r = _cli("generate", "--weights", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path))
     assert r.returncode == 2 and "input '--weights': weights file not found" in r.stderr

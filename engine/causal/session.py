@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import causal_chunk_decision
-from ..checks import check_finite, check_finite_number, check_seed
+from ..checks import check_finite, check_finite_number, check_image_size, check_seed
 from ..errors import InputError
 from ..latent_formats import WAN21
 from ..plan.preflight import check_fits
@@ -448,15 +448,8 @@ def claim(lock: threading.Lock, where: str | None) -> None:
 
 
 def check_size(p, height: int, width: int, where: str | None = None) -> None:
-    step = 8 * p.patch_size[1]
-    for name, v in (("height", height), ("width", width)):
-        if v <= 0 or v % step:
-            raise InputError(
-                name,
-                f"{v} px is not a positive multiple of {step} (8x VAE downscaling and "
-                f"{p.patch_size[1]}x{p.patch_size[2]} patches)",
-                where,
-            )
+    why = f"8x VAE downscaling and {p.patch_size[1]}x{p.patch_size[2]} patches"
+    check_image_size(height, width, 8 * p.patch_size[1], why, where)
 
 
 def check_context(p, context: torch.Tensor, batch: int | None, where: str | None = None) -> None:

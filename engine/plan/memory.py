@@ -124,18 +124,6 @@ class KVBytes:
         return dict(self.__dict__)
 
 
-def check_keep_recent(layout: KVLayout, keep_recent_chunks: int, window: WindowSpec, head_dim: int) -> None:
-    if layout.bits == 4 and head_dim % 2:
-        raise InputError("kv_dtype", f"int4 packs two values per byte; head_dim {head_dim} is odd")
-    most = window.ring_frames // window.chunk_frames - 1
-    if layout.bits is not None and not 0 <= keep_recent_chunks <= most:
-        raise InputError(
-            "keep_recent_chunks",
-            f"{keep_recent_chunks}: the current chunk and the recent ones ({window.chunk_frames} latent frames each) "
-            f"must fit the {window.ring_frames} frames of the window outside the sinks, so 0 to {most}",
-        )
-
-
 def kv_cache_bytes(
     layers: int,
     heads: int,
@@ -171,7 +159,6 @@ __all__ = [
     "KVLayout",
     "ParameterCount",
     "WEIGHT_DTYPE_BYTES",
-    "check_keep_recent",
     "count_parameters",
     "flux_activation_bytes",
     "kv_bytes_per_token",

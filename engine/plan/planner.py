@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..causal.kv_cache import WindowSpec
+from ..causal.kv_cache import WindowSpec, check_kv_storage
+from ..checks import check_image_size
 from ..errors import InputError
 from ..models.flux import Flux, FluxParams
 from ..models.registry import all_presets
@@ -30,7 +31,6 @@ from .memory import (
     KV_LAYOUTS,
     WEIGHT_DTYPE_BYTES,
     ParameterCount,
-    check_keep_recent,
     kv_cache_bytes,
     kv_layout,
     preset_parameters,
@@ -244,7 +244,7 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
     if text_tokens is not None and not 1 <= text_tokens <= p.text_len:
         raise InputError("text_tokens", f"{text_tokens}: Wan reads 1 to {p.text_len} prompt tokens")
     spec = WindowSpec(chunk, window, sinks).check()
-    check_keep_recent(layout, keep_recent, spec, p.head_dim)
+    check_kv_storage(layout.name, keep_recent, spec, p.head_dim)
     latent = _latent_frames(frames, latent_frames, chunk)
     n_chunks = latent // chunk
     tpf = wan_tokens_per_frame(p, height, width)
@@ -446,9 +446,7 @@ def _seconds(flops: int, gpu: GpuSpec, mfu: float) -> float:
 
 
 def _check_size(height: int, width: int, multiple: int, why: str) -> None:
-    for input_name, v in (("height", height), ("width", width)):
-        if v <= 0 or v % multiple:
-            raise InputError(input_name, f"{v} px is not a positive multiple of {multiple} ({why})")
+    check_image_size(height, width, multiple, why)
 
 
 def _positive(v: int, input_name: str) -> None:

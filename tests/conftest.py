@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,30 @@ def make_cond(params, tokens: int = 8, seed: int = 0, batch: int = 1, guidance: 
         torch.randn(batch, params.vec_in_dim, generator=g),
         guidance,
     )
+
+
+def fake_comfy_memory_manager(monkeypatch, loaded: list | None = None) -> dict:
+    """Install the parts of ComfyUI's memory manager the pack uses (ModelPatcher callbacks, load_models_gpu) in
+    sys.modules; returns the callbacks registered, by (kind, key). ``loaded`` collects what load_models_gpu got."""
+    callbacks: dict = {}
+
+    class Patcher:
+        def __init__(self, model, load_device, offload_device):
+            self.model = model
+
+        def get_callbacks(self, kind, key):
+            return callbacks.get((kind, key), [])
+
+        def add_callback_with_key(self, kind, key, fn):
+            callbacks.setdefault((kind, key), []).append(fn)
+
+    mm = types.SimpleNamespace(
+        get_torch_device=lambda: torch.device("cpu"), unet_offload_device=lambda: torch.device("cpu"),
+        load_models_gpu=lambda models, force_full_load=False: (loaded if loaded is not None else []).extend(models),
+        throw_exception_if_processing_interrupted=lambda: None,
+    )  # fmt: skip
+    ext = types.SimpleNamespace(CallbacksMP=types.SimpleNamespace(ON_DETACH="on_detach_after"))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
+    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
+    return callbacks

@@ -14,7 +14,7 @@ from collections import deque
 
 import pytest
 import torch
-from conftest import ROOT, make_cond
+from conftest import ROOT, fake_comfy_memory_manager, make_cond
 from test_nodes import _run
 
 from fewstep.engine import InputError, load_dit, load_tiny_vae
@@ -290,27 +290,7 @@ def test_prompt_history_is_bounded_and_a_rebuild_past_it_says_why(pack):
 
 # -- 2. compiled model's sessions freed on unload ----------------------------------------------------------------
 def test_sessions_of_a_compiled_model_are_freed_when_comfyui_unloads_it(pack, monkeypatch):
-    callbacks = {}
-
-    class Patcher:
-        def __init__(self, model, load_device, offload_device):
-            self.model = model
-
-        def get_callbacks(self, kind, key):
-            return callbacks.get((kind, key), [])
-
-        def add_callback_with_key(self, kind, key, fn):
-            callbacks.setdefault((kind, key), []).append(fn)
-
-    mm = types.SimpleNamespace(
-        get_torch_device=lambda: torch.device("cpu"), unet_offload_device=lambda: torch.device("cpu"),
-        load_models_gpu=lambda models, force_full_load=False: None,
-        throw_exception_if_processing_interrupted=lambda: None,
-    )  # fmt: skip
-    ext = types.SimpleNamespace(CallbacksMP=types.SimpleNamespace(ON_DETACH="on_detach_after"))
-    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
-    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
+    callbacks = fake_comfy_memory_manager(monkeypatch)
     m = pack.NODE_CLASS_MAPPINGS
     (handle,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
     (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0)

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from conftest import COMFY_MODULE_NAME, ROOT
+from conftest import COMFY_MODULE_NAME, ROOT, fake_comfy_memory_manager
 
 PRIMITIVES = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 
@@ -389,27 +389,7 @@ def test_freed_sessions_error_and_the_sampler_runs_again(pack, monkeypatch):
 
 
 def test_sessions_are_freed_when_comfyui_unloads_the_model(pack, monkeypatch):
-    callbacks = {}
-
-    class Patcher:
-        def __init__(self, model, load_device, offload_device):
-            self.model = model
-
-        def get_callbacks(self, kind, key):
-            return callbacks.get((kind, key), [])
-
-        def add_callback_with_key(self, kind, key, fn):
-            callbacks.setdefault((kind, key), []).append(fn)
-
-    mm = types.SimpleNamespace(
-        get_torch_device=lambda: torch.device("cpu"), unet_offload_device=lambda: torch.device("cpu"),
-        load_models_gpu=lambda models, force_full_load=False: None,
-        throw_exception_if_processing_interrupted=lambda: None,
-    )  # fmt: skip
-    ext = types.SimpleNamespace(CallbacksMP=types.SimpleNamespace(ON_DETACH="on_detach_after"))
-    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
-    monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
+    callbacks = fake_comfy_memory_manager(monkeypatch)
     m, wan, cond = _video_nodes(pack)
     out = _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, num_chunks=1,
                chunk_frames=2, window_frames=4, unique_id="s3")  # fmt: skip

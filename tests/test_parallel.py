@@ -12,12 +12,11 @@ import sys
 import textwrap
 import threading
 import time
-import types
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT, load_pack_as_comfyui, make_cond
+from conftest import ROOT, fake_comfy_memory_manager, load_pack_as_comfyui, make_cond
 
 from fewstep.engine import InputError, open_model, sample_latent
 from fewstep.engine.attention import attention, current_parallel_plan, use_parallel_attention
@@ -492,29 +491,8 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     nodes = importlib.import_module(f"{pack.__name__}.nodes.parallel")
     pack_input_error = importlib.import_module(f"{pack.__name__}.engine.errors").InputError
     m = {**pack.NODE_CLASS_MAPPINGS, "FewStepParallelLauncher": nodes.FewStepParallelLauncher}
-    callbacks, loaded = {}, []
-
-    class Patcher:
-        def __init__(self, model, load_device, offload_device):
-            self.model = model
-
-        def get_callbacks(self, kind, key):
-            return callbacks.get((kind, key), [])
-
-        def add_callback_with_key(self, kind, key, fn):
-            callbacks.setdefault((kind, key), []).append(fn)
-
-    mm = types.SimpleNamespace(
-        get_torch_device=lambda: torch.device("cpu"), unet_offload_device=lambda: torch.device("cpu"),
-        load_models_gpu=lambda models, force_full_load=False: loaded.extend(models),
-        throw_exception_if_processing_interrupted=lambda: None,
-    )  # fmt: skip
-    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
-    monkeypatch.setitem(
-        sys.modules, "comfy.patcher_extension",
-        types.SimpleNamespace(CallbacksMP=types.SimpleNamespace(ON_DETACH="on_detach_after")),
-    )  # fmt: skip
+    loaded = []
+    callbacks = fake_comfy_memory_manager(monkeypatch, loaded)
     launcher = m["FewStepParallelLauncher"]()
     config, report = launcher.launch("sp", 2, 1, 1, "gloo", 30.0, threads_per_rank=1)
     assert "ulysses 2 x ring 1" in report and "backend gloo" in report

@@ -373,7 +373,10 @@ def test_cli_errors_name_the_option(capsys):
     assert main(["plan", "--model", "flux.1-schnell", "--gpu", "tpu", "--no-vae"]) == 2
     assert "input '--gpu': unknown GPU preset 'tpu'; known presets: h100" in capsys.readouterr().err
     assert main(["plan", "--model", "flux.1-schnell", "--height", "0", "--no-vae"]) == 2
-    assert "plan: input '--height': 0 px is not a positive multiple of 16 (omit the option" in capsys.readouterr().err
+    assert (
+        "plan: input '--height': 0 px is not a positive multiple of 16 (omit the option"
+        in capsys.readouterr().err
+    )
 
 
 def test_cli_command_exits_2_on_bad_input(capsys, monkeypatch):

@@ -21,37 +21,57 @@ from ..settings import env_float
 USABLE_FRACTION = 0.9
 
 
-def _host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo, capped by a cgroup memory limit when one is set."""
-    available = None
+def _meminfo(field: str) -> int | None:
+    """A field of /proc/meminfo in bytes (None off Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    if available is None:  # not Linux: the physical size is the best cheap answer
-        try:
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            available = 1 << 62
-    for path, usage in (
+    return None
+
+
+def _physical_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(limit, usage) of this process's cgroup memory controller, v2 or v1, when a limit is set."""
+    for limit_path, usage_path in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
     ):
         try:
-            with open(path) as f:
+            with open(limit_path) as f:
                 raw = f.read().strip()
-            if raw != "max" and int(raw) < (1 << 60):
-                with open(usage) as f:
-                    used = int(f.read().strip())
-                available = min(available, max(0, int(raw) - used))
-            break
+            if raw == "max" or int(raw) >= (1 << 60):
+                return None
+            with open(usage_path) as f:
+                return int(raw), int(f.read().strip())
         except (OSError, ValueError):
             continue
-    return available
+    return None
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable (the physical size off Linux), capped by what a cgroup memory limit leaves."""
+    available = _meminfo("MemAvailable")
+    available = _physical_bytes() if available is None else available
+    cgroup = _cgroup_limit()
+    return available if cgroup is None else min(available, max(0, cgroup[0] - cgroup[1]))
+
+
+def _host_total_bytes() -> int:
+    """MemTotal (the physical size off Linux), capped by a cgroup memory limit when set."""
+    total = _meminfo("MemTotal")
+    total = _physical_bytes() if total is None else total
+    cgroup = _cgroup_limit()
+    return total if cgroup is None else min(total, cgroup[0])
 
 
 def available_bytes(device: torch.device | str | None = None) -> int:
@@ -100,34 +120,6 @@ def check_fits(
             f"can be used on {dev}; refused before allocating" + (f". {hint}" if hint else ""),
             where,
         )
-    return total
-
-
-def _host_total_bytes() -> int:
-    """MemTotal from /proc/meminfo (the physical size elsewhere), capped by a cgroup memory limit when set."""
-    total = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    total = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if total is None:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            total = 1 << 62
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path) as f:
-                raw = f.read().strip()
-            if raw != "max" and int(raw) < (1 << 60):
-                total = min(total, int(raw))
-            break
-        except (OSError, ValueError):
-            continue
     return total
 
 

@@ -19,12 +19,20 @@ StateDict = dict[str, torch.Tensor]
 
 def is_official(keys) -> bool:
     keys = set(keys)
-    return "img_in.weight" in keys and any(k.startswith("double_blocks.") for k in keys)
+    return (
+        "img_in.weight" in keys
+        and any(k.startswith("double_blocks.") for k in keys)
+        and "single_stream_modulation.lin.weight" not in keys  # FLUX.2 shares its blocks' names
+    )
 
 
 def is_diffusers(keys) -> bool:
     keys = set(keys)
-    return "x_embedder.weight" in keys and any(k.startswith("transformer_blocks.") for k in keys)
+    return (
+        "x_embedder.weight" in keys
+        and any(k.startswith("transformer_blocks.") for k in keys)
+        and "single_stream_modulation.linear.weight" not in keys  # diffusers' FLUX.2
+    )
 
 
 def _block_indices(keys, prefix: str) -> list[int]:

@@ -1,0 +1,314 @@
+"""FLUX.2 (dev, klein 4B / 9B): a rectified-flow MMDiT over the 128-channel patchified FLUX.2 latent.
+
+``Flux2.forward(x, x_ids, timesteps, ctx, ctx_ids, guidance=None)`` has the semantics of the
+black-forest-labs/flux2 reference (``src/flux2/model.py``): ``x [B, L_img, 128]`` latent tokens (the FLUX.2
+autoencoder's 32 channels, 2x2-patchified and normalised, one token per latent pixel), ``x_ids [B, L_img, 4]``
+and ``ctx_ids [B, L_txt, 4]`` positions (time, row, column, text index), ``ctx [B, L_txt, context_in_dim]``
+stacked text-encoder hidden states, ``timesteps [B]`` flow time in [0, 1], ``guidance [B]`` distilled guidance
+(dev only; klein has no guidance embedding). It returns the velocity ``[B, L_img, 128]``; text tokens come
+first in the joint attention.
+
+Unlike FLUX.1 there is no pooled vector, no bias, and the modulation is shared: three ``Modulation`` layers
+at the top compute the adaLN parameters once per forward for all double-stream (image, text) and all
+single-stream blocks. The forward is three stages, ``finish(run_blocks(embed(...)))``, as in ``flux``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops import Linear
+from ..rope import rope_freqs
+from .flux2_layers import DoubleStreamBlock, LastLayer, MLPEmbedder, Modulation, SingleStreamBlock
+from .flux_layers import timestep_embedding
+
+
+@dataclass(frozen=True)
+class Flux2Params:
+    in_channels: int = 128
+    context_in_dim: int = 15360
+    hidden_size: int = 6144
+    num_heads: int = 48
+    depth: int = 8
+    depth_single_blocks: int = 48
+    axes_dim: tuple[int, ...] = (32, 32, 32, 32)
+    theta: int = 2000
+    mlp_ratio: float = 3.0
+    guidance_embed: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def out_channels(self) -> int:
+        return self.in_channels
+
+    @property
+    def latent_channels(self) -> int:
+        """Channels of the model-space latent ``[B, 128, H/16, W/16]`` the model denoises (one token a pixel)."""
+        return self.in_channels
+
+
+# Official configurations. flux.2-dev: black-forest-labs/flux2 src/flux2/model.py ``Flux2Params`` defaults
+# (util.py FLUX2_MODEL_INFO["flux.2-dev"]). klein: the same file's ``Klein4BParams`` / ``Klein9BParams``
+# (hidden 3072 / 4096, 24 / 32 heads, 5 + 20 / 8 + 24 blocks, use_guidance_embed=False), whose
+# context_in_dim is three stacked Qwen3 hidden states: 3 x 2560 (Qwen3-4B) and 3 x 4096 (Qwen3-8B); the same
+# numbers as diffusers' Flux2Transformer2DModel configs of black-forest-labs/FLUX.2-klein-4B / -9B.
+PRESETS: dict[str, Flux2Params] = {
+    "flux.2-dev": Flux2Params(),
+    "flux.2-klein-4b": Flux2Params(
+        context_in_dim=7680,
+        hidden_size=3072,
+        num_heads=24,
+        depth=5,
+        depth_single_blocks=20,
+        guidance_embed=False,
+    ),
+    "flux.2-klein-9b": Flux2Params(
+        context_in_dim=12288,
+        hidden_size=4096,
+        num_heads=32,
+        depth=8,
+        depth_single_blocks=24,
+        guidance_embed=False,
+    ),
+    # Tests: the real interface widths (128 latent channels, klein-4B / dev text widths) around a tiny trunk.
+    "flux2-tiny": Flux2Params(
+        context_in_dim=7680,
+        hidden_size=64,
+        num_heads=2,
+        depth=2,
+        depth_single_blocks=2,
+        axes_dim=(8, 8, 8, 8),
+        guidance_embed=False,
+    ),
+    "flux2-tiny-dev": Flux2Params(
+        hidden_size=64,
+        num_heads=2,
+        depth=2,
+        depth_single_blocks=2,
+        axes_dim=(8, 8, 8, 8),
+        guidance_embed=True,
+    ),
+}
+
+
+def default_axes_dim(head_dim: int) -> tuple[int, ...] | None:
+    """The FLUX.2 split of a head between (time, row, column, text index): four equal parts; 128 -> 4 x 32."""
+    if head_dim % 8:
+        return None
+    return (head_dim // 4,) * 4
+
+
+class Flux2(nn.Module):
+    family = "flux2"
+
+    def __init__(self, params: Flux2Params):
+        super().__init__()
+        if params.hidden_size % params.num_heads:
+            raise ValueError(f"hidden size {params.hidden_size} is not divisible by {params.num_heads} heads")
+        if sum(params.axes_dim) != params.head_dim:
+            raise ValueError(f"axes_dim {params.axes_dim} does not sum to the head size {params.head_dim}")
+        self.params = params
+        hidden = params.hidden_size
+        self.img_in = Linear(params.in_channels, hidden, bias=False)
+        self.time_in = MLPEmbedder(256, hidden)
+        self.guidance_in = MLPEmbedder(256, hidden) if params.guidance_embed else nn.Identity()
+        self.txt_in = Linear(params.context_in_dim, hidden, bias=False)
+        self.double_blocks = nn.ModuleList(
+            DoubleStreamBlock(hidden, params.num_heads, params.mlp_ratio) for _ in range(params.depth)
+        )
+        self.single_blocks = nn.ModuleList(
+            SingleStreamBlock(hidden, params.num_heads, params.mlp_ratio)
+            for _ in range(params.depth_single_blocks)
+        )
+        self.double_stream_modulation_img = Modulation(hidden, double=True)
+        self.double_stream_modulation_txt = Modulation(hidden, double=True)
+        self.single_stream_modulation = Modulation(hidden, double=False)
+        self.final_layer = LastLayer(hidden, params.out_channels)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the residual stack: the double-stream blocks, then the single-stream ones."""
+        return len(self.double_blocks) + len(self.single_blocks)
+
+    def embed(
+        self,
+        x: torch.Tensor,
+        x_ids: torch.Tensor,
+        timesteps: torch.Tensor,
+        ctx: torch.Tensor,
+        ctx_ids: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+    ) -> Flux2Hidden:
+        """Inputs -> the residual stream before block 0 (tokens, conditioning vector, shared modulation, rotations)."""
+        if x.ndim != 3 or ctx.ndim != 3:
+            raise ValueError("x and ctx must be [batch, tokens, channels]")
+        dtype = x.dtype
+        vec = self.time_in(timestep_embedding(timesteps, 256).to(dtype))
+        if self.params.guidance_embed:
+            if guidance is None:
+                raise ValueError("this FLUX.2 model has a guidance embedding: pass guidance")
+            vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+        freqs = rope_freqs(torch.cat((ctx_ids, x_ids), dim=1), self.params.axes_dim, self.params.theta)
+        return Flux2Hidden(
+            img=self.img_in(x),
+            txt=self.txt_in(ctx.to(dtype)),
+            vec=vec,
+            freqs=freqs,
+            mod_img=self.double_stream_modulation_img(vec),
+            mod_txt=self.double_stream_modulation_txt(vec),
+            mod_single=self.single_stream_modulation(vec)[0],
+        )
+
+    def run_blocks(self, h: Flux2Hidden, start: int = 0, stop: int | None = None) -> Flux2Hidden:
+        """Blocks ``start`` to ``stop - 1`` of the stack (double-stream blocks first, then single-stream)."""
+        n_double = len(self.double_blocks)
+        stop = self.num_blocks if stop is None else stop
+        if h.joint is not None and start < n_double:
+            raise ValueError(f"block {start} is a double-stream block but the stream is already joint")
+        img, txt, joint = h.img, h.txt, h.joint
+        for i in range(start, stop):
+            if i < n_double:
+                img, txt = self.double_blocks[i](img, txt, h.mod_img, h.mod_txt, h.freqs)
+            else:
+                if joint is None:
+                    joint = torch.cat((txt, img), dim=1)
+                joint = self.single_blocks[i - n_double](joint, h.mod_single, h.freqs, txt.shape[1])
+        return dataclasses.replace(h, img=img, txt=txt, joint=joint)
+
+    def finish(self, h: Flux2Hidden) -> torch.Tensor:
+        """The final layer on the image tokens: velocity ``[B, L_img, 128]``."""
+        return self.final_layer(h.stream, h.vec)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        x_ids: torch.Tensor,
+        timesteps: torch.Tensor,
+        ctx: torch.Tensor,
+        ctx_ids: torch.Tensor,
+        guidance: torch.Tensor | None = None,
+        block_runner=None,
+    ) -> torch.Tensor:
+        """``block_runner(model, hidden) -> hidden``, when given, runs the block stack in place of
+        ``run_blocks`` (a step cache's hook); without one this is the reference forward."""
+        h = self.embed(x, x_ids, timesteps, ctx, ctx_ids, guidance)
+        h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
+        return self.finish(h)
+
+
+@dataclass
+class Flux2Hidden:
+    """The residual stream between two stages of one forward (see ``flux.FluxHidden``), plus the shared
+    modulation triples every block reads."""
+
+    img: torch.Tensor
+    txt: torch.Tensor
+    vec: torch.Tensor
+    freqs: object
+    mod_img: tuple
+    mod_txt: tuple
+    mod_single: tuple
+    joint: torch.Tensor | None = None
+
+    @property
+    def stream(self) -> torch.Tensor:
+        """The image tokens ``[B, L_img, C]`` (what the final layer reads)."""
+        return self.img if self.joint is None else self.joint[:, self.txt.shape[1] :]
+
+    def with_stream(self, img: torch.Tensor) -> Flux2Hidden:
+        """The same state with other image tokens (a step cache's reused result)."""
+        if self.joint is None:
+            return dataclasses.replace(self, img=img)
+        return dataclasses.replace(self, joint=torch.cat((self.joint[:, : self.txt.shape[1]], img), dim=1))
+
+
+def pack_latent(x: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W]`` model-space latent -> ``[B, H * W, C]`` tokens, row-major (the latent is already
+    patchified: one token per latent pixel)."""
+    return x.flatten(2).transpose(1, 2)
+
+
+def unpack_latent(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latent`."""
+    return tokens.transpose(1, 2).unflatten(2, (height, width))
+
+
+def image_ids(batch: int, height: int, width: int, time: int = 0, device=None) -> torch.Tensor:
+    """Position ids ``[B, H * W, 4]``: (time, row, column, 0); time 0 is the generated image (reference
+    images take other times)."""
+    ids = torch.zeros(height, width, 4, device=device)
+    ids[..., 0] = time
+    ids[..., 1] = torch.arange(height, device=device)[:, None]
+    ids[..., 2] = torch.arange(width, device=device)[None, :]
+    return ids.reshape(1, -1, 4).expand(batch, -1, -1)
+
+
+def text_ids(batch: int, length: int, device=None) -> torch.Tensor:
+    """Position ids ``[B, L, 4]`` of the text tokens: (0, 0, 0, index)."""
+    ids = torch.zeros(length, 4, device=device)
+    ids[:, 3] = torch.arange(length, device=device)
+    return ids.reshape(1, -1, 4).expand(batch, -1, -1)
+
+
+def random_inputs(
+    params: Flux2Params, width: int, height: int, txt_tokens: int, batch: int = 1, seed: int = 0
+) -> dict:
+    """Keyword arguments of ``Flux2.forward`` for a ``width x height`` px image (16 px a token), seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    lh, lw = height // 16, width // 16
+    inputs = {
+        "x": torch.randn(batch, lh * lw, params.in_channels, generator=gen),
+        "x_ids": image_ids(batch, lh, lw),
+        "timesteps": torch.full((batch,), 0.5),
+        "ctx": torch.randn(batch, txt_tokens, params.context_in_dim, generator=gen),
+        "ctx_ids": text_ids(batch, txt_tokens),
+    }
+    if params.guidance_embed:
+        inputs["guidance"] = torch.full((batch,), DEFAULT_GUIDANCE)
+    return inputs
+
+
+def with_overrides(params: Flux2Params, **changes) -> Flux2Params:
+    return dataclasses.replace(params, **changes)
+
+
+# FLUX.2-dev's default distilled guidance (black-forest-labs/flux2 scripts/cli.py: guidance 4.0); klein
+# has no guidance embedding and ignores it.
+DEFAULT_GUIDANCE = 4.0
+
+
+def flux2_velocity(
+    model: Flux2, x: torch.Tensor, sigma: torch.Tensor, cond, block_runner=None
+) -> torch.Tensor:
+    """Velocity ``dx/dsigma`` for a model-space latent ``x [B, 128, H/16, W/16]`` at noise level ``sigma [B]``.
+
+    ``cond.context [B, L, context_in_dim]`` the stacked text-encoder states; ``cond.guidance`` the distilled
+    guidance of dev (default :data:`DEFAULT_GUIDANCE`). ``block_runner``: see :meth:`Flux2.forward`."""
+    b, c, h, w = x.shape
+    if c != model.params.in_channels:
+        raise ValueError(f"FLUX.2 latent must have {model.params.in_channels} channels, got {c}")
+    if cond.context.shape[-1] != model.params.context_in_dim:
+        raise ValueError(
+            f"FLUX.2 conditioning must be {model.params.context_in_dim} wide, got {cond.context.shape[-1]}"
+        )
+    guidance = None
+    if model.params.guidance_embed:
+        g = DEFAULT_GUIDANCE if cond.guidance is None else cond.guidance
+        guidance = torch.full((b,), float(g), device=x.device, dtype=torch.float32)
+    out = model(
+        x=pack_latent(x),
+        x_ids=image_ids(b, h, w, device=x.device),
+        timesteps=sigma,
+        ctx=cond.context,
+        ctx_ids=text_ids(b, cond.context.shape[1], device=x.device),
+        guidance=guidance,
+        block_runner=block_runner,
+    )
+    return unpack_latent(out, h, w)

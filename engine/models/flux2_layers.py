@@ -1,0 +1,167 @@
+"""Building blocks of the FLUX.2 transformer (black-forest-labs/flux2, ``src/flux2/model.py``).
+
+Differences from FLUX.1 (``flux_layers``): no bias anywhere, SiLU-gated MLPs (the first projection is twice
+the hidden width, split into gate and value), and no per-block modulation: the model computes the (shift,
+scale, gate) triples once per forward from the conditioning vector and every block of a kind shares them.
+
+Attribute names are the official checkpoint's key names (``img_attn.qkv``, ``norm.query_norm.scale``,
+``img_mlp.0``, ``linear1``...), so a BFL ``flux2-*.safetensors`` file loads with no renaming.
+Tensors are ``[batch, tokens, heads, head_dim]`` around attention (see ``engine.attention``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import Linear
+from ..rope import RopeFreqs
+from .flux_layers import QKNorm, norm_modulate, rope_attention, timestep_embedding
+
+__all__ = [
+    "DoubleStreamBlock",
+    "LastLayer",
+    "MLPEmbedder",
+    "Modulation",
+    "SelfAttention",
+    "SingleStreamBlock",
+    "timestep_embedding",
+]
+
+ModTriple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (shift, scale, gate), each [B, 1, C]
+
+
+class SiLUGate(nn.Module):
+    """``silu(a) * b`` for ``x = [a, b]`` split in halves along the last dimension (no parameters)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        return F.silu(a) * b
+
+
+class MLPEmbedder(nn.Module):
+    def __init__(self, in_dim: int, hidden_dim: int):
+        super().__init__()
+        self.in_layer = Linear(in_dim, hidden_dim, bias=False)
+        self.silu = nn.SiLU()
+        self.out_layer = Linear(hidden_dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(self.silu(self.in_layer(x)))
+
+
+class Modulation(nn.Module):
+    """The shared adaLN parameters: one (shift, scale, gate) triple, or two for a double-stream block."""
+
+    def __init__(self, dim: int, double: bool):
+        super().__init__()
+        self.double = double
+        self.lin = Linear(dim, (6 if double else 3) * dim, bias=False)
+
+    def forward(self, vec: torch.Tensor) -> tuple[ModTriple, ...]:
+        out = self.lin(F.silu(vec))[:, None, :].chunk(6 if self.double else 3, dim=-1)
+        return (out[:3], out[3:]) if self.double else (out,)
+
+
+class SelfAttention(nn.Module):
+    """Holds the projections of one stream; the joint attention itself runs in the block."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = Linear(dim, dim * 3, bias=False)
+        self.norm = QKNorm(dim // num_heads)
+        self.proj = Linear(dim, dim, bias=False)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
+        q, k = self.norm(q, k)
+        return q, k, v
+
+
+def _mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
+    return nn.Sequential(
+        Linear(hidden_size, 2 * mlp_hidden_dim, bias=False),
+        SiLUGate(),
+        Linear(mlp_hidden_dim, hidden_size, bias=False),
+    )
+
+
+class DoubleStreamBlock(nn.Module):
+    """Separate weights for the image and text streams, one joint attention over ``[txt, img]``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float):
+        super().__init__()
+        mlp_hidden_dim = int(hidden_size * mlp_ratio)
+        self.num_heads = num_heads
+        self.hidden_size = hidden_size
+        self.img_norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.img_attn = SelfAttention(hidden_size, num_heads)
+        self.img_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.img_mlp = _mlp(hidden_size, mlp_hidden_dim)
+
+        self.txt_norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.txt_attn = SelfAttention(hidden_size, num_heads)
+        self.txt_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.txt_mlp = _mlp(hidden_size, mlp_hidden_dim)
+
+    def forward(self, img, txt, mod_img, mod_txt, freqs: RopeFreqs):
+        """``mod_img`` / ``mod_txt``: the two (shift, scale, gate) triples of each stream (shared)."""
+        (i_shift1, i_scale1, i_gate1), (i_shift2, i_scale2, i_gate2) = mod_img
+        (t_shift1, t_scale1, t_gate1), (t_shift2, t_scale2, t_gate2) = mod_txt
+
+        img_q, img_k, img_v = self.img_attn.project(norm_modulate(self.img_norm1, img, i_shift1, i_scale1))
+        txt_q, txt_k, txt_v = self.txt_attn.project(norm_modulate(self.txt_norm1, txt, t_shift1, t_scale1))
+
+        q = torch.cat((txt_q, img_q), dim=1)
+        k = torch.cat((txt_k, img_k), dim=1)
+        v = torch.cat((txt_v, img_v), dim=1)
+        attn = rope_attention(q, k, v, freqs, txt.shape[1])
+        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
+
+        img = img + i_gate1 * self.img_attn.proj(img_attn)
+        img = img + i_gate2 * self.img_mlp(norm_modulate(self.img_norm2, img, i_shift2, i_scale2))
+        txt = txt + t_gate1 * self.txt_attn.proj(txt_attn)
+        txt = txt + t_gate2 * self.txt_mlp(norm_modulate(self.txt_norm2, txt, t_shift2, t_scale2))
+        return img, txt
+
+
+class SingleStreamBlock(nn.Module):
+    """One stream over ``[txt, img]``: fused qkv + gated-MLP-in projection, fused attention-out + MLP-out."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.mlp_hidden_dim = int(hidden_size * mlp_ratio)
+        self.linear1 = Linear(hidden_size, hidden_size * 3 + 2 * self.mlp_hidden_dim, bias=False)
+        self.linear2 = Linear(hidden_size + self.mlp_hidden_dim, hidden_size, bias=False)
+        self.norm = QKNorm(hidden_size // num_heads)
+        self.pre_norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp_act = SiLUGate()
+
+    def forward(self, x, mod: ModTriple, freqs: RopeFreqs, txt_tokens: int = 0):
+        """``x [B, txt_tokens + L_img, C]``: the text tokens first, then the image tokens."""
+        shift, scale, gate = mod
+        qkv, mlp = torch.split(
+            self.linear1(norm_modulate(self.pre_norm, x, shift, scale)),
+            [3 * self.hidden_size, 2 * self.mlp_hidden_dim],
+            -1,
+        )
+        q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(2)
+        q, k = self.norm(q, k)
+        attn = rope_attention(q, k, v, freqs, txt_tokens)
+        return x + gate * self.linear2(torch.cat((attn, self.mlp_act(mlp)), dim=2))
+
+
+class LastLayer(nn.Module):
+    def __init__(self, hidden_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = Linear(hidden_size, out_channels, bias=False)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden_size, 2 * hidden_size, bias=False))
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)
+        return self.linear(norm_modulate(self.norm_final, x, shift[:, None, :], scale[:, None, :]))

@@ -55,10 +55,18 @@ def test_forward_shape(tiny):
     assert out.shape == x.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
-def test_gqa_preset_runs():
-    x, t, cap = _inputs(batch=1, h=4, w=4, tokens=3)
-    out = _model("zimage-tiny-gqa")(x, t, cap)
-    assert out.shape == x.shape and torch.isfinite(out).all()
+def test_fewer_kv_heads_refused(tiny):
+    from fewstep.engine.errors import CheckpointError
+    from fewstep.engine.models.zimage import ZImageParams
+
+    with pytest.raises(ValueError, match="key/value heads"):
+        ZImage(
+            ZImageParams(dim=64, n_heads=4, n_kv_heads=2, n_layers=1, n_refiner_layers=1, axes_dims=(4, 6, 6))
+        )
+    sd = dict(tiny.state_dict())
+    sd["layers.0.attention.to_k.weight"] = sd["layers.0.attention.to_k.weight"][:32]
+    with pytest.raises(CheckpointError, match="key/value heads"):
+        zimage_checkpoint.params_from_state_dict(sd)
 
 
 def test_turbo_parameter_count_matches_published_size():
@@ -139,7 +147,7 @@ def test_bad_caption_width(tiny):
         tiny(x, t, torch.randn(1, 5, 4096))
 
 
-@pytest.mark.parametrize("name", ["zimage-tiny", "zimage-tiny-gqa", "zimage-mid"])
+@pytest.mark.parametrize("name", ["zimage-tiny", "zimage-mid"])
 def test_official_layout_round_trip(name):
     with torch.device("meta"):
         model = ZImage(PRESETS[name])
@@ -206,8 +214,8 @@ def _to_comfy(sd):
     return out
 
 
-@pytest.mark.parametrize("name", ["zimage-tiny", "zimage-tiny-gqa"])
-def test_comfy_layout_converts_to_official(name):
+def test_comfy_layout_converts_to_official():
+    name = "zimage-tiny"
     model = _model(name)
     sd = model.state_dict()
     comfy = _to_comfy(sd)

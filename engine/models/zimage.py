@@ -90,9 +90,6 @@ PRESETS: dict[str, ZImageParams] = {
     "zimage-tiny": ZImageParams(
         dim=64, n_heads=2, n_kv_heads=2, n_layers=2, n_refiner_layers=1, axes_dims=(8, 12, 12)
     ),
-    "zimage-tiny-gqa": ZImageParams(
-        dim=64, n_heads=4, n_kv_heads=2, n_layers=2, n_refiner_layers=1, axes_dims=(4, 6, 6)
-    ),
     # Benchmarks on CPU: the Z-Image head size (128, axes 32/48/48) at a width a CPU runs in a second.
     "zimage-mid": ZImageParams(dim=1024, n_heads=8, n_kv_heads=8, n_layers=4, n_refiner_layers=1),
 }

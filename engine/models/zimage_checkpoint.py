@@ -148,6 +148,12 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> ZImageP
             f"{source}: feed-forward width {ffn} is not Z-Image's int(dim / 3 * 8) = {ffn_hidden_dim(dim)} "
             f"for dim {dim}",
         )
+    if to_k.shape[0] != dim:
+        raise CheckpointError(
+            "weights",
+            f"{source}: layers.0.attention.to_k.weight has {to_k.shape[0]} rows for dim {dim}: fewer key/value "
+            "heads than query heads is not supported (no published Z-Image has them)",
+        )
     in_channels = patch_channels // (patch_size * patch_size * f_patch_size)
     return ZImageParams(
         in_channels=in_channels,
@@ -157,7 +163,7 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> ZImageP
         n_layers=len(_block_indices(sd, "layers.")),
         n_refiner_layers=len(_block_indices(sd, "noise_refiner.")),
         n_heads=dim // head_dim,
-        n_kv_heads=to_k.shape[0] // head_dim,
+        n_kv_heads=dim // head_dim,
         qk_norm=qk_norm,
         cap_feat_dim=cap_feat_dim,
         axes_dims=axes,

@@ -78,13 +78,18 @@ def ffn_hidden_dim(dim: int) -> int:
 
 
 class ZImageAttention(nn.Module):
-    """Self-attention with per-head RMS q/k norms, RoPE after the norms; grouped k/v heads when ``n_kv_heads``
-    divides ``n_heads`` (Z-Image-Turbo has as many as query heads)."""
+    """Self-attention with per-head RMS q/k norms, RoPE after the norms.
+
+    The reference has an ``n_kv_heads`` argument, but neither it nor diffusers runs with fewer key/value heads
+    than query heads (diffusers ignores it, Tongyi's attention fails on the shapes) and every published model
+    has as many, so only ``n_kv_heads == n_heads`` is accepted."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, qk_norm: bool = True, eps: float = 1e-5):
         super().__init__()
-        if n_heads % n_kv_heads:
-            raise ValueError(f"{n_kv_heads} key/value heads do not divide {n_heads} heads")
+        if n_kv_heads != n_heads:
+            raise ValueError(
+                f"{n_kv_heads} key/value heads for {n_heads} heads: only equal counts are supported"
+            )
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = dim // n_heads
@@ -109,9 +114,6 @@ class ZImageAttention(nn.Module):
         if self.norm_k is not None:
             k = self.norm_k(k)
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        if self.n_kv_heads != self.n_heads:
-            group = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         out = attention(q, k, v, replicated_prefix=replicated_prefix, replicated_kv=replicated)
         return self.to_out[0](out.flatten(2))
 

@@ -12,12 +12,11 @@ The diffusers ``Flux2Transformer2DModel`` layout splits the double blocks' fused
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ..errors import CheckpointError
 from .flux2 import PRESETS, Flux2Params, default_axes_dim
+from .flux_checkpoint import _block_indices, _swap_halves  # the same key patterns as FLUX.1
 
 StateDict = dict[str, torch.Tensor]
 
@@ -37,16 +36,6 @@ def is_official(keys) -> bool:
 def is_diffusers(keys) -> bool:
     keys = set(keys)
     return "x_embedder.weight" in keys and "single_stream_modulation.linear.weight" in keys
-
-
-def _block_indices(keys, prefix: str) -> list[int]:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    return sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
-
-
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat((second, first), dim=0)
 
 
 _TOP_RENAMES = {

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..ops import Linear
 from ..rope import RopeFreqs
-from .flux_layers import QKNorm, norm_modulate, rope_attention, timestep_embedding
+from .flux_layers import QKNorm, double_stream, norm_modulate, rope_attention, timestep_embedding
 
 __all__ = [
     "DoubleStreamBlock",
@@ -108,23 +108,7 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(self, img, txt, mod_img, mod_txt, freqs: RopeFreqs):
         """``mod_img`` / ``mod_txt``: the two (shift, scale, gate) triples of each stream (shared)."""
-        (i_shift1, i_scale1, i_gate1), (i_shift2, i_scale2, i_gate2) = mod_img
-        (t_shift1, t_scale1, t_gate1), (t_shift2, t_scale2, t_gate2) = mod_txt
-
-        img_q, img_k, img_v = self.img_attn.project(norm_modulate(self.img_norm1, img, i_shift1, i_scale1))
-        txt_q, txt_k, txt_v = self.txt_attn.project(norm_modulate(self.txt_norm1, txt, t_shift1, t_scale1))
-
-        q = torch.cat((txt_q, img_q), dim=1)
-        k = torch.cat((txt_k, img_k), dim=1)
-        v = torch.cat((txt_v, img_v), dim=1)
-        attn = rope_attention(q, k, v, freqs, txt.shape[1])
-        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
-
-        img = img + i_gate1 * self.img_attn.proj(img_attn)
-        img = img + i_gate2 * self.img_mlp(norm_modulate(self.img_norm2, img, i_shift2, i_scale2))
-        txt = txt + t_gate1 * self.txt_attn.proj(txt_attn)
-        txt = txt + t_gate2 * self.txt_mlp(norm_modulate(self.txt_norm2, txt, t_shift2, t_scale2))
-        return img, txt
+        return double_stream(self, img, txt, (*mod_img[0], *mod_img[1]), (*mod_txt[0], *mod_txt[1]), freqs)
 
 
 class SingleStreamBlock(nn.Module):

@@ -140,23 +140,30 @@ class DoubleStreamBlock(nn.Module):
         self.txt_mlp = _mlp(hidden_size, mlp_hidden_dim)
 
     def forward(self, img, txt, vec, freqs: RopeFreqs):
-        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(vec)
-        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(vec)
+        return double_stream(self, img, txt, self.img_mod(vec), self.txt_mod(vec), freqs)
 
-        img_q, img_k, img_v = self.img_attn.project(norm_modulate(self.img_norm1, img, i_shift1, i_scale1))
-        txt_q, txt_k, txt_v = self.txt_attn.project(norm_modulate(self.txt_norm1, txt, t_shift1, t_scale1))
 
-        q = torch.cat((txt_q, img_q), dim=1)
-        k = torch.cat((txt_k, img_k), dim=1)
-        v = torch.cat((txt_v, img_v), dim=1)
-        attn = rope_attention(q, k, v, freqs, txt.shape[1])
-        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
+def double_stream(block: nn.Module, img, txt, mod_img, mod_txt, freqs: RopeFreqs):
+    """The double-stream update of FLUX.1 and FLUX.2 (they differ in where the modulation comes from and in the
+    MLP): ``mod_img`` / ``mod_txt`` are each stream's (shift, scale, gate) x 2 for attention and MLP; ``block``
+    holds ``img_norm1/2``, ``img_attn``, ``img_mlp`` and the same for ``txt``."""
+    i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = mod_img
+    t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = mod_txt
 
-        img = img + i_gate1 * self.img_attn.proj(img_attn)
-        img = img + i_gate2 * self.img_mlp(norm_modulate(self.img_norm2, img, i_shift2, i_scale2))
-        txt = txt + t_gate1 * self.txt_attn.proj(txt_attn)
-        txt = txt + t_gate2 * self.txt_mlp(norm_modulate(self.txt_norm2, txt, t_shift2, t_scale2))
-        return img, txt
+    img_q, img_k, img_v = block.img_attn.project(norm_modulate(block.img_norm1, img, i_shift1, i_scale1))
+    txt_q, txt_k, txt_v = block.txt_attn.project(norm_modulate(block.txt_norm1, txt, t_shift1, t_scale1))
+
+    q = torch.cat((txt_q, img_q), dim=1)
+    k = torch.cat((txt_k, img_k), dim=1)
+    v = torch.cat((txt_v, img_v), dim=1)
+    attn = rope_attention(q, k, v, freqs, txt.shape[1])
+    txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
+
+    img = img + i_gate1 * block.img_attn.proj(img_attn)
+    img = img + i_gate2 * block.img_mlp(norm_modulate(block.img_norm2, img, i_shift2, i_scale2))
+    txt = txt + t_gate1 * block.txt_attn.proj(txt_attn)
+    txt = txt + t_gate2 * block.txt_mlp(norm_modulate(block.txt_norm2, txt, t_shift2, t_scale2))
+    return img, txt
 
 
 class SingleStreamBlock(nn.Module):

@@ -117,8 +117,8 @@ class Flux2(nn.Module):
         self.params = params
         hidden = params.hidden_size
         self.img_in = Linear(params.in_channels, hidden, bias=False)
-        self.time_in = MLPEmbedder(256, hidden)
-        self.guidance_in = MLPEmbedder(256, hidden) if params.guidance_embed else nn.Identity()
+        self.time_in = MLPEmbedder(256, hidden, bias=False)
+        self.guidance_in = MLPEmbedder(256, hidden, bias=False) if params.guidance_embed else nn.Identity()
         self.txt_in = Linear(params.context_in_dim, hidden, bias=False)
         self.double_blocks = nn.ModuleList(
             DoubleStreamBlock(hidden, params.num_heads, params.mlp_ratio) for _ in range(params.depth)

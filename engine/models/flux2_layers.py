@@ -17,7 +17,7 @@ from torch import nn
 
 from ..ops import Linear
 from ..rope import RopeFreqs
-from .flux_layers import QKNorm, double_stream, norm_modulate, rope_attention, timestep_embedding
+from .flux_layers import MLPEmbedder, QKNorm, double_stream, norm_modulate, rope_attention, timestep_embedding
 
 __all__ = [
     "DoubleStreamBlock",
@@ -38,17 +38,6 @@ class SiLUGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = x.chunk(2, dim=-1)
         return F.silu(a) * b
-
-
-class MLPEmbedder(nn.Module):
-    def __init__(self, in_dim: int, hidden_dim: int):
-        super().__init__()
-        self.in_layer = Linear(in_dim, hidden_dim, bias=False)
-        self.silu = nn.SiLU()
-        self.out_layer = Linear(hidden_dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out_layer(self.silu(self.in_layer(x)))
 
 
 class Modulation(nn.Module):

@@ -34,11 +34,11 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000, tim
 
 
 class MLPEmbedder(nn.Module):
-    def __init__(self, in_dim: int, hidden_dim: int):
+    def __init__(self, in_dim: int, hidden_dim: int, bias: bool = True):  # FLUX.2: no bias
         super().__init__()
-        self.in_layer = Linear(in_dim, hidden_dim, bias=True)
+        self.in_layer = Linear(in_dim, hidden_dim, bias=bias)
         self.silu = nn.SiLU()
-        self.out_layer = Linear(hidden_dim, hidden_dim, bias=True)
+        self.out_layer = Linear(hidden_dim, hidden_dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_layer(self.silu(self.in_layer(x)))

@@ -136,19 +136,7 @@ class Flux(nn.Module):
 
     def run_blocks(self, h: FluxHidden, start: int = 0, stop: int | None = None) -> FluxHidden:
         """Blocks ``start`` to ``stop - 1`` of the stack (double-stream blocks first, then single-stream)."""
-        n_double = len(self.double_blocks)
-        stop = self.num_blocks if stop is None else stop
-        if h.joint is not None and start < n_double:
-            raise ValueError(f"block {start} is a double-stream block but the stream is already joint")
-        img, txt, joint = h.img, h.txt, h.joint
-        for i in range(start, stop):
-            if i < n_double:
-                img, txt = self.double_blocks[i](img, txt, h.vec, h.freqs)
-            else:
-                if joint is None:
-                    joint = torch.cat((txt, img), dim=1)
-                joint = self.single_blocks[i - n_double](joint, h.vec, h.freqs, txt.shape[1])
-        return dataclasses.replace(h, img=img, txt=txt, joint=joint)
+        return run_stream_blocks(self, h, start, stop)
 
     def finish(self, h: FluxHidden) -> torch.Tensor:
         """The final layer on the image tokens: velocity ``[B, L_img, out_channels]``."""
@@ -187,6 +175,15 @@ class FluxHidden:
     joint: torch.Tensor | None = None
 
     @property
+    def double_mod(self) -> tuple:
+        """What a double-stream block reads besides the streams and RoPE (FLUX.1: the conditioning vector)."""
+        return (self.vec,)
+
+    @property
+    def single_mod(self):
+        return self.vec
+
+    @property
     def stream(self) -> torch.Tensor:
         """The image tokens ``[B, L_img, C]`` (what the final layer reads)."""
         return self.img if self.joint is None else self.joint[:, self.txt.shape[1] :]
@@ -196,6 +193,24 @@ class FluxHidden:
         if self.joint is None:
             return dataclasses.replace(self, img=img)
         return dataclasses.replace(self, joint=torch.cat((self.joint[:, : self.txt.shape[1]], img), dim=1))
+
+
+def run_stream_blocks(model: nn.Module, h: FluxHidden, start: int = 0, stop: int | None = None) -> FluxHidden:
+    """Blocks ``start`` to ``stop - 1`` of a FLUX-style stack (FLUX.1, FLUX.2): ``model.double_blocks`` on the two
+    streams, then ``model.single_blocks`` on ``[txt, img]``; each block reads ``h.double_mod`` / ``h.single_mod``."""
+    n_double = len(model.double_blocks)
+    stop = model.num_blocks if stop is None else stop
+    if h.joint is not None and start < n_double:
+        raise ValueError(f"block {start} is a double-stream block but the stream is already joint")
+    img, txt, joint = h.img, h.txt, h.joint
+    for i in range(start, stop):
+        if i < n_double:
+            img, txt = model.double_blocks[i](img, txt, *h.double_mod, h.freqs)
+        else:
+            if joint is None:
+                joint = torch.cat((txt, img), dim=1)
+            joint = model.single_blocks[i - n_double](joint, h.single_mod, h.freqs, txt.shape[1])
+    return dataclasses.replace(h, img=img, txt=txt, joint=joint)
 
 
 def pack_latent(x: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,14 @@ single-stream blocks. The forward is three stages, ``finish(run_blocks(embed(...
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..ops import Linear
 from ..rope import rope_freqs
+from .flux import FluxHidden, run_stream_blocks
 from .flux2_layers import DoubleStreamBlock, LastLayer, MLPEmbedder, Modulation, SingleStreamBlock
 from .flux_layers import timestep_embedding
 
@@ -168,19 +169,7 @@ class Flux2(nn.Module):
 
     def run_blocks(self, h: Flux2Hidden, start: int = 0, stop: int | None = None) -> Flux2Hidden:
         """Blocks ``start`` to ``stop - 1`` of the stack (double-stream blocks first, then single-stream)."""
-        n_double = len(self.double_blocks)
-        stop = self.num_blocks if stop is None else stop
-        if h.joint is not None and start < n_double:
-            raise ValueError(f"block {start} is a double-stream block but the stream is already joint")
-        img, txt, joint = h.img, h.txt, h.joint
-        for i in range(start, stop):
-            if i < n_double:
-                img, txt = self.double_blocks[i](img, txt, h.mod_img, h.mod_txt, h.freqs)
-            else:
-                if joint is None:
-                    joint = torch.cat((txt, img), dim=1)
-                joint = self.single_blocks[i - n_double](joint, h.mod_single, h.freqs, txt.shape[1])
-        return dataclasses.replace(h, img=img, txt=txt, joint=joint)
+        return run_stream_blocks(self, h, start, stop)
 
     def finish(self, h: Flux2Hidden) -> torch.Tensor:
         """The final layer on the image tokens: velocity ``[B, L_img, 128]``."""
@@ -204,29 +193,20 @@ class Flux2(nn.Module):
 
 
 @dataclass
-class Flux2Hidden:
-    """The residual stream between two stages of one forward (see ``flux.FluxHidden``), plus the shared
-    modulation triples every block reads."""
+class Flux2Hidden(FluxHidden):
+    """:class:`flux.FluxHidden` plus the shared modulation every block reads (computed once per forward)."""
 
-    img: torch.Tensor
-    txt: torch.Tensor
-    vec: torch.Tensor
-    freqs: object
-    mod_img: tuple
-    mod_txt: tuple
-    mod_single: tuple
-    joint: torch.Tensor | None = None
+    mod_img: tuple = field(kw_only=True)
+    mod_txt: tuple = field(kw_only=True)
+    mod_single: tuple = field(kw_only=True)
 
     @property
-    def stream(self) -> torch.Tensor:
-        """The image tokens ``[B, L_img, C]`` (what the final layer reads)."""
-        return self.img if self.joint is None else self.joint[:, self.txt.shape[1] :]
+    def double_mod(self) -> tuple:
+        return (self.mod_img, self.mod_txt)
 
-    def with_stream(self, img: torch.Tensor) -> Flux2Hidden:
-        """The same state with other image tokens (a step cache's reused result)."""
-        if self.joint is None:
-            return dataclasses.replace(self, img=img)
-        return dataclasses.replace(self, joint=torch.cat((self.joint[:, : self.txt.shape[1]], img), dim=1))
+    @property
+    def single_mod(self):
+        return self.mod_single
 
 
 def pack_latent(x: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,17 @@ import torch
 
 @dataclass(frozen=True)
 class LatentFormat:
-    """``model = (raw - shift) * scale / std``; ``shift`` and ``std`` may be per channel (dim 1)."""
+    """``model = (raw - shift) * scale / std``; ``shift`` and ``std`` may be per channel (dim 1).
+
+    ``downscale``: image pixels per latent pixel along each side (8 for most VAEs; 16 for FLUX.2, whose VAE
+    patchifies its 32-channel latent 2x2 into 128 channels)."""
 
     name: str
     channels: int
     scale: float = 1.0
     shift: float | tuple[float, ...] = 0.0
     std: tuple[float, ...] | None = None
+    downscale: int = 8
 
     def _param(self, value, x: torch.Tensor) -> torch.Tensor | float:
         if isinstance(value, tuple):
@@ -45,8 +49,14 @@ FLUX1 = LatentFormat("flux1", channels=16, scale=0.3611, shift=0.1159)
 SD15 = LatentFormat("sd15", channels=4, scale=0.18215)
 SDXL = LatentFormat("sdxl", channels=4, scale=0.13025)
 SD3 = LatentFormat("sd3", channels=16, scale=1.5305, shift=0.0609)
-# FLUX.2: its 32-channel VAE latent as the VAE emits it (before the 2x2 patching and batch-norm the FLUX.2
-# transformer applies); TAEF2 works directly on it.
+# FLUX.2: ComfyUI's LATENT (comfy.latent_formats.Flux2: 128 channels, spacial_downscale_ratio 16, process_in and
+# process_out the identity). ComfyUI's FLUX.2 VAE (comfy/sd.py: a VAE file with ``bn.running_mean`` gets
+# ``batch_norm_latent``) already applies the official autoencoder's latent normalization: encode = the
+# 32-channel latent, 2x2-patchified to 128 channels, then the batch-norm with the AE's running statistics;
+# decode undoes both. So the LATENT *is* the transformer's input space, as in black-forest-labs/flux2.
+FLUX2 = LatentFormat("flux2", channels=128, downscale=16)
+# The 32-channel FLUX.2 VAE latent before that patching, the space TAEF2 works in (ComfyUI's taesd decodes a
+# 128-channel FLUX.2 LATENT by un-patchifying it to these 32 channels and encodes by patchifying back).
 FLUX2_RAW = LatentFormat("flux2-raw", channels=32)
 # Sana's DC-AE f32c32 (mit-han-lab dc-ae-f32c32-sana-1.0: scaling_factor 0.41407).
 SANA_DCAE = LatentFormat("sana-dcae", channels=32, scale=0.41407)

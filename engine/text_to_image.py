@@ -25,7 +25,7 @@ from .conditioning import TextCondition
 from .denoiser import FlowDenoiser
 from .errors import InputError
 from .handle import ModelHandle
-from .plan.memory import flux_activation_bytes
+from .plan.memory import image_activation_bytes
 from .plan.preflight import check_fits
 from .sampling import SAMPLERS, explicit_sigmas, schedule_sigmas
 from .sampling.schedules import trim_for_denoise
@@ -77,53 +77,62 @@ def noise_for(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None
 
 def check_image_model(handle: ModelHandle, input_name: str = "model") -> None:
     """Refuse a model this image sampler cannot run (a video model, an inpainting / control variant)."""
-    if handle.family.name != "flux":
+    fam = handle.family
+    if not fam.is_image:
         raise InputError(
             input_name,
-            f"this sampler runs FLUX-family image models; {handle.preset or 'this checkpoint'} is a "
-            f"{handle.family.name} video model: use the causal video sampler (FewStepCausalVideoSampler, "
+            f"this sampler runs image DiTs (FLUX.1, FLUX.2, Z-Image); {handle.preset or 'this checkpoint'} is a "
+            f"{fam.name} video model: use the causal video sampler (FewStepCausalVideoSampler, "
             "`python -m fewstep stream`)",
         )
-    fmt = handle.family.latent_format
-    if handle.params.in_channels != 4 * fmt.channels:
+    fmt = fam.latent_format
+    if handle.params.latent_channels != fmt.channels:
         raise InputError(
             input_name,
             f"this checkpoint takes {handle.params.in_channels} input channels per token (an inpainting/control "
-            f"variant); text-to-image sampling needs {4 * fmt.channels}",
+            f"variant); text-to-image sampling of {fam.image.description} needs the {fmt.channels}-channel "
+            f"{fmt.name} latent",
         )
+
+
+def image_tokens_of(handle: ModelHandle, latent_shape: Sequence[int]) -> int:
+    """Image tokens of one forward over a ``[B, C, H, W]`` LATENT (before any padding the model adds)."""
+    return handle.family.image.image_tokens(int(latent_shape[-2]), int(latent_shape[-1]))
 
 
 def check_latent(handle: ModelHandle, latent: torch.Tensor, input_name: str = "latent") -> None:
     check_image_model(handle)
-    fmt = handle.family.latent_format
+    fam = handle.family
+    fmt, patch = fam.latent_format, fam.image.token_patch
     if latent.ndim != 4 or latent.shape[1] != fmt.channels:
         raise InputError(
             input_name,
-            f"expected an image latent [batch, {fmt.channels}, height/8, width/8] for {handle.family.name} "
-            f"({fmt.name} VAE space); got shape {list(latent.shape)}",
+            f"expected an image latent [batch, {fmt.channels}, height/{fmt.downscale}, width/{fmt.downscale}] "
+            f"for {fam.image.description} ({fmt.name} VAE space); got shape {list(latent.shape)}",
         )
     if latent.shape[0] == 0:
         raise InputError(input_name, "the latent batch is empty (0 images): nothing to sample")
     h, w = latent.shape[-2:]
+    px = fmt.downscale
     if h == 0 or w == 0:
-        raise InputError(input_name, f"image size {w * 8}x{h * 8} px: nothing to sample")
-    if h % 2 or w % 2:
+        raise InputError(input_name, f"image size {w * px}x{h * px} px: nothing to sample")
+    if h % patch or w % patch:
         raise InputError(
             input_name,
-            f"image size {w * 8}x{h * 8} px is not a multiple of 16 (FLUX packs 2x2 latent patches); "
-            "use a width and height divisible by 16",
+            f"image size {w * px}x{h * px} px is not a multiple of {px * patch} ({fam.image.description} packs "
+            f"{patch}x{patch} latent patches); use a width and height divisible by {px * patch}",
         )
     check_finite(latent, input_name, "the latent")
 
 
 def check_condition(handle: ModelHandle, cond: TextCondition, input_name: str) -> None:
-    p = handle.params
-    if cond.context.ndim != 3 or cond.context.shape[-1] != p.context_in_dim:
+    p, spec = handle.params, handle.family.image
+    width, pooled_width = spec.context_dim(p), spec.pooled_dim(p)
+    if cond.context.ndim != 3 or cond.context.shape[-1] != width:
         raise InputError(
             input_name,
-            f"conditioning tokens are {list(cond.context.shape)}; this {handle.family.name} model expects "
-            f"[batch, tokens, {p.context_in_dim}] (T5-XXL tokens, e.g. from CLIPTextEncodeFlux / DualCLIPLoader "
-            "type flux)",
+            f"conditioning tokens are {list(cond.context.shape)}; this {spec.description} model "
+            f"({handle.preset or 'checkpoint'}) expects [batch, tokens, {width}]: {spec.text_encoder(p)}",
         )
     if cond.context.shape[0] == 0:
         raise InputError(input_name, "the conditioning batch is empty (0 prompts)")
@@ -131,16 +140,21 @@ def check_condition(handle: ModelHandle, cond: TextCondition, input_name: str) -
         raise InputError(
             input_name, "the conditioning has 0 text tokens; expected at least 1 (an encoded prompt)"
         )
+    check_finite(cond.context, input_name, "the conditioning tokens (context)")
+    if cond.guidance is not None:
+        check_finite_number(cond.guidance, input_name)
+    if pooled_width is None:
+        return  # the family has no pooled vector; one that comes along (ComfyUI sets it for some encoders) is unused
     if cond.pooled is None:
         raise InputError(
             input_name,
-            f"conditioning has no pooled_output; this model needs a [batch, {p.vec_in_dim}] "
+            f"conditioning has no pooled_output; this model needs a [batch, {pooled_width}] "
             "pooled CLIP-L vector (CLIPTextEncodeFlux provides it)",
         )
-    if cond.pooled.ndim != 2 or cond.pooled.shape[-1] != p.vec_in_dim:
+    if cond.pooled.ndim != 2 or cond.pooled.shape[-1] != pooled_width:
         raise InputError(
             input_name,
-            f"pooled_output is {list(cond.pooled.shape)}; this model expects [batch, {p.vec_in_dim}]",
+            f"pooled_output is {list(cond.pooled.shape)}; this model expects [batch, {pooled_width}]",
         )
     if cond.pooled.shape[0] != cond.context.shape[0]:
         raise InputError(
@@ -148,10 +162,7 @@ def check_condition(handle: ModelHandle, cond: TextCondition, input_name: str) -
             f"the conditioning has {cond.context.shape[0]} token rows but {cond.pooled.shape[0]} pooled "
             "rows; each prompt needs both (one row of each per prompt)",
         )
-    check_finite(cond.context, input_name, "the conditioning tokens (context)")
     check_finite(cond.pooled, input_name, "the pooled conditioning vector (pooled_output)")
-    if cond.guidance is not None:
-        check_finite_number(cond.guidance, input_name)
 
 
 def check_sigmas(sigmas: torch.Tensor, input_name: str = "sigmas") -> None:
@@ -166,30 +177,36 @@ def check_sigmas(sigmas: torch.Tensor, input_name: str = "sigmas") -> None:
 
 
 def estimate_sample_bytes(
-    params, latent_shape: Sequence[int], text_tokens: int, rows: int, dtype: torch.dtype
+    params, latent_shape: Sequence[int], text_tokens: int, rows: int, dtype: torch.dtype, token_patch: int = 2
 ) -> dict[str, int]:
     """Bytes one sampling run allocates beyond the loaded weights, by part (the memory preflight's input).
 
     ``rows`` = latent batch x prompts evaluated per forward (both CFG halves when CFG runs). The latent-sized
     float32 tensors (noise, the sample, x0, the update, the output) are counted as 8 copies; activations are
-    :func:`~fewstep.engine.plan.memory.flux_activation_bytes` (an estimate: see there).
+    :func:`~fewstep.engine.plan.memory.image_activation_bytes` (an estimate: see there). ``token_patch``: LATENT
+    pixels per token side (the family's ``ImageSpec.token_patch``).
     """
     b, c, h, w = latent_shape
-    image_tokens = (h // 2) * (w // 2)
+    image_tokens = (h // token_patch) * (w // token_patch)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    context_width = getattr(params, "context_in_dim", None) or params.cap_feat_dim
     return {
         "latents": 8 * b * c * h * w * 4,
-        "activations": flux_activation_bytes(params, image_tokens, text_tokens, rows, dtype_bytes),
-        "model inputs": rows
-        * (image_tokens * params.in_channels + text_tokens * params.context_in_dim)
-        * dtype_bytes,
+        "activations": image_activation_bytes(params, image_tokens, text_tokens, rows, dtype_bytes),
+        "model inputs": rows * (c * h * w + text_tokens * context_width) * dtype_bytes,
     }
 
 
 def build_sigmas(
-    schedule: str, steps: int, latent: torch.Tensor, denoise: float, custom_sigmas: str = ""
+    schedule: str,
+    steps: int,
+    latent: torch.Tensor,
+    denoise: float,
+    custom_sigmas: str = "",
+    token_patch: int = 2,
 ) -> torch.Tensor:
-    image_seq_len = (latent.shape[-2] // 2) * (latent.shape[-1] // 2)
+    """``token_patch``: LATENT pixels per image token side; resolution-shifted schedules read the token count."""
+    image_seq_len = (latent.shape[-2] // token_patch) * (latent.shape[-1] // token_patch)
     if schedule == "custom":
         return trim_for_denoise(explicit_sigmas(custom_sigmas, "custom_sigmas"), denoise)
     return schedule_sigmas(schedule, steps, image_seq_len=image_seq_len, denoise=denoise)
@@ -248,7 +265,9 @@ def sample_latent(
     """
     check_sample_inputs(handle, positive, negative, latent, sampler, seed, cfg)
     if sigmas is None:
-        sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
+        sigmas = build_sigmas(
+            schedule, steps, latent, denoise, custom_sigmas, token_patch=handle.family.image.token_patch
+        )
     else:
         check_sigmas(sigmas)
     sigmas = sigmas.to(torch.float32)
@@ -257,7 +276,12 @@ def sample_latent(
     text_tokens = max(c.context.shape[1] for c in [*positive, *(negative or [])])
     check_fits(
         estimate_sample_bytes(
-            handle.params, latent.shape, text_tokens, latent.shape[0] * prompts, handle.dtype
+            handle.params,
+            latent.shape,
+            text_tokens,
+            latent.shape[0] * prompts,
+            handle.dtype,
+            token_patch=handle.family.image.token_patch,
         ),
         handle.device,
         "latent",

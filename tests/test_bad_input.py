@@ -217,7 +217,7 @@ def test_generate_default_model_is_refused_with_the_estimate_and_a_hint(capsys, 
     [
         (
             ["--model", "wan-tiny"],
-            "input '--model': this sampler runs FLUX-family image models; wan-tiny is a wan video model",
+            "input '--model': this sampler runs image DiTs (FLUX.1, FLUX.2, Z-Image); wan-tiny is a wan video model",
         ),
         (["--batch", "-1"], "input '--batch': expected at least 1, got -1"),
         (["--batch", "0"], "input '--batch': expected at least 1, got 0"),

@@ -259,6 +259,23 @@ def with_overrides(params: Flux2Params, **changes) -> Flux2Params:
     return dataclasses.replace(params, **changes)
 
 
+# Which text encoder produces each conditioning width: three hidden layers stacked per token (BFL flux2
+# text_encoder.py; diffusers Flux2Pipeline / Flux2KleinPipeline ``text_encoder_out_layers``).
+TEXT_ENCODERS = {
+    15360: "Mistral-Small-3.1-24B hidden states of layers 10, 20, 30 stacked (3 x 5120)",
+    7680: "Qwen3-4B hidden states of layers 9, 18, 27 stacked (3 x 2560)",
+    12288: "Qwen3-8B hidden states of layers 9, 18, 27 stacked (3 x 4096)",
+}
+
+
+def text_encoder_for(params: Flux2Params) -> str:
+    """The text-encoder setup whose output this model's ``context_in_dim`` is, for error messages."""
+    what = TEXT_ENCODERS.get(
+        params.context_in_dim, f"{params.context_in_dim}-wide stacked text-encoder states"
+    )
+    return f"{what} (CLIPLoader type flux2, CLIPTextEncode)"
+
+
 # FLUX.2-dev's default distilled guidance (black-forest-labs/flux2 scripts/cli.py: guidance 4.0); klein
 # has no guidance embedding and ignores it.
 DEFAULT_GUIDANCE = 4.0

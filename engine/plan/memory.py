@@ -78,6 +78,26 @@ def flux_activation_bytes(p, image_tokens: int, text_tokens: int, rows: int, dty
     return rows * tokens * (per_token + rope)
 
 
+def image_activation_bytes(p, image_tokens: int, text_tokens: int, rows: int, dtype_bytes: int) -> int:
+    """:func:`flux_activation_bytes` for any image family's params: FLUX.1 and FLUX.2 (``hidden_size``,
+    ``mlp_ratio``; FLUX.2's MLP is a SwiGLU whose input projection is twice the MLP width, counted as such) and
+    Z-Image (``dim``, its SwiGLU width, caption and image tokens each padded to ``seq_multiple``)."""
+    if hasattr(p, "hidden_size"):
+        hidden, heads = p.hidden_size, p.num_heads
+        mlp = int(hidden * p.mlp_ratio) * (2 if not hasattr(p, "vec_in_dim") else 1)
+        tokens = image_tokens + text_tokens
+    else:
+        from ..models.zimage import padded_length
+        from ..models.zimage_layers import ffn_hidden_dim
+
+        hidden, heads = p.dim, p.n_heads
+        mlp = 2 * ffn_hidden_dim(hidden)
+        tokens = padded_length(image_tokens, p.seq_multiple) + padded_length(text_tokens, p.seq_multiple)
+    per_token = FLUX_ACTIVATION_FACTOR * (12 * hidden + 3 * mlp) * dtype_bytes
+    rope = 2 * (hidden // heads) * 4
+    return rows * tokens * (per_token + rope)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     name: str

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from fewstep.engine.models import flux2, zimage
 from fewstep.engine.models.flux import random_inputs
+from fewstep.engine.models.registry import family_of
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -62,6 +64,32 @@ def parse_px(size: str) -> tuple[int, int]:
 
 
 flux_inputs = random_inputs  # Flux.forward keyword arguments for a width x height px image
+
+# forward keyword arguments of each image family for a width x height px image (16 px a token in all three)
+DIT_INPUTS = {"flux": random_inputs, "flux2": flux2.random_inputs, "zimage": zimage.random_inputs}
+
+
+def dit_inputs(model, width: int, height: int, txt: int, batch: int = 1) -> dict:
+    """``model(**inputs)`` keyword arguments for a ``width x height`` px image and ``txt`` text tokens, seeded."""
+    return DIT_INPUTS[family_of(model).name](model.params, width, height, txt, batch)
+
+
+def image_tokens(width: int, height: int) -> int:
+    """Image tokens of FLUX.1, FLUX.2 and Z-Image: one per 16 x 16 px (before Z-Image's padding to 32)."""
+    return (width // 16) * (height // 16)
+
+
+def describe_dit(params) -> str:
+    """Width, heads and blocks of an image DiT's params, for a benchmark's header line."""
+    if hasattr(params, "depth_single_blocks"):  # FLUX.1 and FLUX.2
+        return (
+            f"hidden {params.hidden_size}, {params.num_heads} heads x {params.head_dim}, {params.depth} double + "
+            f"{params.depth_single_blocks} single blocks"
+        )
+    return (
+        f"dim {params.dim}, {params.n_heads} heads x {params.head_dim}, {params.n_refiner_layers} + "
+        f"{params.n_refiner_layers} refiner + {params.n_layers} single-stream layers"
+    )
 
 
 def save(name: str, payload: dict) -> Path:

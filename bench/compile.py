@@ -4,6 +4,8 @@
                                                   # regional and full; then the GPU section if CUDA is present
     python bench/compile.py --quick               # CPU: flux-mid 256x256, regional only (< 90 s on 2 cores)
     python bench/compile.py --cases flux-mid@512x512 --modes regional --rounds 7 --threads 2
+    python bench/compile.py --cases flux2-mid@256x256,zimage-mid@256x256 --modes regional  # FLUX.2, Z-Image
+    python bench/compile.py --gpu-preset flux.2-klein-4b   # (GPU) klein-4B, or z-image-turbo, at 1024x1024
     python bench/compile.py --no-cpu              # (on a GPU machine) only the GPU section
 
 CPU section, per case (dummy weights, fp32, 1 image, ``--txt`` prompt tokens), compile with the inductor
@@ -40,7 +42,7 @@ import argparse
 import time
 
 import torch
-from _common import flux_inputs, header, median, parse_args, parse_px, save, setup_threads
+from _common import dit_inputs, header, image_tokens, median, parse_args, parse_px, save, setup_threads
 
 from fewstep.engine import TextCondition, open_model, sample_latent
 from fewstep.engine.compile import COMPILE_FEATURE, CompileWatch, attach_compile, compile_model
@@ -73,14 +75,21 @@ def to_device(inputs: dict, device: torch.device, dtype: torch.dtype) -> dict:
     }
 
 
-def condition(params, txt: int, seed: int = 0) -> TextCondition:
+def condition(handle, txt: int, seed: int = 0) -> TextCondition:
+    """Seeded conditioning of the handle's family (FLUX.1: T5 tokens and a pooled vector; FLUX.2, Z-Image: tokens)."""
     gen = torch.Generator().manual_seed(seed)
-    guidance = 3.5 if params.guidance_embed else None
+    spec, params = handle.family.image, handle.params
+    pooled = spec.pooled_dim(params)
     return TextCondition(
-        torch.randn(1, txt, params.context_in_dim, generator=gen),
-        torch.randn(1, params.vec_in_dim, generator=gen),
-        guidance,
+        torch.randn(1, txt, spec.context_dim(params), generator=gen),
+        None if pooled is None else torch.randn(1, pooled, generator=gen),
+        3.5 if spec.guidance(params) else None,
     )
+
+
+def empty_latent(handle, width: int, height: int) -> torch.Tensor:
+    fmt = handle.family.latent_format
+    return torch.zeros(1, fmt.channels, height // fmt.downscale, width // fmt.downscale)
 
 
 def ab(fn_a, fn_b, rounds: int, device: torch.device) -> tuple[list[float], list[float], object, object]:
@@ -125,7 +134,7 @@ def run_cpu_case(preset: str, size: str, mode: str, args) -> dict:
     device = torch.device("cpu")
     handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
     model = handle.model
-    inputs = flux_inputs(model.params, width, height, args.txt)
+    inputs = dit_inputs(model, width, height, args.txt)  # FLUX.1, FLUX.2 or Z-Image forward arguments
     torch._dynamo.reset()  # every case compiles from scratch (dynamo's in-memory caches)
     compiled = compile_model(model, mode, dynamic=True, backend=args.backend)
     with torch.inference_mode():
@@ -142,8 +151,8 @@ def run_cpu_case(preset: str, size: str, mode: str, args) -> dict:
     forward["max_abs_diff"] = float((out - ref).abs().max())
 
     # 4 sampling steps through the handle feature (the sampler applies it); the compiled code is reused
-    cond = condition(model.params, args.txt)
-    latent = torch.zeros(1, 16, height // 8, width // 8)
+    cond = condition(handle, args.txt)
+    latent = empty_latent(handle, width, height)
     compiled_handle = attach_compile(handle, mode, "off", backend=args.backend)
     compiled_handle.feature(COMPILE_FEATURE).compiled = compiled  # the same compiled code as above
     kwargs = {"steps": STEPS, "schedule": SCHEDULE, "seed": 0}
@@ -163,7 +172,7 @@ def run_cpu_case(preset: str, size: str, mode: str, args) -> dict:
         "size": size,
         "mode": mode,
         "backend": args.backend,
-        "image_tokens": inputs["img"].shape[1],
+        "image_tokens": image_tokens(width, height),
         "text_tokens": args.txt,
         "first_compiled_call_s": first,
         "eager_first_call_s": eager_first,
@@ -187,7 +196,7 @@ def gpu_section(preset: str, size: str, txt: int, repeats: int, rounds: int, bac
     on_gpu = device.type == "cuda"
     handle = open_model(f"dummy:{preset}", device=device, dtype=dtype)
     model = handle.model
-    inputs = to_device(flux_inputs(model.params, width, height, txt), device, dtype)
+    inputs = to_device(dit_inputs(model, width, height, txt), device, dtype)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
@@ -197,7 +206,7 @@ def gpu_section(preset: str, size: str, txt: int, repeats: int, rounds: int, bac
     feature = graphed_handle.feature(COMPILE_FEATURE)
     compiled, graphs = feature.compiled, feature.graphs  # graphs replay the compiled forward
 
-    results: dict = {"preset": preset, "size": size, "dtype": str(dtype), "image_tokens": inputs["img"].shape[1],
+    results: dict = {"preset": preset, "size": size, "dtype": str(dtype), "image_tokens": image_tokens(width, height),
                      "text_tokens": txt, "weights_gib": weights_gib, "backend": backend}  # fmt: skip
     with torch.inference_mode():
         t, ref = clock(lambda: model(**inputs), device)  # warm-up (cuBLAS handles, allocator)
@@ -228,8 +237,8 @@ def gpu_section(preset: str, size: str, txt: int, repeats: int, rounds: int, bac
         }
         results["graph_stats"] = vars(graphs.stats.copy())
 
-    cond = condition(model.params, txt)
-    latent = torch.zeros(1, 16, height // 8, width // 8)
+    cond = condition(handle, txt)
+    latent = empty_latent(handle, width, height)
     kwargs = {"steps": STEPS, "schedule": SCHEDULE, "seed": 0}
     sample_latent(graphed_handle, [cond], latent, **kwargs)  # warm-up: every step's key captured already
     sample_latent(handle, [cond], latent, **kwargs)

@@ -1,8 +1,8 @@
 """DiT forward MFU on CPU: the forward's FLOP/s over torch's own GEMM FLOP/s on the same shapes, same run.
 
-    python bench/dit_mfu.py                       # flux-mid, 256x256 and 512x512 px, 128 text tokens
-    python bench/dit_mfu.py --sizes 1024x1024 --txt 256 --rounds 5
-    python bench/dit_mfu.py --quick               # 256x256 only, 3 rounds (under a minute on 2 cores)
+    python bench/dit_mfu.py                       # flux-mid, flux2-mid, zimage-mid; 256x256 and 512x512 px
+    python bench/dit_mfu.py --presets flux2-mid --sizes 1024x1024 --txt 256 --rounds 5
+    python bench/dit_mfu.py --quick               # 256x256 only, 3 rounds (about a minute on 2 cores)
 
 FLOPs: every GEMM the forward executes (aten mm/addmm/bmm/baddbmm, in-place too, after decomposing ops such as
 ``linear``, recorded with a TorchDispatchMode) counts 2*M*K*N; every attention call counts 4*Nq*Nk*d*heads
@@ -22,7 +22,17 @@ import sys
 from collections import defaultdict
 
 import torch
-from _common import flux_inputs, header, median, parse_px, save, setup_threads, timed
+from _common import (
+    describe_dit,
+    dit_inputs,
+    header,
+    image_tokens,
+    median,
+    parse_px,
+    save,
+    setup_threads,
+    timed,
+)
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -121,7 +131,7 @@ def replay(calls):
 
 def run_size(model, size: str, txt: int, batch: int, rounds: int, warmup: int, top: int) -> dict:
     w, h = parse_px(size)
-    inputs = flux_inputs(model.params, w, h, txt, batch)
+    inputs = dit_inputs(model, w, h, txt, batch)
     with torch.inference_mode():
         rec = RecordGemms()
         with rec:
@@ -150,7 +160,7 @@ def run_size(model, size: str, txt: int, batch: int, rounds: int, warmup: int, t
     fwd, gemm, attn, sdpa = (median(x) for x in (f, g, a, s))
     return {
         "size": size,
-        "image_tokens": inputs["img"].shape[1],
+        "image_tokens": image_tokens(w, h),
         "text_tokens": txt,
         "batch": batch,
         "rounds": rounds,
@@ -260,7 +270,12 @@ def summary(preset: str, rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="flux-mid")
+    ap.add_argument(
+        "--presets",
+        "--preset",
+        default="flux-mid,flux2-mid,zimage-mid",
+        help="dummy presets, comma-separated: FLUX.1, FLUX.2 and Z-Image mid-size by default (head size 128 each)",
+    )
     ap.add_argument("--sizes", default="256x256,512x512", help="image sizes in px, WxH, comma-separated")
     ap.add_argument("--txt", type=int, default=128, help="text tokens")
     ap.add_argument("--batch", type=int, default=1)
@@ -276,26 +291,28 @@ def main() -> None:
 
     setup_threads(args.threads)
     env = header("DiT forward MFU (CPU)")
-    model = load_dit(f"dummy:{args.preset}")
-    p = model.params
-    print(
-        f"hidden {p.hidden_size}, {p.num_heads} heads x {p.head_dim}, {p.depth} double + "
-        f"{p.depth_single_blocks} single blocks; batch {args.batch}, {args.rounds} rounds\n"
-    )
-    rows = [
-        run_size(model, s, args.txt, args.batch, args.rounds, args.warmup, args.top)
-        for s in args.sizes.split(",")
-    ]
-    print_results(args.preset, rows, args.profile)
+    results, rows_of_summary = {}, []
+    for preset in args.presets.split(","):
+        model = load_dit(f"dummy:{preset}")
+        print(f"### {preset}\n\n{describe_dit(model.params)}; batch {args.batch}, {args.rounds} rounds\n")
+        rows = [
+            run_size(model, s, args.txt, args.batch, args.rounds, args.warmup, args.top)
+            for s in args.sizes.split(",")
+        ]
+        print_results(preset, rows, args.profile)
+        print()
+        results[preset] = rows
+        rows_of_summary += summary(preset, rows)
+        del model
     save(
         "dit_mfu",
         {
             "env": env,
             "quick": args.quick,
-            "preset": args.preset,
+            "presets": list(results),
             "target_mfu": TARGET_MFU,
-            "results": rows,
-            "summary": summary(args.preset, rows),
+            "results": results,
+            "summary": rows_of_summary,
         },
     )
 

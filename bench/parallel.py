@@ -3,6 +3,7 @@
     python bench/parallel.py                   # flux-tiny 512, 768 and 1024 px, 4 steps, 5 rounds
     python bench/parallel.py --quick           # flux-mid 512 px, 2 rounds (~80 s on 2 cores)
     python bench/parallel.py --cases flux-tiny@1024x1024 --rounds 3 --threads 2
+    python bench/parallel.py --cases flux2-mid@512x512,zimage-mid@512x512 --rounds 2   # FLUX.2, Z-Image
 
 Every side samples the same 4-step FLUX.1-schnell run (dummy weights, fp32, one prompt of ``--txt`` tokens, cfg 1:
 one forward per step) and returns the same latent (checked, <= 1e-5):
@@ -53,7 +54,8 @@ import torch
 from _common import header, median, parse_px, save, setup_threads
 
 from fewstep.engine import TextCondition, open_model, sample_latent
-from fewstep.engine.parallel import ParallelConfig, WorkerPool, parallel_sample
+from fewstep.engine.models.zimage import padded_length
+from fewstep.engine.parallel import ParallelConfig, WorkerPool, image_sharding, parallel_sample
 
 TARGET_RATIO = 1.5
 GOAL_CASE = "flux-mid@512x512"
@@ -68,24 +70,43 @@ def per_rank_threads(total: int | None) -> int:
     return max(1, (total or len(os.sched_getaffinity(0))) // 2)
 
 
-def condition(params, tokens: int, seed: int = 0) -> TextCondition:
+def condition(handle, tokens: int, seed: int = 0) -> TextCondition:
+    """Seeded conditioning of the handle's family (FLUX.1: T5 tokens and a pooled vector; FLUX.2, Z-Image: tokens)."""
     g = torch.Generator().manual_seed(seed)
+    spec, params = handle.family.image, handle.params
+    pooled = spec.pooled_dim(params)
     return TextCondition(
-        torch.randn(1, tokens, params.context_in_dim, generator=g),
-        torch.randn(1, params.vec_in_dim, generator=g),
+        torch.randn(1, tokens, spec.context_dim(params), generator=g),
+        None if pooled is None else torch.randn(1, pooled, generator=g),
         3.5,
     )
 
 
+def empty_latent(handle, width: int, height: int, device="cpu") -> torch.Tensor:
+    fmt = handle.family.latent_format
+    return torch.zeros(1, fmt.channels, height // fmt.downscale, width // fmt.downscale, device=device)
+
+
+def sharded_shape(handle) -> tuple[int, int, int]:
+    """(heads, width, sharded blocks) of an image DiT: FLUX.1 / FLUX.2 every block; Z-Image its layers (the
+    refiners run whole on every rank, in the embed stage)."""
+    p = handle.params
+    if handle.family.name == "zimage":
+        return p.n_heads, p.dim, p.n_layers
+    return p.num_heads, p.hidden_size, p.depth + p.depth_single_blocks
+
+
 def expected_bytes_per_step(
-    params, batch: int, image_tokens: int, text_tokens: int, degrees, elt: int = 4
+    handle, batch: int, image_tokens: int, text_tokens: int, degrees, elt: int = 4
 ) -> dict:
-    """The formula of the module docstring, per kind of collective (one forward per step, cfg 1)."""
+    """The formula of the module docstring, per kind of collective (one forward per step, cfg 1).
+    ``image_tokens``: the sharded ones (Z-Image: padded to 32); ``text_tokens``: the replicated ones (Z-Image:
+    the caption padded to 32)."""
     u, r = degrees
     world = u * r
     s = image_tokens // world
-    h, d, c = params.num_heads, params.hidden_size // params.num_heads, params.hidden_size
-    blocks = params.depth + params.depth_single_blocks
+    h, c, blocks = sharded_shape(handle)
+    d = c // h
     x = batch * s * h * d * elt  # one of q, k, v or the output, on one rank
     out = {}
     if u > 1:
@@ -115,9 +136,10 @@ def run_case(case: str, args, pools: dict) -> dict:
     width, height = parse_px(size)
     handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
     p = handle.params
-    cond = condition(p, args.txt)
-    latent = torch.zeros(1, 16, height // 8, width // 8)
-    image_tokens = (height // 16) * (width // 16)
+    cond = condition(handle, args.txt)
+    latent = empty_latent(handle, width, height)
+    image_tokens = image_sharding(handle.family.name).sharded_tokens(p, latent.shape[-2], latent.shape[-1])
+    text_tokens = padded_length(args.txt, p.seq_multiple) if handle.family.name == "zimage" else args.txt
     kwargs = {"seed": 0, "steps": args.steps, "schedule": "flux.1-schnell", "sampler": "euler"}
 
     def single():
@@ -155,7 +177,8 @@ def run_case(case: str, args, pools: dict) -> dict:
 
     result = {
         "preset": preset, "size": f"{width}x{height}", "image_tokens": image_tokens, "text_tokens": args.txt,
-        "steps": args.steps, "heads": p.num_heads, "hidden": p.hidden_size, "max_abs_diff": max_diff,
+        "steps": args.steps, "heads": sharded_shape(handle)[0], "hidden": sharded_shape(handle)[1],
+        "max_abs_diff": max_diff,
         "seconds": times, "median_seconds": {k: median(v) for k, v in times.items()}, "cpu_seconds": cpu,
     }  # fmt: skip
     for name in SIDES[1:]:
@@ -165,11 +188,11 @@ def run_case(case: str, args, pools: dict) -> dict:
             "best_of": min(times["single"]) / min(times[name]),
             "work_split": median([a / b for a, b in zip(cpu["single"], cpu[name], strict=True)]),
         }  # fmt: skip
-    result["comm"] = measure_comm(pools["x2"], handle, cond, latent, image_tokens, args)
+    result["comm"] = measure_comm(pools["x2"], handle, cond, latent, image_tokens, text_tokens)
     return result
 
 
-def measure_comm(pool, handle, cond, latent, image_tokens: int, args) -> dict:
+def measure_comm(pool, handle, cond, latent, image_tokens: int, text_tokens: int) -> dict:
     """Rank 0's bytes per step (each kind of collective) against the formula, for both 2-rank splits."""
     out = {}
     steps = 2
@@ -178,7 +201,7 @@ def measure_comm(pool, handle, cond, latent, image_tokens: int, args) -> dict:
         parallel_sample(pool, handle, [cond], latent, steps=steps, degrees=DEGREES[name], comm=comm)
         sent = comm["bytes_sent"]
         measured = {k: v // steps for k, v in sent.items()}
-        expected = expected_bytes_per_step(handle.params, 1, image_tokens, args.txt, DEGREES[name])
+        expected = expected_bytes_per_step(handle, 1, image_tokens, text_tokens, DEGREES[name])
         out[name] = {
             "measured": measured, "expected": expected, "calls": comm["calls"],
             "measured_total": sum(measured.values()), "expected_total": sum(expected.values()),
@@ -198,9 +221,8 @@ def run_gpu(args) -> list[dict]:
             preset, size = case.split("@")
             width, height = parse_px(size)
             handle = open_model(f"dummy:{preset}", device="cuda", dtype=torch.bfloat16)
-            cond = condition(handle.params, args.txt)
-            cond = TextCondition(cond.context.cuda(), cond.pooled.cuda(), cond.guidance)
-            latent = torch.zeros(1, 16, height // 8, width // 8, device="cuda")
+            cond = condition(handle, args.txt).to("cuda", torch.bfloat16)
+            latent = empty_latent(handle, width, height, device="cuda")
             kwargs = {"seed": 0, "steps": args.steps, "schedule": "flux.1-schnell", "sampler": "euler"}
 
             def single(handle=handle, cond=cond, latent=latent, kwargs=kwargs):

@@ -4,6 +4,7 @@
     python bench/stream_batch.py --cases flux-mid@256x256 --rounds 2 --threads 1
     python bench/stream_batch.py --quick               # flux-tiny 64, 128 px; flux-mid 128 px; 6 frames (< 90 s)
     python bench/stream_batch.py --device cuda --cases flux.1-schnell@512x512   # on a GPU: bf16, schnell width
+    python bench/stream_batch.py --cases zimage-tiny@128x128,flux2-tiny@128x128  # Z-Image (taef1), FLUX.2 (taef2)
 
 Both sides use one ``StreamBatch`` (dummy weights, fp32, T = 4: t_index_list 10,20,30,40 of flux.1-schnell x50,
 frame buffer 1, CFG none, similarity filter off) and the same frames, noise and prompt:
@@ -48,6 +49,7 @@ from _common import header, median, parse_px, save, setup_threads
 
 from fewstep.engine import TextCondition, load_tiny_vae, open_model
 from fewstep.engine.stream import StreamBatch, StreamConfig, denoise_sequential, run_sequential
+from fewstep.engine.vae.tiny import variants_for
 
 T_INDEX = (10, 20, 30, 40)
 TARGET_RATIO = 2.0
@@ -71,16 +73,22 @@ def sync(device: str) -> None:
 
 def make_stream(preset: str, width: int, height: int, txt: int, cfg_mode: str, seed: int = 0, device="cpu",
                 dtype=torch.float32):  # fmt: skip
+    """A stream of any image family: its tiny AE (taef1 for FLUX.1 / Z-Image, taef2 for FLUX.2) and prompts of
+    its conditioning widths (a pooled vector only where the family has one)."""
     handle = open_model(f"dummy:{preset}", device=device, dtype=dtype)
-    vae = load_tiny_vae("dummy:taef1", device=device, dtype=dtype)
+    (variant,) = variants_for(handle.family.latent_format)
+    vae = load_tiny_vae(f"dummy:{variant.name}", device=device, dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
-    p = handle.params
-    pos = TextCondition(
-        torch.randn(1, txt, p.context_in_dim, generator=gen), torch.randn(1, p.vec_in_dim, generator=gen)
-    )
-    neg = TextCondition(
-        torch.randn(1, txt, p.context_in_dim, generator=gen), torch.randn(1, p.vec_in_dim, generator=gen)
-    )
+    spec, p = handle.family.image, handle.params
+    width_ctx, width_pooled = spec.context_dim(p), spec.pooled_dim(p)
+
+    def prompt():
+        context = torch.randn(1, txt, width_ctx, generator=gen)
+        return TextCondition(
+            context, None if width_pooled is None else torch.randn(1, width_pooled, generator=gen)
+        )
+
+    pos, neg = prompt(), prompt()
     config = StreamConfig(t_index_list=T_INDEX, cfg_mode=cfg_mode, guidance_scale=1.5)
     return StreamBatch(handle, vae, pos, negative=neg, height=height, width=width, config=config, seed=seed)
 
@@ -212,7 +220,7 @@ def run_case(preset: str, size: str, args) -> dict:
     n = frames.shape[0]
     if n < steps:
         raise SystemExit(f"--frames {n} is shorter than the stream (T = {steps}): no steady state")
-    latents = stream.vae.encode(frames).float()
+    latents = stream.encode_frames(frames)
     # one untimed pass of each side (allocator, oneDNN primitive caches)
     stream_denoise(stream, latents[: steps + 1])
     sequential_denoise(stream, latents[: steps + 1])
@@ -231,7 +239,8 @@ def run_case(preset: str, size: str, args) -> dict:
         "size": size,
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
-        "image_tokens": (width // 16) * (height // 16),
+        "image_tokens": stream.family.image.image_tokens(*stream.latent_shape[1:]),
+        "tiny_vae": stream.vae.variant.name,
         "text_tokens": args.txt,
         "frames": n,
         "steps": steps,
@@ -251,7 +260,7 @@ def run_case(preset: str, size: str, args) -> dict:
 LEVELS = {
     "denoise_steady": "denoise, steady state (full buffer)",
     "denoise_clip": "denoise, whole clip (warm-up + flush)",
-    "end_to_end": "end to end, whole clip (taef1 encode/decode)",
+    "end_to_end": "end to end, whole clip (tiny-AE encode/decode)",
 }
 
 

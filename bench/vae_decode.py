@@ -10,6 +10,12 @@ diffusion model's space), fp32. Each round times one full-AE decode and, right b
 (repeated to last at least ``--min-time`` seconds); speed-up = full time / tiny time per round, median over
 rounds. Goal: tiny >= 20x faster.
 
+FLUX.2 (``--no-flux2`` skips it): the tiny FLUX.2 decoder (TAEF2) on a FLUX.2 LATENT ``[1, 128, H/16, W/16]``
+(un-patchified to its 32 channels at 1/8 first, as the node does) against the FLUX.2 autoencoder's decoder
+architecture (the FLUX.1 decoder with 32 latent channels behind a 1x1 post-quant conv, as the planner counts it;
+random weights, no batch-norm undo timed: it is elementwise), and the cost of the un-patchify itself (the
+128-channel path against decoding the 32-channel latent directly).
+
 Video (when ``fewstep.engine.vae`` has TAEHV): frames per second of the tiny Wan 2.1 decoder (``taew2_1``)
 on a 480p chunk, latent ``[1, 16, 3, 60, 104]`` (832x480 px): one ``decode`` of the chunk alone (9 frames:
 the first latent stands for one frame) and a streaming ``push`` of a chunk that follows another (12 frames).
@@ -32,7 +38,7 @@ TARGET_SPEEDUP = 20.0
 VIDEO_LATENT = (1, 16, 3, 60, 104)  # [N, C, T, h, w]: 3 latent frames of 832x480 px
 # --quick defaults: the TAEHV part is left out (a 480p chunk takes tens of seconds on 2 cores, and frames per
 # second are absolute numbers, which the suite table does not show for a CPU)
-QUICK = {"sizes": "512x512", "rounds": 2, "min_time": 0.3, "no_video": True}
+QUICK = {"sizes": "512x512", "rounds": 2, "min_time": 0.3, "no_video": True, "no_flux2": True}
 
 
 def load_tiny(variant: str):
@@ -99,6 +105,84 @@ def image_decode(full, tiny, size: str, rounds: int, warmup: int, min_s: float) 
         "tiny_gflops": tiny_gflop / median(t_tiny),
         "full_gflops": full_gflop / median(t_full),
     }
+
+
+def flux2_full_decoder() -> torch.nn.Module:
+    """The FLUX.2 autoencoder's decoder shape (diffusers ``AutoencoderKLFlux2``): the FLUX.1 decoder with 32
+    latent channels, behind a 1x1 post-quant conv; seeded random weights."""
+    import dataclasses
+
+    from fewstep.engine.vae.flux_ae import AE_PRESETS, Decoder
+    from fewstep.engine.weights import dummy_init_
+
+    decoder = torch.nn.Sequential(
+        torch.nn.Conv2d(32, 32, 1), Decoder(dataclasses.replace(AE_PRESETS["flux1-ae"], z_channels=32))
+    )
+    dummy_init_(decoder, 0)
+    return decoder.eval().requires_grad_(False)
+
+
+def flux2_decode(full2, tiny2, size: str, rounds: int, warmup: int, min_s: float) -> dict:
+    w, h = parse_px(size)
+    raw = torch.randn(1, 128, h // 16, w // 16, generator=torch.Generator().manual_seed(0))
+    z = tiny2.raw_to_latent(raw)  # [1, 32, H/8, W/8]
+
+    def tiny_raw():
+        return tiny2.decode_raw(raw)
+
+    def tiny_direct():
+        return tiny2.decode(z)
+
+    @torch.inference_mode()
+    def full_decode():
+        return full2(z)
+
+    exact = bool(torch.equal(tiny_raw(), tiny_direct()))  # also the first warm-up
+    shapes_match = full_decode().shape == tiny_raw().shape
+    for _ in range(warmup - 1):
+        full_decode(), tiny_raw(), tiny_direct()
+    raw_timed, inner = repeated(tiny_raw, min_s)
+    direct_timed, _ = repeated(tiny_direct, min_s)
+    t_raw, t_direct, t_full = [], [], []
+    for _ in range(rounds):
+        t_raw.append(timed(raw_timed) / inner)
+        t_direct.append(timed(direct_timed) / inner)
+        t_full.append(timed(full_decode))
+    tiny_gflop = decode_gflop(tiny2.decoder, tuple(z.shape))
+    full_gflop = decode_gflop(full2, tuple(z.shape))
+    ratios = [f / t for f, t in zip(t_full, t_raw)]
+    return {
+        "size": size,
+        "latent": list(raw.shape),
+        "taef2_latent": list(z.shape),
+        "same_output_shape": shapes_match,
+        "raw_path_equals_direct": exact,
+        "rounds": rounds,
+        "tiny_ms": median(t_raw) * 1e3,
+        "tiny_direct_ms": median(t_direct) * 1e3,
+        "full_ms": median(t_full) * 1e3,
+        "speedup": median(ratios),
+        "speedup_min_max": [min(ratios), max(ratios)],
+        "tiny_gflop": tiny_gflop,
+        "full_gflop": full_gflop,
+        "flop_ratio": full_gflop / tiny_gflop,
+    }
+
+
+def print_flux2(rows: list[dict]) -> None:
+    print(
+        "\nFLUX.2: TAEF2 on the 128-channel LATENT (un-patchify + decode) vs the FLUX.2 AE decoder, fp32:\n"
+    )
+    print("| image | LATENT | TAEF2 ms | TAEF2 on the 32-ch latent ms | FLUX.2 AE ms | speed-up (min-max) "
+          "| FLOP ratio | 128-ch path == 32-ch path |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        lo, hi = r["speedup_min_max"]
+        print(
+            f"| {r['size']} | {'x'.join(map(str, r['latent'][1:]))} | {r['tiny_ms']:.1f} | {r['tiny_direct_ms']:.1f} "
+            f"| {r['full_ms']:.0f} | **{r['speedup']:.1f}x** ({lo:.1f}-{hi:.1f}) | {r['flop_ratio']:.1f}x "
+            f"| {r['raw_path_equals_direct']} |"
+        )
 
 
 def video_decode(rounds: int, min_s: float) -> dict:
@@ -230,6 +314,7 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds per tiny timing (inner repeats)")
     ap.add_argument("--video-rounds", type=int, default=3)
     ap.add_argument("--no-video", action="store_true", help="skip the TAEHV frames-per-second part")
+    ap.add_argument("--no-flux2", action="store_true", help="skip the TAEF2 / FLUX.2 AE part")
     args = parse_args(ap, QUICK)
 
     setup_threads(args.threads)
@@ -244,8 +329,21 @@ def main() -> None:
             image_decode(full, tiny, s, args.rounds, max(1, args.warmup), args.min_time)
             for s in args.sizes.split(",")
         ]
+    flux2 = []
+    if not args.no_flux2:
+        tiny2, why = load_tiny("taef2")
+        if tiny2 is None:
+            print(f"FLUX.2 decode skipped: {why}")
+        else:
+            full2 = flux2_full_decoder()
+            flux2 = [
+                flux2_decode(full2, tiny2, s, args.rounds, max(1, args.warmup), args.min_time)
+                for s in args.sizes.split(",")
+            ]
     video = None if args.no_video else video_decode(args.video_rounds, args.min_time)
     print_results(rows, video)
+    if flux2:
+        print_flux2(flux2)
     save(
         "vae_decode",
         {
@@ -253,6 +351,7 @@ def main() -> None:
             "quick": args.quick,
             "target_speedup": TARGET_SPEEDUP,
             "image": rows,
+            "flux2": flux2,
             "video": video,
             "summary": summary(rows, video),
         },

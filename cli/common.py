@@ -11,12 +11,11 @@ import torch
 from ..engine.checks import check_image_size
 from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
-from ..engine.models.registry import all_presets
+from ..engine.loader import DUMMY_PREFIX
+from ..engine.models.registry import Family, all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.sampling import SAMPLERS, SCHEDULES
-
-# The schedule each model preset is sampled with by default.
-DEFAULT_SCHEDULE = {"flux.1-dev": "flux.1-dev", "flux-tiny-guidance": "flux.1-dev"}
+from ..engine.vae.tiny import variants_for
 
 
 def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1-schnell") -> None:
@@ -49,12 +48,18 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sigmas", default="", help="with --schedule custom: comma separated sigmas")
     p.add_argument("--sampler", default=None, choices=list(SAMPLERS), help="default: the schedule's sampler")
     p.add_argument("--cfg", type=float, default=1.0, help="CFG scale (needs --negative-seed)")
-    p.add_argument("--guidance", type=float, default=3.5, help="distilled guidance (FLUX-dev)")
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="distilled guidance of guidance-embedded models (default: the model's, 3.5 FLUX.1-dev, 4 FLUX.2-dev)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--cond",
         default=None,
-        help="safetensors with 'context' [B,L,4096] and 'pooled' [B,768] "
+        help="safetensors with 'context' [B,L,D] (and 'pooled' [B,P] for FLUX.1): D 4096 / P 768 for FLUX.1, "
+        "the model's context width for FLUX.2 (7680 klein-4b, 12288 klein-9b, 15360 dev), 2560 for Z-Image "
         "(default: seeded synthetic embeddings; the engine has no text encoder)",
     )
     p.add_argument("--tokens", type=int, default=64, help="token count of synthetic embeddings")
@@ -67,13 +72,40 @@ def source_of(args) -> str:
     return f"dummy:{args.model}" if args.weights == "dummy" else args.weights
 
 
-def synthetic_condition(params, tokens: int, seed: int, guidance: float) -> TextCondition:
+def family_of_preset(name: str) -> Family:
+    return all_presets()[name][0]
+
+
+def synthetic_condition(
+    family: Family, params, tokens: int, seed: int, guidance: float | None
+) -> TextCondition:
+    """Seeded stand-in embeddings of the widths the model takes (its family's ImageSpec): context first, then
+    the pooled vector where the family has one, so FLUX.1's draws are the same as before FLUX.2 / Z-Image."""
+    spec = family.image
     gen = torch.Generator().manual_seed(seed % 2**64)  # seed + 1 of the largest seed wraps, as a uint64 does
-    return TextCondition(
-        torch.randn(1, tokens, params.context_in_dim, generator=gen),
-        torch.randn(1, params.vec_in_dim, generator=gen),
-        guidance,
-    )
+    context = torch.randn(1, tokens, spec.context_dim(params), generator=gen)
+    pooled_dim = spec.pooled_dim(params)
+    pooled = torch.randn(1, pooled_dim, generator=gen) if pooled_dim else None
+    return TextCondition(context, pooled, guidance)
+
+
+def default_schedule(family: Family, params) -> str:
+    """The schedule a model is sampled with when --schedule is not given: the family's few-step preset
+    (flux.1-schnell, flux.2-klein, z-image-turbo), or for a guidance-distilled model (FLUX.1-dev, FLUX.2-dev,
+    which are many-step models) its dev preset."""
+    return family.image.schedule_for(params)
+
+
+def default_tiny_vae(family: Family) -> str:
+    """``dummy:<variant>`` of the tiny AE that decodes the family's LATENT (taef1, or taef2 for FLUX.2)."""
+    return DUMMY_PREFIX + variants_for(family.latent_format)[0].name
+
+
+def latent_shape(family: Family, batch: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """The empty LATENT of a text-to-image run: the family's channels at its VAE's downscale (FLUX.2: 128
+    channels at 1/16, ComfyUI's EmptyFlux2LatentImage; FLUX.1 / Z-Image: 16 at 1/8, EmptySD3LatentImage)."""
+    fmt = family.latent_format
+    return (batch, fmt.channels, height // fmt.downscale, width // fmt.downscale)
 
 
 def load_condition(path: str, guidance: float | None) -> TextCondition:
@@ -116,8 +148,15 @@ def prepare_out(path: str) -> None:
         raise InputError("--out", f"cannot create the folder {path}: {err.strerror or err}") from None
 
 
-def check_size(height: int, width: int) -> None:
-    check_image_size(height, width, 16, "8x VAE downscaling and 2x2 patches")
+def check_size(height: int, width: int, family: Family | None = None) -> None:
+    """Pixels per image token side: the VAE's downscale times the token patch (16 for every image family;
+    before the model is loaded, when its family is not known yet, that common 16)."""
+    if family is None:
+        check_image_size(height, width, 16, "the image models' 16 px per latent token")
+        return
+    fmt, patch = family.latent_format, family.image.token_patch
+    why = f"{fmt.downscale}x VAE downscaling" + (f" and {patch}x{patch} patches" if patch > 1 else "")
+    check_image_size(height, width, fmt.downscale * patch, why)
 
 
 def write_json(path: str, data) -> None:

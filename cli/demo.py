@@ -20,7 +20,7 @@ from ..engine.ops import weight_bytes
 from ..engine.text_to_image import sample_latent
 from ..engine.vae import load_tiny_vae
 from ..engine.vae.flux_ae import load_flux_ae
-from .common import synthetic_condition, write_json
+from .common import default_schedule, default_tiny_vae, latent_shape, synthetic_condition, write_json
 from .images import save_png
 
 HELP = "run the showcase on dummy weights (CPU, ~1 minute) and write outputs + report"
@@ -65,6 +65,26 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
 
 
+def image_family_run(preset: str, size: int, out_dir: str) -> tuple[tuple[str, str], dict]:
+    """One text-to-image run of a dummy preset with its family's schedule, latent geometry and tiny decode."""
+    handle = open_model(f"dummy:{preset}", device="cpu")
+    family, params = handle.family, handle.params
+    cond = synthetic_condition(family, params, 64, seed=1, guidance=None)
+    schedule = default_schedule(family, params)
+    latent = torch.zeros(latent_shape(family, 1, size, size))
+    out, rep = sample_latent(handle, [cond], latent, seed=0, schedule=schedule, steps=None)
+    tiny = load_tiny_vae(default_tiny_vae(family), device="cpu")
+    image = tiny.decode(tiny.raw_to_latent(out))
+    save_png(image, out_dir, f"{preset}_tiny")
+    row = (
+        f"{preset} ({family.image.description})",
+        f"{schedule}: {rep.model_calls} forwards, {rep.seconds_total:.2f} s; LATENT {list(out.shape)}, "
+        f"{tiny.variant.name} decode",
+    )
+    return row, {"schedule": schedule, "forwards": rep.model_calls, "latent_shape": list(out.shape),
+                 "seconds": rep.seconds_total}  # fmt: skip
+
+
 def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     torch.set_grad_enabled(False)
@@ -72,8 +92,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     handle = open_model(f"dummy:{args.model}", device="cpu")
     load_s = time.perf_counter() - t0
-    cond = synthetic_condition(handle.params, 64, seed=1, guidance=3.5)
-    negative = synthetic_condition(handle.params, 64, seed=2, guidance=3.5)
+    cond = synthetic_condition(handle.family, handle.params, 64, seed=1, guidance=3.5)
+    negative = synthetic_condition(handle.family, handle.params, 64, seed=2, guidance=3.5)
     latent = torch.zeros(1, 16, args.size // 8, args.size // 8)
     report.section(
         "model",
@@ -174,7 +194,15 @@ def run(args) -> int:
         {"tiny_s": tiny_s, "full_s": full_s},
     )
 
-    # 6. Causal video: chunk by chunk, a rolling KV window, each chunk decoded by the tiny VAE as it lands.
+    # 6. The other image families through the same sampler, each on its own default schedule, latent geometry
+    # and tiny AE. Test-size presets: this section shows the paths (forwards, shapes), not speed.
+    rows, data = [], {}
+    for preset in ("flux2-tiny", "zimage-tiny"):
+        row, data[preset] = image_family_run(preset, args.size, args.out)
+        rows.append(row)
+    report.section("FLUX.2 and Z-Image", rows, data)
+
+    # 7. Causal video: chunk by chunk, a rolling KV window, each chunk decoded by the tiny VAE as it lands.
     wan = load_dit("dummy:wan-mid" if args.model != "flux-tiny" else "dummy:wan-tiny", device="cpu")
     context = torch.randn(1, 32, wan.params.text_dim, generator=torch.Generator().manual_seed(3))
     config = CausalConfig(chunk_frames=3, window_frames=9, sink_frames=3)

@@ -9,16 +9,23 @@ import torch
 from safetensors.torch import save_file
 
 from ..engine.checks import check_finite_number, check_seed
+from ..engine.errors import InputError
 from ..engine.handle import open_model
+from ..engine.models.registry import all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.sampling import SCHEDULES
 from ..engine.text_to_image import check_image_model, sample_latent
+from ..engine.vae import load_tiny_vae
+from ..engine.vae.tiny import variants_for
 from .common import (
-    DEFAULT_SCHEDULE,
     add_model_arguments,
     add_sampling_arguments,
     check_at_least,
     check_size,
+    default_schedule,
+    default_tiny_vae,
+    family_of_preset,
+    latent_shape,
     load_condition,
     prepare_out,
     source_of,
@@ -38,10 +45,14 @@ def add_arguments(p) -> None:
         "--decode",
         default="none",
         choices=["none", "tiny", "full"],
-        help="also write image.png: tiny (TAEF1) or full (FLUX.1 autoencoder)",
+        help="also write image.png: tiny (TAEF1; TAEF2 for FLUX.2) or full (the FLUX.1 autoencoder, which "
+        "FLUX.1 and Z-Image share)",
     )
     p.add_argument(
-        "--tiny-vae", default="dummy:taef1", help="with --decode tiny: taef1_decoder.pth or dummy:taef1"
+        "--tiny-vae",
+        default=None,
+        help="with --decode tiny: taef1_decoder.pth / taef2_decoder.pth or dummy:<variant> "
+        "(default: dummy:taef1, dummy:taef2 for FLUX.2)",
     )
     p.add_argument(
         "--ae", default="dummy:flux1-ae", help="with --decode full: ae.safetensors or dummy:flux1-ae"
@@ -49,17 +60,24 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    check_size(args.height, args.width)
+    dummy = args.weights == "dummy"
+    # with dummy weights --model is the architecture, so its geometry is checked before anything is built (a
+    # video preset is refused after loading, by the image-model check, with the sampler to use instead)
+    preset_family = family_of_preset(args.model) if dummy else None
+    image_preset = preset_family is not None and preset_family.is_image
+    check_size(args.height, args.width, preset_family if image_preset else None)
     check_at_least(args, batch=1, tokens=1, steps=1)
     check_seed(args.seed)
     if args.negative_seed is not None:
         check_seed(args.negative_seed, "--negative-seed")
-    check_finite_number(args.guidance, "--guidance")
+    if args.guidance is not None:
+        check_finite_number(args.guidance, "--guidance")
     check_finite_number(args.cfg, "--cfg")
+    if image_preset:  # the preset is the architecture: an unknown default schedule fails before loading
+        check_schedule(args.schedule or default_schedule(*all_presets()[args.model]))
     prepare_out(args.out)  # before loading anything: a bad --out fails at once
     timings = {}
     t = time.perf_counter()
-    dummy = args.weights == "dummy"
     handle = open_model(
         source_of(args),
         weight_dtype=WEIGHT_DTYPES[args.weight_dtype],
@@ -69,26 +87,29 @@ def run(args) -> int:
         # with dummy weights --model decides the size
         input_name="--model" if dummy else "--weights",
         memory_hint=(
-            "Try --model flux-tiny (the FLUX architecture at test size), --dtype bf16 or a GPU"
+            f"Try --model {tiny_preset_of(args.model)} (the same architecture at test size), --dtype bf16 "
+            "or a GPU"
             if dummy
             else "Try --dtype bf16, --weight-dtype fp8 or a GPU"
         ),
     )
     timings["load_s"] = time.perf_counter() - t
-    check_image_model(handle)
+    check_image_model(handle, "--model" if dummy else "--weights")
+    family, params = handle.family, handle.params
+    check_size(args.height, args.width, family)
+    check_decode(args, family)
 
     t = time.perf_counter()
-    params = handle.params
     if args.cond:
         positive = load_condition(args.cond, args.guidance)
     else:
-        positive = synthetic_condition(params, args.tokens, args.seed + 1, args.guidance)
+        positive = synthetic_condition(family, params, args.tokens, args.seed + 1, args.guidance)
     negative = None
     if args.negative_seed is not None:
-        negative = [synthetic_condition(params, args.tokens, args.negative_seed, args.guidance)]
-    schedule = args.schedule or DEFAULT_SCHEDULE.get(args.model, "flux.1-schnell")
+        negative = [synthetic_condition(family, params, args.tokens, args.negative_seed, args.guidance)]
+    schedule = check_schedule(args.schedule or default_schedule(family, params))
     sampler = args.sampler or (SCHEDULES[schedule].sampler if schedule in SCHEDULES else "euler")
-    latent = torch.zeros(args.batch, handle.family.latent_format.channels, args.height // 8, args.width // 8)
+    latent = torch.zeros(latent_shape(family, args.batch, args.height, args.width))
     timings["prepare_s"] = time.perf_counter() - t
 
     out, report = sample_latent(
@@ -112,7 +133,7 @@ def run(args) -> int:
     images = []
     if args.decode != "none":
         t = time.perf_counter()
-        pixels = decode_raw(out, args.decode, args.tiny_vae, args.ae, device=handle.device)
+        pixels = decode(out, args, family, handle.device)
         timings["decode_s"] = time.perf_counter() - t
         images = save_png(pixels, args.out, "image")
     write_json(
@@ -135,3 +156,39 @@ def run(args) -> int:
         f"load {timings['load_s']:.2f} s, sampling {timings['sampling_s']:.2f} s"
     )
     return 0
+
+
+# The test-size preset of each family, for the memory refusal's suggestion.
+TINY_PRESETS = {"flux": "flux-tiny", "flux2": "flux2-tiny", "zimage": "zimage-tiny", "wan": "wan-tiny"}
+
+
+def tiny_preset_of(preset: str) -> str:
+    return TINY_PRESETS.get(family_of_preset(preset).name, "flux-tiny")
+
+
+def check_schedule(name: str) -> str:
+    if name != "custom" and name not in SCHEDULES:
+        raise InputError("--schedule", f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    return name
+
+
+def check_decode(args, family) -> None:
+    """--decode full needs the family's full autoencoder in the engine: FLUX.1's AE, which Z-Image shares."""
+    fmt = family.latent_format
+    if args.decode == "full" and fmt.name != "flux1":
+        raise InputError(
+            "--decode",
+            f"the engine's full autoencoder is FLUX.1's (Z-Image shares it); this {family.name} model's "
+            f"{fmt.channels}-channel {fmt.name} LATENT decodes here with --decode tiny "
+            f"({variants_for(fmt)[0].name}), or from latent.safetensors with ComfyUI's VAEDecode and the "
+            "family's VAE (flux2-vae.safetensors for FLUX.2)",
+        )
+
+
+def decode(raw: torch.Tensor, args, family, device) -> torch.Tensor:
+    if args.decode == "full":
+        return decode_raw(raw, "full", "", args.ae, device=device)
+    vae = load_tiny_vae(args.tiny_vae or default_tiny_vae(family), device=device, input_name="--tiny-vae")
+    # a tiny AE of another latent space (taef1 on a FLUX.2 LATENT) is named before anything runs
+    vae.check_raw_latents(raw, "--tiny-vae")
+    return vae.decode(vae.raw_to_latent(raw)).float().cpu()

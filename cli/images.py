@@ -28,10 +28,10 @@ def save_png(images: torch.Tensor, out_dir: str, stem: str) -> list[str]:
 
 
 def decode_raw(raw: torch.Tensor, how: str, tiny_vae: str, ae: str, device="cpu") -> torch.Tensor:
-    """Decode a raw FLUX.1 latent with the tiny TAEF1 or the full FLUX.1 autoencoder."""
+    """Decode a ComfyUI LATENT with a tiny AE of its space (taef1, taef2) or the full FLUX.1 autoencoder."""
     if how == "tiny":
         vae = load_tiny_vae(tiny_vae, device=device, input_name="--tiny-vae")
-        return vae.decode(vae.raw_to_latent(raw)).float().cpu()
+        return vae.decode_raw(raw, "--tiny-vae").float().cpu()
     from ..engine.vae.flux_ae import load_flux_ae
 
     with torch.inference_mode():

@@ -19,21 +19,28 @@ def add_arguments(p) -> None:
         required=True,
         help=f"model preset: {', '.join(known_models())} (a 'dummy:' prefix is accepted)",
     )
-    p.add_argument("--height", type=int, default=None, help="px (default: 1024 for FLUX, 480 for Wan)")
-    p.add_argument("--width", type=int, default=None, help="px (default: 1024 for FLUX, 832 for Wan)")
-    p.add_argument("--steps", type=int, default=None, help="default: 4 (schnell, Wan students), 28 (dev)")
+    p.add_argument("--height", type=int, default=None, help="px (default: 1024 for images, 480 for Wan)")
+    p.add_argument("--width", type=int, default=None, help="px (default: 1024 for images, 832 for Wan)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="default: the family's schedule preset: 4 (schnell, klein, Wan students), 8 (Z-Image-Turbo), "
+        "28 (FLUX.1-dev), 50 (FLUX.2-dev)",
+    )
     p.add_argument(
         "--cfg",
         type=float,
         default=1.0,
-        help="CFG scale; != 1 means a negative prompt too: 2 rows per step (FLUX only)",
+        help="CFG scale; != 1 means a negative prompt too: 2 rows per step (image models only)",
     )
     p.add_argument("--batch", type=int, default=1, help="images / videos per job")
     p.add_argument(
         "--text-tokens",
         type=int,
         default=None,
-        help="FLUX: T5 tokens (default 256 without a guidance embedding, 512 with); Wan always reads 512",
+        help="image models: text tokens per prompt (default: what the pipeline feeds; FLUX.1 256 without a "
+        "guidance embedding, 512 with; FLUX.2 512; Z-Image at most 512); Wan always reads 512",
     )
     p.add_argument("--frames", type=int, default=None, help="Wan: video frames, 4k + 1 (default 81)")
     p.add_argument("--latent-frames", type=int, default=None, help="Wan: latent frames instead of --frames")

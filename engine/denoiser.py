@@ -8,6 +8,9 @@ With a step cache (``step_cache``: a per-run holder from ``engine.cache``) each 
 which may reuse kept residuals instead of running the whole block stack, and from its CFG cut-off on the
 unconditional pass is replaced by ``v_neg = v_pos + delta`` (``delta = v_neg - v_pos`` of the last step that ran
 it). ``model_calls`` counts forwards that ran every block; ``cache_probes`` those served from the cache.
+
+Conditions with a padding mask are put in the family's form once, up front (:func:`~.conditioning.for_family`:
+Z-Image drops the masked tokens, FLUX keeps every token).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .conditioning import TextCondition
+from .conditioning import TextCondition, for_family
 
 
 def _cat_conds(conds: Sequence[TextCondition]) -> TextCondition:
@@ -36,8 +39,8 @@ class FlowDenoiser:
     def __init__(self, model, family, positive, negative=None, cfg: float = 1.0, dtype=None, step_cache=None):
         self.model = model
         self.family = family
-        self.positive = list(positive)
-        self.negative = list(negative) if negative else []
+        self.positive = [for_family(c, family, "positive") for c in positive]
+        self.negative = [for_family(c, family, "negative") for c in negative or []]
         self.cfg = float(cfg)
         self.dtype = dtype
         self.step_cache = step_cache

@@ -61,9 +61,13 @@ class ModelHandle:
         name = self.preset or "custom"
         mb = weight_bytes(self.model) / 2**20
         wdt = {str(t.dtype).replace("torch.", "") for t in self.model.state_dict().values()}
+        layout = getattr(self.model, "checkpoint_layout", None)
+        where = f"{self.source} ({layout} layout)" if layout else self.source
+        # FLUX.1 / FLUX.2 name their width hidden_size / num_heads, Wan and Z-Image dim / num_heads / n_heads
+        width = getattr(p, "hidden_size", None) or p.dim
+        heads = getattr(p, "num_heads", None) or p.n_heads
         return (
-            f"{self.family.name} [{name}] from {self.source}: hidden {getattr(p, 'hidden_size', None) or p.dim}, "
-            f"heads {p.num_heads}, "
+            f"{self.family.name} [{name}] from {where}: hidden {width}, heads {heads}, "
             f"{mb:.1f} MiB weights ({'/'.join(sorted(wdt))}), compute {str(self.dtype).replace('torch.', '')}, "
             f"attention {self.attention_backend}, device {self.device}"
         )

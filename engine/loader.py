@@ -22,9 +22,10 @@ from .weights import (
     check_keys,
     check_weights_file,
     dummy_init_,
-    read_state_dict,
+    read_checkpoint,
     strip_known_prefix,
     top_level_summary,
+    weight_files,
 )
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,11 @@ def _preflight_file(path: str, dtype: torch.dtype, dev: torch.device, input_name
     For safetensors the header gives every tensor's dtype and size (nothing is read); other formats are
     memory-mapped and counted by their size, assumed to need no conversion (an estimate).
     """
-    size = check_weights_file(path, input_name)
-    converted = 0
-    if path.lower().endswith(SAFETENSORS_SUFFIXES):
-        converted = _safetensors_conversion_bytes(path, dtype)
+    files = weight_files(path, input_name)
+    size = sum(check_weights_file(f, input_name) for f in files)
+    converted = sum(
+        _safetensors_conversion_bytes(f, dtype) for f in files if f.lower().endswith(SAFETENSORS_SUFFIXES)
+    )
     host = {"weights file": size, f"conversion to {str(dtype).replace('torch.', '')}": converted}
     _check_fits(host, "cpu", input_name, hint=hint)
     if dev.type != "cpu":
@@ -146,7 +148,7 @@ def load_dit(
         input_name,
         memory_hint or "Use a smaller model, a 16-bit compute dtype or a device with more memory",
     )
-    sd = strip_known_prefix(read_state_dict(source, input_name))
+    sd = strip_known_prefix(read_checkpoint(source, input_name))
     check_finite_weights(sd, os.path.basename(source), input_name)
     found = find_layout(set(sd))
     if found is None:
@@ -164,6 +166,8 @@ def load_dit(
     # fp8 tensors keep their storage; everything else is brought to the compute dtype.
     sd = {k: (v if is_fp8(v.dtype) else v.to(dtype)) for k, v in sd.items()}
     model.load_state_dict(sd, assign=True, strict=True)
+    # which naming the file used, for describe() and the tests (dummy weights have none)
+    model.checkpoint_layout = layout.name
     if weight_dtype is not None:
         store_linear_weights(model, weight_dtype)
     _upcast_fp8_outside_linear_weights(model, dtype)

@@ -2,12 +2,16 @@
 
 Files: ``.safetensors`` and PyTorch ``.pt/.pth/.ckpt/.bin`` state dicts. PyTorch files are always read with
 ``weights_only=True``, so no pickled code runs. Containers found in the wild (``{"state_dict": ...}``,
-``{"model": ...}``, ``{"module": ...}``) are unwrapped, and key prefixes of full checkpoints are stripped.
+``{"model": ...}``, ``{"module": ...}``) are unwrapped, and key prefixes of full checkpoints are stripped. A
+sharded safetensors checkpoint (``...-00001-of-00003.safetensors`` or its ``.safetensors.index.json``) is read
+as one state dict from all of its shards.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable
@@ -25,6 +29,63 @@ TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")
 CONTAINER_KEYS = ("state_dict", "model", "module", "generator_ema", "generator", "ema")
 # Prefixes of full checkpoints (ComfyUI / SD-style single files); the diffusion model's keys sit under them.
 KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")
+
+
+# diffusers / transformers save large models in shards: ``<stem>-00001-of-00003.safetensors`` next to
+# ``<stem>.safetensors.index.json`` (Tongyi-MAI/Z-Image-Turbo's transformer/ folder has three).
+SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})(?P<suffix>\.safetensors)$")
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def weight_files(path: str | os.PathLike, input_name: str = "weights") -> list[str]:
+    """The files a checkpoint consists of: ``path`` itself, or every shard of a sharded checkpoint when
+    ``path`` is one shard (``...-00001-of-00003.safetensors``) or the shards' ``.safetensors.index.json``.
+
+    A missing shard is an error naming it: a partial download must not load as a truncated model."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    if name.endswith(INDEX_SUFFIX):
+        check_weights_file(path, input_name)
+        try:
+            with open(path) as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(
+                input_name, f"{path} is not a shard index (a JSON object with a 'weight_map'): {_why(exc)}"
+            ) from None
+    elif (m := SHARD_NAME.match(name)) is not None:
+        count = int(m["count"])
+        names = [f"{m['stem']}-{i:05d}-of-{count:05d}{m['suffix']}" for i in range(1, count + 1)]
+    else:
+        return [path]
+    files = [os.path.join(folder, n) for n in names]
+    missing = [n for n, f in zip(names, files) if not os.path.isfile(f)]
+    if missing:
+        raise InputError(
+            input_name,
+            f"{name} is one part of a sharded checkpoint of {len(files)} files; missing next to it: "
+            f"{', '.join(missing)} (download every shard into the same folder)",
+        )
+    return files
+
+
+def read_checkpoint(path: str | os.PathLike, input_name: str = "weights") -> StateDict:
+    """:func:`read_state_dict` of every file of the checkpoint (see :func:`weight_files`), merged."""
+    files = weight_files(path, input_name)
+    if len(files) == 1:
+        return read_state_dict(files[0], input_name)
+    merged: StateDict = {}
+    for file in files:
+        part = read_state_dict(file, input_name)
+        twice = sorted(set(part) & set(merged))
+        if twice:
+            raise CheckpointError(
+                input_name,
+                f"{os.path.basename(file)} repeats tensors of an earlier shard: {', '.join(twice[:5])}",
+            )
+        merged.update(part)
+    return merged
 
 
 def check_weights_file(path: str | os.PathLike, input_name: str = "weights") -> int:

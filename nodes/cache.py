@@ -48,9 +48,10 @@ def _common_inputs(methods: tuple[str, ...], default_method: str, default_thresh
             {
                 "default": default_method,
                 "tooltip": "first_block: First-Block-Cache (no per-model fit). teacache: TeaCache (published "
-                "polynomials for FLUX.1 and Wan 2.1 1.3B/14B only). magcache: MagCache (needs calibrated "
-                "ratios: flux.1-dev at 28 steps ships them; else calibrate once). input_change: the whole "
-                "model's predicted output change (ComfyUI models).",
+                "polynomials for FLUX.1 and Wan 2.1 1.3B/14B only; none for FLUX.2 or Z-Image). magcache: MagCache "
+                "(needs calibrated ratios: flux.1-dev at 28 steps ships them; else calibrate once, e.g. for "
+                "FLUX.2 / Z-Image). input_change: the whole model's predicted output change (ComfyUI models). "
+                "Few-step schedules (FLUX.2 klein 4, Z-Image-Turbo 8-9 steps) are refused with the reason.",
             },
         ),
         "threshold": (

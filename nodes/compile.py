@@ -31,7 +31,10 @@ class FewStepCompile:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (FEWSTEP_MODEL, {"tooltip": "A model from FewStepDiTLoader (FLUX or Wan)."}),
+                "model": (
+                    FEWSTEP_MODEL,
+                    {"tooltip": "A model from FewStepDiTLoader (FLUX.1, FLUX.2, Z-Image or Wan)."},
+                ),
                 "compile": (
                     list(COMPILE_MODES),
                     {

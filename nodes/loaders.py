@@ -18,9 +18,12 @@ def dummy_choices() -> list[str]:
 
 class FewStepDiTLoader:
     DESCRIPTION = (
-        "Loads a diffusion transformer for the FewStep samplers: FLUX.1 (official BFL or diffusers layout) or Wan 2.1 "
-        "(official, Self-Forcing / CausVid / ComfyUI repacks); safetensors or .pt. The architecture is read from the "
-        "tensors. 'dummy:<preset>' builds seeded random weights of that preset, for trying workflows without files."
+        "Loads a diffusion transformer for the FewStep samplers: FLUX.1 (official BFL or diffusers layout), "
+        "FLUX.2 klein / dev (BFL, ComfyUI repack or diffusers layout), Z-Image (Tongyi / diffusers or ComfyUI repack) "
+        "or Wan 2.1 (official, Self-Forcing / CausVid / ComfyUI repacks); safetensors (one file, or any shard of a "
+        "sharded diffusers checkout: the other shards are read from the same folder) or .pt. The architecture is "
+        "read from the tensors, never from the file name. 'dummy:<preset>' builds seeded random weights of that "
+        "preset, for trying workflows without files."
     )
     CATEGORY = f"{CATEGORY}/loaders"
     RETURN_TYPES = (FEWSTEP_MODEL,)
@@ -34,8 +37,10 @@ class FewStepDiTLoader:
                 "model_name": (
                     list_model_files("diffusion_models") + dummy_choices(),
                     {
-                        "tooltip": "A file in models/diffusion_models (flux1-schnell.safetensors, flux1-dev-fp8...), "
-                        "or dummy:<preset> for random weights."
+                        "tooltip": "A file in models/diffusion_models (flux1-schnell.safetensors, "
+                        "flux-2-klein-4b.safetensors, z_image_turbo_bf16.safetensors, self_forcing_dmd.pt...), or "
+                        "dummy:<preset> for random weights (flux2-tiny / zimage-tiny: the FLUX.2 / Z-Image "
+                        "architecture at test size)."
                     },
                 ),
                 "weight_dtype": (

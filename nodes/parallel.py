@@ -55,7 +55,8 @@ class FewStepParallelLauncher:
                         "min": 1,
                         "max": 64,
                         "tooltip": "sp: ranks that exchange heads for tokens (all-to-all); must divide the "
-                        "model's attention heads (FLUX 24, Wan-1.3B 12). Best within one machine.",
+                        "model's attention heads (FLUX.1 24; FLUX.2 klein-4B 24, klein-9B 32, dev 48; Z-Image 30; "
+                        "Wan-1.3B 12). Best within one machine.",
                     },
                 ),
                 "ring_degree": (

@@ -30,26 +30,30 @@ class FewStepCostPlan:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (FEWSTEP_MODEL, {"tooltip": "A FLUX or Wan model from FewStepDiTLoader."}),
+                "model": (
+                    FEWSTEP_MODEL,
+                    {"tooltip": "A FLUX.1, FLUX.2, Z-Image or Wan model from FewStepDiTLoader."},
+                ),
                 "width": (
                     "INT",
                     {"default": 0, "min": 0, "max": 8192, "step": 16,
-                     "tooltip": "Width in px; 0: the family's default (1024 FLUX, 832 Wan)."},
+                     "tooltip": "Width in px; 0: the family's default (1024 images, 832 Wan)."},
                 ),
                 "height": (
                     "INT",
                     {"default": 0, "min": 0, "max": 8192, "step": 16,
-                     "tooltip": "Height in px; 0: the family's default (1024 FLUX, 480 Wan)."},
+                     "tooltip": "Height in px; 0: the family's default (1024 images, 480 Wan)."},
                 ),
                 "steps": (
                     "INT",
                     {"default": 0, "min": 0, "max": 200,
-                     "tooltip": "Denoising steps; 0: the default (4 for schnell and Wan students, 28 for dev)."},
+                     "tooltip": "Denoising steps; 0: the family's default schedule preset (4 schnell, klein and Wan "
+                                "students, 8 Z-Image-Turbo, 28 FLUX.1-dev, 50 FLUX.2-dev)."},
                 ),
                 "cfg": (
                     "FLOAT",
                     {"default": 1.0, "min": 0.0, "max": 30.0, "step": 0.1,
-                     "tooltip": "CFG scale; != 1 assumes a negative prompt: 2 rows per step (FLUX only)."},
+                     "tooltip": "CFG scale; != 1 assumes a negative prompt: 2 rows per step (image models only)."},
                 ),
                 "batch": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "Images or videos per job."}),
                 "gpu": (
@@ -70,12 +74,13 @@ class FewStepCostPlan:
                 "text_tokens": (
                     "INT",
                     {"default": 0, "min": 0, "max": 512,
-                     "tooltip": "FLUX: T5 tokens; 0: 256 (schnell-like) or 512 (dev-like). Wan always reads 512."},
+                     "tooltip": "Image models: text tokens per prompt; 0: what the pipeline feeds (FLUX.1 256 "
+                                "schnell-like / 512 dev-like, FLUX.2 512, Z-Image at most 512). Wan always reads 512."},
                 ),
                 "frames": (
                     "INT",
                     {"default": 81, "min": 1, "max": 100001, "step": 4,
-                     "tooltip": "Wan: video frames, 4k + 1 (81 = 21 latent frames). Ignored for FLUX."},
+                     "tooltip": "Wan: video frames, 4k + 1 (81 = 21 latent frames). Ignored for images."},
                 ),
                 "chunk_frames": (
                     "INT",
@@ -106,7 +111,7 @@ class FewStepCostPlan:
     @reports_input_errors(NODE)
     def plan(self, model, width, height, steps, cfg, batch, gpu, mfu, weight_dtype, text_tokens=0, frames=81,
              chunk_frames=3, window_frames=21, sink_frames=0, kv_dtype="bf16", keep_recent_chunks=1):  # fmt: skip
-        video = model.family.name == "wan"
+        video = not model.family.is_image
         settings = {
             "height": height or None,
             "width": width or None,

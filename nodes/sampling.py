@@ -8,10 +8,11 @@ import functools
 
 import torch
 
-from ..engine.conditioning import TextCondition
+from ..engine.conditioning import TextCondition, for_family
 from ..engine.errors import InputError
 from ..engine.sampling import FLOW, SAMPLERS, SCHEDULES, VE
-from ..engine.text_to_image import build_sigmas, sample_latent
+from ..engine.text_to_image import build_sigmas, check_image_model, sample_latent
+from ..engine.vae.tiny import variants_for
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
 from .conditioning import from_comfy, to_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
@@ -19,6 +20,16 @@ from .memory import load_for_run
 from .parallel import FEWSTEP_PARALLEL, run_parallel_sample
 
 SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]
+# FewStepSampler knows its model, so it can also follow the model: "auto" (its default).
+AUTO = "auto"
+SAMPLER_SCHEDULE_CHOICES = [AUTO, *SCHEDULE_CHOICES]
+
+
+def auto_schedule(model) -> str:
+    """What schedule "auto" means for a FEWSTEP_MODEL: schnell / klein / Z-Image-Turbo's preset, or the dev
+    preset of a model with a distilled-guidance embedding (FLUX.1-dev, FLUX.2-dev)."""
+    check_image_model(model)  # a video model is refused here, before a schedule is looked up for it
+    return model.family.image.schedule_for(model.params)
 
 
 class FewStepSampler:
@@ -57,10 +68,13 @@ class FewStepSampler:
                     },
                 ),
                 "schedule": (
-                    SCHEDULE_CHOICES,
+                    SAMPLER_SCHEDULE_CHOICES,
                     {
-                        "default": "flux.1-schnell",
-                        "tooltip": "Sigma schedule preset of the model family; 'custom' uses custom_sigmas.",
+                        "default": AUTO,
+                        "tooltip": "Sigma schedule preset. auto: the model's own (flux.1-schnell, flux.2-klein, "
+                        "z-image-turbo; flux.1-dev / flux.2-dev for a guidance-distilled dev model) at the "
+                        "steps given (published: schnell 4, klein 4, Z-Image-Turbo 8, FLUX.1-dev 28, FLUX.2-dev "
+                        "50). 'custom' uses custom_sigmas.",
                     },
                 ),
                 "sampler": (
@@ -145,8 +159,11 @@ class FewStepSampler:
         preview=False,
         parallel=None,
     ):
-        pos = from_comfy(positive, "positive")
-        neg = from_comfy(negative, "negative") if negative is not None else None
+        # in the model's form here, not only in the engine: a worker pool gets the conditions without their mask
+        pos = [for_family(c, model.family, "positive") for c in from_comfy(positive, "positive")]
+        neg = None
+        if negative is not None:
+            neg = [for_family(c, model.family, "negative") for c in from_comfy(negative, "negative")]
         latent = latent_image["samples"]
         if latent_image.get("noise_mask") is not None:
             raise InputError(
@@ -157,7 +174,11 @@ class FewStepSampler:
         previewer = step_previewer(model, preview_vae) if preview and parallel is None else None
         if parallel is None:  # with a pool the workers hold the model; this process does not run it
             load_for_run(model)
-        sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
+        if schedule == AUTO:
+            schedule = auto_schedule(model)
+        patch = model.family.image.token_patch if model.family.is_image else 2
+        # resolution-shifted schedules count the model's image tokens (FLUX.2: one per LATENT pixel)
+        sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas, token_patch=patch)
         progress = Progress(len(sigmas) - 1, desc="FewStepSampler")
 
         def on_step(info):
@@ -189,12 +210,14 @@ def step_previewer(model, preview_vae):
     if preview_vae is None:
         raise InputError("preview_vae", "preview is on but no tiny VAE is connected (FewStepTinyVAELoader)")
     fmt = model.family.latent_format
-    if preview_vae.variant.kind != "image" or preview_vae.variant.channels != fmt.channels:
+    v = preview_vae.variant
+    if v.kind != "image" or v.comfy_format != fmt:
+        via = "" if v.comfy_format == v.latent_format else f" (ComfyUI's {v.comfy_format.name} LATENT)"
+        fits = [t.name for t in variants_for(fmt)]
         raise InputError(
             "preview_vae",
-            f"{preview_vae.variant.name} decodes {preview_vae.variant.channels}-channel "
-            f"{preview_vae.variant.kind} latents; this {model.family.name} model makes "
-            f"{fmt.channels}-channel latents ({fmt.name}: use taef1)",
+            f"{v.name} decodes {v.channels}-channel {v.kind} latents{via}; this {model.family.name} model makes "
+            f"{fmt.channels}-channel latents ({fmt.name}: use {' or '.join(fits) or 'a tiny VAE of that space'})",
         )
 
     def preview(denoised):
@@ -237,7 +260,8 @@ class FewStepSchedule:
                         "min": 16,
                         "max": 16384,
                         "step": 16,
-                        "tooltip": "Image width in pixels (flux.1-dev's shift depends on resolution).",
+                        "tooltip": "Image width in pixels (the flux.1-dev and FLUX.2 shifts depend on "
+                        "resolution: one image token per 16x16 px in every family).",
                     },
                 ),
                 "height": (
@@ -343,8 +367,11 @@ class FewStepSamplerSelect:
 
 class FewStepSyntheticConditioning:
     DESCRIPTION = (
-        "Seeded random prompt embeddings of a chosen shape, in ComfyUI's CONDITIONING format. For "
-        "running workflows with dummy weights and no text encoder; not a prompt."
+        "Seeded random prompt embeddings in ComfyUI's CONDITIONING format, for running workflows with dummy "
+        "weights and no text encoder; not a prompt. Connect a model to get the widths it takes (FLUX.1: T5 4096 + "
+        "pooled CLIP-L 768; FLUX.2: its stacked text-encoder width, 15360 dev / 7680 klein 4B / 12288 klein 9B, no "
+        "pooled vector; Z-Image: Qwen3 2560, no pooled vector; Wan: umT5 4096); without one, width and "
+        "pooled_width say."
     )
     CATEGORY = f"{CATEGORY}/testing"
     RETURN_TYPES = ("CONDITIONING",)
@@ -361,7 +388,12 @@ class FewStepSyntheticConditioning:
                 ),
                 "width": (
                     "INT",
-                    {"default": 4096, "min": 1, "max": 8192, "tooltip": "Token width (4096 = T5-XXL)."},
+                    {
+                        "default": 4096,
+                        "min": 1,
+                        "max": 16384,
+                        "tooltip": "Token width (4096 = T5-XXL); unused when a model is connected.",
+                    },
                 ),
                 "pooled_width": (
                     "INT",
@@ -369,7 +401,8 @@ class FewStepSyntheticConditioning:
                         "default": 768,
                         "min": 0,
                         "max": 8192,
-                        "tooltip": "Pooled vector width (768 = CLIP-L); 0 for none.",
+                        "tooltip": "Pooled vector width (768 = CLIP-L); 0 for none; unused when a model is "
+                        "connected.",
                     },
                 ),
                 "guidance": (
@@ -379,19 +412,36 @@ class FewStepSyntheticConditioning:
                         "min": 0.0,
                         "max": 100.0,
                         "step": 0.1,
-                        "tooltip": "Distilled guidance stored in the conditioning (FLUX-dev).",
+                        "tooltip": "Distilled guidance stored in the conditioning (FLUX.1-dev, FLUX.2-dev).",
                     },
                 ),
                 "seed": seed_input("Seed of the embeddings."),
-            }
+            },
+            "optional": {
+                "model": (
+                    FEWSTEP_MODEL,
+                    {"tooltip": "Make the conditioning this model takes (its text and pooled widths)."},
+                ),
+            },
         }
 
     @reports_input_errors("FewStepSyntheticConditioning")
-    def make(self, tokens, width, pooled_width, guidance, seed):
+    def make(self, tokens, width, pooled_width, guidance, seed, model=None):
+        if model is not None:
+            width, pooled_width = conditioning_widths(model)
         gen = torch.Generator().manual_seed(seed)
+        # context first, then the pooled vector: the draws of a FLUX.1 conditioning do not depend on the path
         context = torch.randn(1, tokens, width, generator=gen)
         pooled = torch.randn(1, pooled_width, generator=gen) if pooled_width else None
         return (to_comfy(TextCondition(context, pooled, guidance)),)
+
+
+def conditioning_widths(model) -> tuple[int, int]:
+    """(token width, pooled width or 0) of the conditioning a FEWSTEP_MODEL takes."""
+    spec = model.family.image
+    if spec is None:  # a video family (Wan): umT5 tokens, no pooled vector
+        return int(model.params.text_dim), 0
+    return int(spec.context_dim(model.params)), int(spec.pooled_dim(model.params) or 0)
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Stream batch node: stylize a frame sequence with StreamDiffusion's design on a FLUX-family few-step DiT.
+"""Stream batch node: stylize a frame sequence with StreamDiffusion's design on a few-step image DiT (FLUX.1,
+FLUX.2, Z-Image).
 
 The frames go through ``fewstep.engine.stream.StreamBatch.run``: each frame is encoded by the tiny AE, enters a
 buffer of frames at different denoising steps, and leaves T forwards later, decoded; one batched forward per
@@ -40,8 +41,8 @@ def _one_prompt(conditioning, input_name: str):
 
 class FewStepStreamBatch:
     DESCRIPTION = (
-        "Realtime-style img2img over a frame sequence (StreamDiffusion's stream batch on a FLUX-family few-step "
-        "DiT): each frame is encoded by the tiny VAE, denoised at the steps t_index_list picks from the schedule "
+        "Realtime-style img2img over a frame sequence (StreamDiffusion's stream batch on a few-step image DiT: "
+        "FLUX.1, FLUX.2 or Z-Image): each frame is encoded by the tiny VAE, denoised at the steps t_index_list picks from the schedule "
         "while frames at different steps share one batched forward, and decoded. Residual CFG (self / initialize "
         "/ full), a seeded similarity filter that skips near-identical frames, and a report with frames per "
         "second and frames skipped."
@@ -57,12 +58,15 @@ class FewStepStreamBatch:
             "required": {
                 "model": (
                     FEWSTEP_MODEL,
-                    {"tooltip": "A FLUX-family model from FewStepDiTLoader (e.g. FLUX.1-schnell)."},
+                    {
+                        "tooltip": "An image model from FewStepDiTLoader (FLUX.1-schnell, FLUX.2 klein, Z-Image-Turbo)."
+                    },
                 ),
                 "tiny_vae": (
                     FEWSTEP_TINY_VAE,
                     {
-                        "tooltip": "taef1 from FewStepTinyVAELoader (encoder and decoder: both files next to each other)."
+                        "tooltip": "From FewStepTinyVAELoader, encoder and decoder (both files next to each other): taef1 "
+                        "for FLUX.1 and Z-Image, taef2 for FLUX.2."
                     },
                 ),
                 "frames": (
@@ -73,7 +77,10 @@ class FewStepStreamBatch:
                 ),
                 "positive": (
                     "CONDITIONING",
-                    {"tooltip": "Style prompt for every frame (CLIPTextEncodeFlux)."},
+                    {
+                        "tooltip": "Style prompt for every frame (CLIPTextEncodeFlux for FLUX.1; CLIPTextEncode with the "
+                        "model's text encoder for FLUX.2 / Z-Image)."
+                    },
                 ),
                 "t_index_list": (
                     "STRING",
@@ -86,7 +93,11 @@ class FewStepStreamBatch:
                 ),
                 "schedule": (
                     list(SCHEDULES),
-                    {"default": "flux.1-schnell", "tooltip": "Sigma schedule the indices point into."},
+                    {
+                        "default": "flux.1-schnell",
+                        "tooltip": "Sigma schedule the indices point into (each model's own: flux.1-schnell, "
+                        "flux.2-klein, z-image-turbo; the last two are resolution-shifted).",
+                    },
                 ),
                 "schedule_steps": (
                     "INT",

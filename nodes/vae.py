@@ -2,7 +2,8 @@
 
 LATENT is ComfyUI's raw VAE latent (``[B, C, H, W]`` images, ``[B, C, T, H, W]`` video); IMAGE is
 ``[B, H, W, 3]`` in [0, 1] (video frames are stacked along the batch). The family's scale and shift are
-applied on the way in and out, so these nodes interoperate with ComfyUI's own VAEDecode / VAEEncode.
+applied on the way in and out, so these nodes interoperate with ComfyUI's own VAEDecode / VAEEncode. taef2 takes
+and gives FLUX.2's 128-channel LATENT (its 32-channel latent 2x2-patchified, as ComfyUI's FLUX.2 VAE has it).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class FewStepTinyVAELoader:
 class FewStepTinyVAEDecode:
     DESCRIPTION = (
         "Decodes a LATENT with a tiny VAE: an image latent [B,C,H,W] or a video latent [B,C,T,H,W] "
-        "(frames come out stacked along the batch). Milliseconds instead of seconds; lower detail."
+        "(frames come out stacked along the batch); taef2 decodes FLUX.2's 128-channel LATENT. Milliseconds "
+        "instead of seconds; lower detail."
     )
     CATEGORY = f"{CATEGORY}/vae"
     RETURN_TYPES = ("IMAGE",)
@@ -96,9 +98,7 @@ class FewStepTinyVAEDecode:
 
     @reports_input_errors("FewStepTinyVAEDecode", {"latent": "samples"})
     def decode(self, tiny_vae, samples):
-        raw = samples["samples"]
-        tiny_vae.check_latents(raw, "latent")
-        x = tiny_vae.decode(tiny_vae.raw_to_latent(raw.to(torch.float32)))
+        x = tiny_vae.decode_raw(samples["samples"], "latent")
         if x.ndim == 5:  # [B, T, 3, H, W] -> frames along the batch
             x = x.flatten(0, 1)
         return (nchw_to_images(x),)
@@ -127,7 +127,7 @@ class FewStepTinyVAEEncode:
                     "IMAGE",
                     {
                         "tooltip": "Images in [0, 1]; height and width divisible by 8 (32 for "
-                        "taesana, 16 for taew2_2)."
+                        "taesana, 16 for taef2 and taew2_2)."
                     },
                 ),
             }
@@ -138,5 +138,4 @@ class FewStepTinyVAEEncode:
         x = images_to_nchw(pixels, "images")
         if tiny_vae.variant.kind == "video":
             x = x.unsqueeze(0)
-        latent = tiny_vae.encode(x)
-        return ({"samples": tiny_vae.latent_to_raw(latent.float()).cpu()},)
+        return ({"samples": tiny_vae.encode_raw(x).cpu()},)

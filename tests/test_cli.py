@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fewstep", *args], capture_output=True, text=True, cwd=cwd)
+def _cli(*args, cwd=None, env=None):
+    env = None if env is None else {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-m", "fewstep", *args], capture_output=True, text=True, cwd=cwd, env=env
+    )
 
 
 def test_generate_writes_latent_and_timings(tmp_path):
@@ -82,6 +87,14 @@ def test_demo_writes_report(tmp_path):
     assert report["weight storage"]["bytes"][2] < report["weight storage"]["bytes"][1]
     assert (tmp_path / "demo" / "report.md").read_text().startswith("# fewstep demo report")
     assert (tmp_path / "demo" / "schnell_4step.safetensors").exists()
+    families = report["FLUX.2 and Z-Image"]
+    assert families["flux2-tiny"]["schedule"] == "flux.2-klein" and families["flux2-tiny"]["forwards"] == 4
+    assert families["flux2-tiny"]["latent_shape"] == [1, 128, 4, 4]  # 64 px at 1/16
+    assert families["zimage-tiny"]["schedule"] == "z-image-turbo" and families["zimage-tiny"]["forwards"] == 8
+    assert families["zimage-tiny"]["latent_shape"] == [1, 16, 8, 8]
+    assert (tmp_path / "demo" / "flux2-tiny_tiny.png").exists() and (
+        tmp_path / "demo" / "zimage-tiny_tiny.png"
+    ).exists()
 
 
 def test_stream_reports_chunks_and_kv_bytes(tmp_path):
@@ -110,3 +123,85 @@ def test_stream_bad_input():
         r.returncode == 2
         and "fewstep stream: input '--window-frames': the window (2 latent frames) is smaller" in r.stderr
     )
+
+
+def _generate(out, *args):
+    return _cli("generate", "--height", "64", "--width", "96", "--out", str(out), *args)
+
+
+def test_generate_zimage_uses_its_schedule_width_and_taef1(tmp_path):
+    r = _generate(tmp_path, "--model", "zimage-tiny", "--steps", "2", "--decode", "tiny")
+    assert r.returncode == 0, r.stderr
+    info = json.loads((tmp_path / "timings.json").read_text())
+    assert info["schedule"] == "z-image-turbo" and info["dit_forwards"] == 2
+    assert info["latent_shape"] == [1, 16, 8, 12]  # FLUX.1's AE: 16 channels at 1/8
+    assert info["model"].startswith("zimage [zimage-tiny]")
+    assert (tmp_path / "image.png").exists()
+
+
+def test_generate_flux2_writes_its_128_channel_latent_and_decodes_with_taef2(tmp_path):
+    r = _generate(tmp_path, "--model", "flux2-tiny", "--steps", "2", "--decode", "tiny")
+    assert r.returncode == 0, r.stderr
+    info = json.loads((tmp_path / "timings.json").read_text())
+    assert info["schedule"] == "flux.2-klein" and info["dit_forwards"] == 2
+    latent = load_file(str(tmp_path / "latent.safetensors"))["latent"]
+    assert latent.shape == (1, 128, 4, 6) and torch.isfinite(latent).all()  # ComfyUI's FLUX.2 LATENT: 1/16
+    from PIL import Image
+
+    assert Image.open(tmp_path / "image.png").size == (96, 64)
+
+
+def test_generate_flux2_refuses_a_decoder_of_another_latent_space(tmp_path):
+    r = _generate(
+        tmp_path, "--model", "flux2-tiny", "--steps", "1", "--decode", "tiny", "--tiny-vae", "dummy:taef1"
+    )
+    assert r.returncode == 2 and "input '--tiny-vae': taef1" in r.stderr and "[1, 128, 4, 6]" in r.stderr
+    r = _generate(tmp_path, "--model", "flux2-tiny", "--steps", "1", "--decode", "full")
+    assert r.returncode == 2
+    assert "input '--decode': the engine's full autoencoder is FLUX.1's (Z-Image shares it)" in r.stderr
+    assert "--decode tiny (taef2)" in r.stderr
+
+
+def test_generate_guidance_distilled_models_default_to_their_many_step_schedule():
+    from fewstep.cli.common import default_schedule, default_tiny_vae
+    from fewstep.engine.models.registry import all_presets
+
+    expected = {
+        "flux.1-schnell": "flux.1-schnell", "flux.1-dev": "flux.1-dev", "flux-tiny": "flux.1-schnell",
+        "flux-tiny-guidance": "flux.1-dev", "flux.2-klein-4b": "flux.2-klein", "flux.2-klein-9b": "flux.2-klein",
+        "flux.2-dev": "flux.2-dev", "flux2-tiny": "flux.2-klein", "flux2-tiny-dev": "flux.2-dev",
+        "z-image-turbo": "z-image-turbo", "zimage-tiny": "z-image-turbo",
+    }  # fmt: skip
+    presets = all_presets()
+    assert {name: default_schedule(*presets[name]) for name in expected} == expected
+    assert [default_tiny_vae(presets[n][0]) for n in ("flux-tiny", "flux2-tiny", "zimage-tiny")] == [
+        "dummy:taef1", "dummy:taef2", "dummy:taef1",
+    ]  # fmt: skip
+
+
+def test_generate_synthetic_conditioning_has_the_model_widths():
+    from fewstep.cli.common import synthetic_condition
+    from fewstep.engine.models.registry import all_presets
+
+    widths = {}
+    for name in ("flux-tiny", "flux.2-klein-4b", "flux.2-klein-9b", "flux.2-dev", "z-image-turbo"):
+        family, params = all_presets()[name]
+        cond = synthetic_condition(family, params, 3, seed=1, guidance=None)
+        widths[name] = (cond.context.shape[-1], None if cond.pooled is None else cond.pooled.shape[-1])
+    assert widths == {
+        "flux-tiny": (4096, 768), "flux.2-klein-4b": (7680, None), "flux.2-klein-9b": (12288, None),
+        "flux.2-dev": (15360, None), "z-image-turbo": (2560, None),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("preset", "weights", "tiny"),
+    [("z-image-turbo", "22.93 GiB", "zimage-tiny"), ("flux.2-klein-4b", "14.44 GiB", "flux2-tiny")],
+)
+def test_generate_real_size_preset_is_refused_by_the_memory_preflight(tmp_path, preset, weights, tiny):
+    """The published sizes in fp32 under an 8 GB budget: refused before allocating, suggesting the test size."""
+    r = _cli("generate", "--model", preset, "--device", "cpu", "--out", str(tmp_path),
+             env={"FEWSTEP_MEMORY_LIMIT_GB": "8"})  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"input '--model': this needs about {weights} (float32 weights {weights})" in r.stderr
+    assert f"Try --model {tiny} (the same architecture at test size)" in r.stderr

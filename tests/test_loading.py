@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -294,3 +296,196 @@ def test_dummy_weights_are_seeded_and_independent_of_other_parameters():
 def test_unknown_dummy_preset():
     with pytest.raises(InputError, match="unknown preset 'dummy:flux-huge'; known presets: .*flux-tiny"):
         load_dit("dummy:flux-huge")
+
+
+# ---- every family, every layout: a file is always read as the family it is ----------------------------------
+
+
+def _flux1_diffusers(sd):
+    return _to_diffusers(sd, hidden=64)
+
+
+def _flux2_diffusers(sd):
+    from test_flux2_model import _to_diffusers as flux2_to_diffusers  # the independent key table of that test
+
+    return flux2_to_diffusers(sd)
+
+
+def _zimage_comfy(sd):
+    from test_zimage_model import _to_comfy
+
+    return {**_to_comfy(sd), "norm_final.weight": torch.ones(64)}  # as the Comfy-Org repack carries it
+
+
+def _same(sd):
+    return sd
+
+
+# (preset, layout the loader must report, converter from the official state dict, key prefix of the file)
+FAMILY_LAYOUTS = [
+    ("flux-tiny-guidance", "flux (official)", _same, ""),
+    ("flux-tiny-guidance", "flux (diffusers)", _flux1_diffusers, ""),
+    ("flux2-tiny", "flux2 (official)", _same, ""),
+    ("flux2-tiny-dev", "flux2 (official)", _same, "model.diffusion_model."),  # a ComfyUI full checkpoint
+    ("flux2-tiny", "flux2 (diffusers)", _flux2_diffusers, ""),
+    ("zimage-tiny", "zimage (official)", _same, ""),
+    ("zimage-tiny", "zimage (ComfyUI)", _zimage_comfy, ""),
+    ("zimage-tiny", "zimage (ComfyUI)", _zimage_comfy, "model.diffusion_model."),
+    ("wan-tiny", "wan (official)", _same, ""),
+    ("wan-tiny", "wan (official)", _same, "diffusion_model."),
+]
+
+
+@pytest.fixture(scope="module")
+def family_state_dicts():
+    return {
+        name: load_dit(f"dummy:{name}", dtype=torch.float32, device="cpu", seed=11)
+        for name in {preset for preset, *_ in FAMILY_LAYOUTS}
+    }
+
+
+@pytest.mark.parametrize(
+    ("preset", "layout", "convert", "prefix"), FAMILY_LAYOUTS, ids=lambda v: getattr(v, "__name__", v) or "-"
+)
+def test_each_family_in_each_layout_loads_as_itself(
+    tmp_path, family_state_dicts, preset, layout, convert, prefix
+):
+    from fewstep.engine.models.registry import family_of
+
+    ref = family_state_dicts[preset]
+    official = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    save_file({prefix + k: v for k, v in convert(official).items()}, str(tmp_path / "model.safetensors"))
+    model = load_dit(tmp_path / "model.safetensors", dtype=torch.float32, device="cpu")
+    assert family_of(model) is family_of(ref) and type(model) is type(ref)
+    assert model.checkpoint_layout == layout
+    assert model.params == ref.params  # inferred from the shapes alone
+    loaded = model.state_dict()
+    assert loaded.keys() == official.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in official.items())
+
+
+def test_the_handle_names_family_preset_and_layout(tmp_path, family_state_dicts):
+    from fewstep.engine.handle import open_model
+
+    sd = {k: v.contiguous() for k, v in family_state_dicts["zimage-tiny"].state_dict().items()}
+    save_file(_zimage_comfy(sd), str(tmp_path / "z_image_tiny.safetensors"))
+    handle = open_model(str(tmp_path / "z_image_tiny.safetensors"), dtype=torch.float32, device="cpu")
+    assert handle.describe().startswith(
+        f"zimage [zimage-tiny] from {tmp_path / 'z_image_tiny.safetensors'} (zimage (ComfyUI) layout): hidden 64, "
+        "heads 2, "
+    )
+
+
+# One key of the last block of each family, as a file missing part of its tensors leaves it out.
+TRUNCATED = {
+    "flux-tiny-guidance": "single_blocks.1.linear2.weight",
+    "flux2-tiny": "single_blocks.1.linear2.weight",
+    "zimage-tiny": "layers.1.feed_forward.w2.weight",
+    "wan-tiny": "blocks.1.ffn.2.weight",
+}
+
+
+@pytest.mark.parametrize("preset", sorted(TRUNCATED))
+def test_a_file_missing_tensors_lists_them(tmp_path, family_state_dicts, preset):
+    sd = {k: v.contiguous() for k, v in family_state_dicts[preset].state_dict().items()}
+    missing = TRUNCATED[preset]
+    del sd[missing]
+    save_file(sd, str(tmp_path / "part.safetensors"))
+    with pytest.raises(CheckpointError) as exc:
+        load_dit(tmp_path / "part.safetensors", device="cpu")
+    model_class = type(family_state_dicts[preset]).__name__
+    assert str(exc.value).splitlines()[1:] == [f"  1 missing keys: {missing}"]
+    assert f"does not match the {model_class} architecture inferred from it" in str(exc.value)
+
+
+def test_a_file_cut_short_is_unreadable(tmp_path, family_state_dicts):
+    sd = {k: v.contiguous() for k, v in family_state_dicts["flux2-tiny"].state_dict().items()}
+    save_file(sd, str(tmp_path / "full.safetensors"))
+    data = (tmp_path / "full.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])  # an interrupted download
+    with pytest.raises(CheckpointError, match=r"cut.safetensors is not a readable safetensors file"):
+        load_dit(tmp_path / "cut.safetensors", device="cpu")
+
+
+def test_unknown_layout_lists_every_family(tmp_path):
+    save_file({"encoder.conv_in.weight": torch.zeros(1)}, str(tmp_path / "vae.safetensors"))
+    with pytest.raises(CheckpointError) as exc:
+        load_dit(tmp_path / "vae.safetensors", device="cpu")
+    for layout in (
+        "flux2 (official)",
+        "flux2 (diffusers)",
+        "zimage (official)",
+        "zimage (ComfyUI)",
+        "wan (official)",
+    ):
+        assert layout in str(exc.value)
+
+
+def _shard(sd: dict, folder, parts: int) -> list:
+    """The state dict as diffusers saves a large model: ``<stem>-0000i-of-0000n.safetensors`` + an index."""
+    keys = sorted(sd)
+    names = [f"diffusion_pytorch_model-{i + 1:05d}-of-{parts:05d}.safetensors" for i in range(parts)]
+    weight_map = {}
+    for i, name in enumerate(names):
+        chunk = keys[i::parts]
+        save_file({k: sd[k] for k in chunk}, str(folder / name))
+        weight_map.update(dict.fromkeys(chunk, name))
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    return [folder / n for n in names]
+
+
+def test_a_sharded_checkpoint_loads_from_any_shard_or_its_index(tmp_path, family_state_dicts):
+    """Tongyi-MAI/Z-Image-Turbo's transformer/ folder: three shards of the official layout."""
+    ref = family_state_dicts["zimage-tiny"]
+    sd = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    shards = _shard(sd, tmp_path, 3)
+    for source in (shards[0], shards[2], tmp_path / "diffusion_pytorch_model.safetensors.index.json"):
+        model = load_dit(source, dtype=torch.float32, device="cpu")
+        assert model.params == ref.params and model.checkpoint_layout == "zimage (official)"
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+    shards[1].unlink()
+    with pytest.raises(InputError) as exc:
+        load_dit(shards[0], device="cpu")
+    assert exc.value.input_name == "weights"
+    assert str(exc.value).endswith(
+        "diffusion_pytorch_model-00001-of-00003.safetensors is one part of a sharded checkpoint of 3 files; "
+        "missing next to it: diffusion_pytorch_model-00002-of-00003.safetensors (download every shard into the "
+        "same folder)"
+    )
+
+
+@pytest.mark.parametrize("preset", ["flux2-tiny", "zimage-tiny"])
+def test_fp8_files_of_the_new_families_stay_fp8(tmp_path, family_state_dicts, preset):
+    from fewstep.engine.models.registry import family_of
+
+    ref = family_state_dicts[preset]
+    sd = {
+        k: (v.to(torch.float8_e4m3fn) if k.endswith(".weight") and v.ndim == 2 else v.to(torch.bfloat16))
+        for k, v in ref.state_dict().items()
+    }
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "fp8.safetensors"))
+    fp8 = load_dit(tmp_path / "fp8.safetensors", dtype=torch.float32, device="cpu")
+    up = load_dit(tmp_path / "fp8.safetensors", dtype=torch.float32, device="cpu", weight_dtype=torch.float32)
+    linears = [m for m in fp8.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    assert all(
+        p.dtype == torch.float32 for n, p in fp8.named_parameters() if not n.endswith(".weight") or p.ndim < 2
+    )
+    assert weight_bytes(fp8) < weight_bytes(up)
+    # fp8 storage computes with the upcast weights: the same numbers as the file upcast once at load
+    family = family_of(fp8)
+    p = fp8.params
+    latent = torch.randn(1, family.latent_format.channels, 4, 6, generator=torch.Generator().manual_seed(0))
+    cond = _condition(family, p)
+    a = family.velocity(fp8, latent, torch.tensor([0.6]), cond)
+    b = family.velocity(up, latent, torch.tensor([0.6]), cond)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _condition(family, params):
+    from fewstep.engine.conditioning import TextCondition
+
+    g = torch.Generator().manual_seed(1)
+    return TextCondition(torch.randn(1, 5, family.image.context_dim(params), generator=g), None, None)

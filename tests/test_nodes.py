@@ -423,7 +423,8 @@ def test_video_node_errors(pack):
     ):
         _run(m["FewStepCausalVideoSampler"], model=wan, positive=t5_short, width=48, height=32)
     with pytest.raises(
-        ValueError, match=r"^FewStepSampler: input 'model': this sampler runs image DiTs \(FLUX.1, FLUX.2, Z-Image\)"
+        ValueError,
+        match=r"^FewStepSampler: input 'model': this sampler runs image DiTs \(FLUX.1, FLUX.2, Z-Image\)",
     ):
         _run(
             m["FewStepSampler"], model=wan, positive=cond, latent_image={"samples": torch.zeros(1, 16, 8, 8)}

@@ -549,3 +549,97 @@ def test_plain_single_process_flux_is_bit_identical_under_an_inactive_plan(flux)
     with use_parallel_attention(None):
         b, _ = sample_latent(flux, [cond], torch.zeros(1, 16, 8, 8), steps=2)
     assert torch.equal(a, b)
+
+
+# -- FLUX.2 and Z-Image ------------------------------------------------------------------------------------------------
+def _image_cond(handle, tokens: int, seed: int, batch: int = 1):
+    """Seeded conditioning of the family's width; FLUX.2 and Z-Image take no pooled vector."""
+    from fewstep.engine import TextCondition
+
+    g = torch.Generator().manual_seed(seed)
+    width = handle.family.image.context_dim(handle.params)
+    return TextCondition(torch.randn(batch, tokens, width, generator=g), None, 4.0)
+
+
+# FLUX.2: 4 x 6 latent pixels = 24 image tokens, 12 per rank. Z-Image: 4 x 6 patches = 24 image tokens, padded to
+# 32 (16 per rank: rank 0 holds 16 real tokens, rank 1 the other 8 and the 8 padding tokens).
+IMAGE_LATENTS = {
+    "flux2-tiny": torch.zeros(2, 128, 4, 6),
+    "flux2-tiny-dev": torch.zeros(1, 128, 4, 6),
+    "zimage-tiny": torch.zeros(2, 16, 8, 12),
+}
+
+
+@pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
+@pytest.mark.parametrize("preset", list(IMAGE_LATENTS))
+def test_flux2_and_zimage_sampling_on_two_ranks_equals_single_process(pool, preset, degrees):
+    handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
+    cond, neg = _image_cond(handle, 7, seed=1), _image_cond(handle, 7, seed=2)
+    latent = IMAGE_LATENTS[preset]
+    kwargs = {"negative": [neg], "cfg": 2.5, "seed": 5, "steps": 3}
+    reference, ref_report = sample_latent(handle, [cond], latent, **kwargs)
+    comm = {}
+    out, report = parallel_sample(pool, handle, [cond], latent, degrees=degrees, comm=comm, **kwargs)
+    assert out.shape == reference.shape
+    assert (out - reference).abs().max() <= TOL
+    assert report.model_calls == ref_report.model_calls and report.cfg_used
+    assert ("all_to_all" in comm["bytes_sent"]) == (degrees[0] > 1)  # it did run sharded
+    assert ("ring" in comm["bytes_sent"]) == (degrees[1] > 1)
+
+
+def test_image_sharding_refuses_degrees_that_split_neither_heads_nor_padded_tokens():
+    from fewstep.engine.models import flux2, zimage
+    from fewstep.engine.parallel import check_image_sequence_parallel
+
+    turbo = zimage.PRESETS["z-image-turbo"]  # 30 heads
+    for degrees in ((2, 1), (3, 1), (5, 1), (6, 1), (1, 4), (2, 2)):  # 1280x768: 3840 image tokens
+        check_image_sequence_parallel("zimage", turbo, 96, 160, degrees)
+    with pytest.raises(InputError) as err:
+        check_image_sequence_parallel("zimage", turbo, 96, 160, (4, 1))
+    assert str(err.value) == (
+        "input 'ulysses_degree': the model has 30 attention heads, which do not split over ulysses degree 4; "
+        "choose a divisor of 30 (1, 2, 3, 5, 6, 10, 15 or 30; the ring degree has no such limit)"
+    )
+    # 1008x1008 px: 63 x 63 = 3969 image tokens, padded to 4000: the padded tokens are what is split
+    check_image_sequence_parallel("zimage", turbo, 126, 126, (2, 1))
+    check_image_sequence_parallel("zimage", turbo, 126, 126, (5, 1))
+    with pytest.raises(InputError) as err:
+        check_image_sequence_parallel("zimage", turbo, 128, 128, (3, 1))  # 1024x1024: 4096 tokens
+    assert str(err.value) == (
+        "input 'latent': 4096 image tokens (16x16 px each, padded by Z-Image to a multiple of 32) do not split "
+        "over ulysses 3 x ring 1 = 3 ranks; choose a size whose image tokens (16x16 px each, padded by Z-Image to "
+        "a multiple of 32) are a multiple of 3"
+    )
+    for preset, heads, bad in (("flux.2-klein-4b", 24, 5), ("flux.2-klein-9b", 32, 3), ("flux.2-dev", 48, 5)):
+        params = flux2.PRESETS[preset]
+        check_image_sequence_parallel("flux2", params, 64, 64, (2, 1))  # 1024x1024: 4096 tokens
+        with pytest.raises(InputError, match=rf"^input 'ulysses_degree': the model has {heads} attention heads, "
+                           rf"which do not split over ulysses degree {bad}; choose a divisor of {heads} \("):  # fmt: skip
+            check_image_sequence_parallel("flux2", params, 64, 64, (bad, 1))
+
+
+def test_a_flux2_size_whose_tokens_do_not_split_is_refused_before_the_workers(pool):
+    handle = open_model("dummy:flux2-tiny", device="cpu", dtype=torch.float32)
+    with pytest.raises(
+        InputError,
+        match=r"^input 'latent': 9 image tokens \(16x16 px each\) do not split over ulysses 2 x ring 1 = 2 ranks",
+    ):
+        parallel_sample(pool, handle, [_image_cond(handle, 4, seed=0)], torch.zeros(1, 128, 3, 3), steps=1)
+    assert pool.alive
+
+
+def test_a_padding_mask_reaches_the_workers(pool):
+    """Z-Image drops masked caption tokens (engine.conditioning.for_family); the workers must see the mask too."""
+    from dataclasses import replace
+
+    handle = open_model("dummy:zimage-tiny", device="cpu", dtype=torch.float32)
+    cond = _image_cond(handle, 9, seed=3)
+    masked = replace(cond, mask=torch.tensor([[True] * 6 + [False] * 3]))
+    latent = torch.zeros(1, 16, 8, 12)
+    reference, _ = sample_latent(handle, [masked], latent, seed=2, steps=2)
+    unmasked, _ = sample_latent(handle, [cond], latent, seed=2, steps=2)
+    assert (reference - unmasked).abs().max() > 1e-3  # the mask matters
+    out, _ = parallel_sample(pool, handle, [masked], latent, seed=2, steps=2)
+    assert (out - reference).abs().max() <= TOL
+    dp, _ = parallel_sample(pool, handle, [masked], latent, seed=2, steps=2, mode="dp")
+    assert (dp - reference).abs().max() <= TOL

@@ -1,4 +1,4 @@
-"""The cost planner (issue 10): its FLOPs against torch's FlopCounterMode on real forwards and whole jobs, its KV
+"""The cost planner (issues 10 and 16): its FLOPs against torch's FlopCounterMode on real forwards and whole jobs, its KV
 bytes against the cache's allocation, its weight bytes against loaded models, the CLI, the node, bad input.
 
 FlopCounterMode has no formula for the CPU attention op (``_scaled_dot_product_flash_attention_for_cpu``), so
@@ -18,10 +18,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fewstep.engine import InputError, TextCondition, load_dit, open_model, sample_latent
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
+from fewstep.engine.models import flux2, zimage
 from fewstep.engine.models.flux import random_inputs
 from fewstep.engine.ops import weight_bytes
 from fewstep.engine.plan import (
     GPUS,
+    flux2_forward_flops,
     flux_forward_flops,
     known_models,
     measure_flops,
@@ -30,8 +32,14 @@ from fewstep.engine.plan import (
     wan_forward_flops,
     wan_prompt_flops,
     wan_tokens_per_frame,
+    zimage_forward_flops,
 )
-from fewstep.engine.plan.vae import flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
+from fewstep.engine.plan.vae import (
+    flux2_ae_decode_flops,
+    flux_ae_decode_flops,
+    taehv_decode_flops,
+    taesd_decode_flops,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +63,78 @@ def test_flux_forward_flops_equal_the_flop_counter(preset, size, txt, batch):
     with FlopCounterMode(display=False) as plain:
         model(**inputs)
     assert plain.get_total_flops() == planned.linear + planned.per_sample
+
+
+IMAGE_FORWARDS = {  # preset -> (random_inputs, the planner's formula, image tokens of a width x height px image)
+    "flux2-tiny": (flux2.random_inputs, flux2_forward_flops),
+    "flux2-tiny-dev": (flux2.random_inputs, flux2_forward_flops),
+    "zimage-tiny": (zimage.random_inputs, zimage_forward_flops),
+}
+
+
+@pytest.mark.parametrize("preset", list(IMAGE_FORWARDS))
+@pytest.mark.parametrize(("size", "txt", "batch"), [((64, 96), 7, 1), ((96, 48), 40, 2)])
+def test_flux2_and_zimage_forward_flops_equal_the_flop_counter(preset, size, txt, batch):
+    """64x96 px is 24 image tokens and 96x48 px 18 (16 px a token in both families); Z-Image pads them to 32 and
+    the caption's 7 / 40 tokens to 32 / 64, and the formula counts those padded tokens."""
+    make_inputs, formula = IMAGE_FORWARDS[preset]
+    model = load_dit(f"dummy:{preset}", dtype=torch.float32, device="cpu")
+    inputs = make_inputs(model.params, size[1], size[0], txt, batch)
+    image_tokens = (size[0] // 16) * (size[1] // 16)
+    counted = measure_flops(lambda: model(**inputs))
+    planned = formula(model.params, image_tokens, txt, batch)
+    assert counted.attention == planned.attention > 0
+    assert counted.rest == planned.linear + planned.per_sample
+    assert counted.total == planned.total
+    with FlopCounterMode(display=False) as plain:  # the CPU attention op uncounted, as for FLUX.1
+        model(**inputs)
+    assert plain.get_total_flops() == planned.linear + planned.per_sample
+
+
+def test_zimage_flops_count_the_padded_tokens():
+    p = zimage.PRESETS["z-image-turbo"]
+    at_31, at_32 = (zimage_forward_flops(p, 4096, txt) for txt in (31, 32))
+    assert at_31.attention == at_32.attention  # 31 caption tokens run as 32
+    assert (
+        at_32.linear - at_31.linear == 2 * p.cap_feat_dim * p.dim
+    )  # only the caption embedder sees one more
+    at_33 = zimage_forward_flops(p, 4096, 33)
+    n64, n32 = 4096 + 64, 4096 + 32
+    blocks = 4 * p.dim * (p.n_layers * (n64 * n64 - n32 * n32) + p.n_refiner_layers * (64 * 64 - 32 * 32))
+    assert at_33.attention - at_32.attention == blocks
+
+
+@pytest.mark.parametrize(
+    ("preset", "latent", "width"),
+    [("flux2-tiny", torch.zeros(1, 128, 4, 6), 7680), ("zimage-tiny", torch.zeros(1, 16, 8, 12), 2560)],
+)
+def test_a_flux2_or_zimage_job_with_cfg_costs_steps_times_two_rows(preset, latent, width):
+    """64 x 96 px: FLUX.2's LATENT is 1/16 with one token a pixel, Z-Image's 1/8 with 2x2 patches."""
+    handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    pos, neg = (TextCondition(torch.randn(1, 9, width, generator=g), None) for _ in "pn")
+    counted = measure_flops(
+        lambda: sample_latent(
+            handle, [pos], latent, negative=[neg], steps=3, cfg=3.0, schedule="flux.1-schnell"
+        )
+    )
+    plan = plan_cost(handle.params, height=64, width=96, steps=3, cfg=3.0, text_tokens=9, vae=False)
+    assert plan["image_tokens"] == 24 and plan["forwards"] == 6 and plan["cfg_rows"] == 2
+    assert counted.total == plan["dit_flops"] == 6 * plan["flops_per_forward"]
+    assert plan["sequence_tokens"] == (64 if preset == "zimage-tiny" else 33)
+
+
+def test_flux2_ae_decode_flops_equal_diffusers_autoencoder():
+    """The FLUX.2 AE counted as the FLUX.1 AE's decoder with 32 latent channels behind a 1x1 post-quant conv:
+    the same FLOPs as diffusers' AutoencoderKLFlux2.decode, counted on the meta device too."""
+    diffusers = pytest.importorskip("diffusers", reason="diffusers not installed (optional cross-check)")
+    if not hasattr(diffusers, "AutoencoderKLFlux2"):
+        pytest.skip(f"diffusers {diffusers.__version__} has no AutoencoderKLFlux2")
+    with torch.device("meta"):
+        ae = diffusers.AutoencoderKLFlux2()
+        z = torch.empty(2, 32, 8, 12)
+    assert measure_flops(lambda: ae.decode(z)).total == flux2_ae_decode_flops(8, 12, 2)
+    assert flux2_ae_decode_flops(8, 12) > flux_ae_decode_flops(8, 12)  # the wider conv_in
 
 
 @pytest.mark.skipif(
@@ -238,6 +318,10 @@ def test_weight_bytes_equal_loaded_models(preset):
         ("flux.1-schnell", 11_891_178_560),  # ... of FLUX.1-schnell (no guidance embedder)
         ("wan2.1-1.3b", 1_418_996_800),  # Wan2.1-T2V-1.3B DiT
         ("wan2.1-14b", 14_288_491_584),  # Wan2.1-T2V-14B DiT (the same count as one Wan2.2-A14B expert)
+        ("flux.2-dev", 32_223_281_152),  # black-forest-labs/FLUX.2-dev flux2-dev.safetensors
+        ("flux.2-klein-4b", 3_875_544_576),  # black-forest-labs/FLUX.2-klein-4B transformer
+        ("flux.2-klein-9b", 9_078_581_248),  # black-forest-labs/FLUX.2-klein-9B transformer
+        ("z-image-turbo", 6_154_908_736),  # Tongyi-MAI/Z-Image-Turbo transformer
     ],
 )
 def test_parameter_counts_are_the_published_ones(model, published):
@@ -281,6 +365,67 @@ def test_flux_plan_fields_and_seconds():
     assert p["tokens_per_frame"] == 4096 and p["weight_bytes"] == 2 * p["parameters"]  # bf16 by default
     json.dumps(p.fields)
     assert "4 = 4 steps x 1 row" in p.table()
+
+
+@pytest.mark.parametrize(
+    ("model", "schedule", "steps", "family"),
+    [
+        ("flux.2-klein-4b", "flux.2-klein", 4, "flux2"),
+        ("flux.2-klein-9b", "flux.2-klein", 4, "flux2"),
+        ("flux.2-dev", "flux.2-dev", 50, "flux2"),  # guidance embedded, not CFG: 1 row a step
+        ("z-image-turbo", "z-image-turbo", 8, "zimage"),  # 8 DiT forwards, Tongyi-MAI/Z-Image's count
+    ],
+)
+def test_flux2_and_zimage_plans_at_1024(model, schedule, steps, family):
+    from fewstep.engine.sampling.schedules import SCHEDULES
+
+    p = plan_preset(model, gpu="h200", mfu=0.5)
+    assert SCHEDULES[schedule].steps == steps  # the planner's default is the schedule preset's
+    assert p["family"] == family and p["schedule"] == schedule and p["steps"] == steps
+    assert p["forwards"] == steps and p["cfg_rows"] == 1 and p["text_tokens"] == 512
+    assert p["image_tokens"] == 4096 and p["sequence_tokens"] == 4096 + 512
+    params = presets_of(model)
+    formula = flux2_forward_flops if family == "flux2" else zimage_forward_flops
+    assert p["flops_per_forward"] == formula(params, 4096, 512).total
+    assert p["dit_flops"] == steps * p["flops_per_forward"]
+    assert p["predicted_dit_seconds"] == pytest.approx(p["dit_flops"] / (989.4e12 * 0.5))
+    full, tiny = (
+        ("full (FLUX.2 AE)", "tiny (taef2)") if family == "flux2" else ("full (FLUX.1 AE)", "tiny (taef1)")
+    )
+    assert list(p["vae_decode_flops"]) == [full, tiny]
+    if family == "flux2":
+        assert p["vae_decode_flops"][full] == flux2_ae_decode_flops(128, 128)  # the 32-ch latent at 1/8
+        assert p["vae_decode_flops"][tiny] == taesd_decode_flops("taef2", 128, 128)
+    else:
+        assert p["vae_decode_flops"][full] == flux_ae_decode_flops(128, 128)
+    assert p["predicted_total_seconds"] == pytest.approx(
+        p["predicted_dit_seconds"] + p["predicted_vae_seconds"][full]
+    )
+    assert {k: type(p[k]) for k in ISSUE_FIELDS} == {
+        "flops_per_forward": int, "forwards": int, "dit_flops": int, "predicted_dit_seconds": float,
+        "tokens_per_frame": int, "tokens_per_chunk": type(None), "kv_bytes_per_token": type(None),
+        "kv_bytes_per_chunk": type(None), "kv_bytes_window": type(None), "weight_bytes": int,
+    }  # fmt: skip
+    json.dumps(p.fields)
+    assert f"{steps} = {steps} steps x 1 row (no CFG); the {schedule} preset's step count" in p.table()
+
+
+def presets_of(model: str):
+    from fewstep.engine.models.registry import all_presets
+
+    return all_presets()[model][1]
+
+
+def test_zimage_plan_pads_its_tokens():
+    p = plan_preset("z-image-turbo", height=1008, width=1008, text_tokens=77, vae=False)
+    assert p["image_tokens"] == 63 * 63 == 3969 and p["sequence_tokens"] == 4000 + 96
+    assert "padded to 4000 + 96 (multiples of 32)" in p.table()
+
+
+def test_flux2_weight_bytes_equal_a_loaded_model():
+    plan = plan_preset("flux2-tiny-dev", vae=False, weight_dtype="fp32")
+    model = load_dit("dummy:flux2-tiny-dev", dtype=torch.float32, device="cpu")
+    assert plan["weight_bytes"] == weight_bytes(model) == 4 * plan["parameters"]
 
 
 def test_wan_plan_chunks_and_attention_growth():
@@ -328,6 +473,11 @@ def test_every_known_model_and_gpu_plans():
         ("flux.1-schnell", {"frames": 81}, "frames", ["makes images"]),
         ("flux.1-schnell", {"mfu": 0}, "mfu", ["(0, 1]"]),
         ("flux.1-schnell", {"steps": 0}, "steps", ["positive"]),
+        ("flux.2-klein-4b", {"frames": 81}, "frames", ["flux.2-klein-4b makes images", "apply to Wan"]),
+        ("z-image-turbo", {"kv_dtype": "int8"}, "kv_dtype", ["z-image-turbo makes images"]),
+        ("flux.2-dev", {"height": 1000}, "height", ["1000 px", "multiple of 16", "one token a latent pixel"]),
+        ("z-image-turbo", {"width": 1032}, "width", ["1032 px", "8x VAE downscaling and 2x2 patches"]),
+        ("z-image-turbo", {"text_tokens": 0}, "text_tokens", ["positive"]),
     ],
 )
 def test_bad_input_names_the_setting(model, settings, input_name, words):
@@ -392,6 +542,31 @@ def test_cli_command_exits_2_on_bad_input(capsys, monkeypatch):
         == 0
     )
     assert json.loads(capsys.readouterr().out)["image_tokens"] == 1024
+
+
+def test_cli_plans_flux2_and_zimage(capsys):
+    assert _plan_cli("--model", "flux.2-klein-4b") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Cost plan: flux.2-klein-4b (FLUX.2 MMDiT, 3.88 B parameters), 1024x1024 px")
+    assert "| VAE decode, full (FLUX.2 AE)" in out
+    assert _plan_cli("--model", "z-image-turbo", "--json", "--no-vae", "--steps", "8") == 0
+    fields = json.loads(capsys.readouterr().out)
+    assert (
+        fields["forwards"] == 8 and fields["sequence_tokens"] == 4096 + 512 and fields["family"] == "zimage"
+    )
+    assert "flux.2-klein-4b" in known_models() and "z-image-turbo" in known_models()
+
+
+@pytest.mark.parametrize("preset", ["flux2-tiny", "zimage-tiny"])
+def test_cost_plan_node_on_flux2_and_zimage(preset):
+    from fewstep.nodes.plan import FewStepCostPlan
+
+    handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
+    bill, record = FewStepCostPlan().plan(handle, 512, 256, 0, 1.0, 1, "h100", 0.5, "bf16", frames=81)
+    fields = json.loads(record)
+    assert bill.startswith(f"Cost plan: {preset}") and fields["image_tokens"] == 32 * 16
+    assert fields["loaded_weight_bytes"] == weight_bytes(handle.model) and fields["text_tokens"] == 512
+    assert "frames" not in fields  # the video widgets' values are not passed for an image model
 
 
 def test_cost_plan_node(wan):

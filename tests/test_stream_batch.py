@@ -62,12 +62,13 @@ def counted_rows(model):
 
 
 def reference_x0(handle, pos, neg, latents, noise, sigmas, mode, scale, sampler):
-    """One frame group denoised on its own, written out from the documented formulas (x0 form of the CFG)."""
-    model = handle.model
+    """One frame group denoised on its own, written out from the documented formulas (x0 form of the CFG), with
+    the family's velocity (``flux_velocity`` for FLUX.1; also used for FLUX.2 and Z-Image)."""
+    model, velocity = handle.model, handle.family.velocity
 
     def vel(x, s, cond):
         c = cond.repeat_to(x.shape[0])
-        return flux_velocity(model, x, torch.full((x.shape[0],), float(s)), c)
+        return velocity(model, x, torch.full((x.shape[0],), float(s)), c)
 
     x = (1 - sigmas[0]) * latents + sigmas[0] * noise[0]
     x_ref = latents

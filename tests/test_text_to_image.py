@@ -159,3 +159,66 @@ def test_bad_conditioning(tiny_handle):
         )
     with pytest.raises(InputError, match="input 'sampler': unknown sampler 'ddim'"):
         sample_latent(tiny_handle, [make_cond(p)], _latent(), sampler="ddim")
+
+
+# -- the sampler nodes, for every image family ---------------------------------------------------------------
+
+FAMILY_CASES = [
+    # preset, LATENT of a 64x64 image, (token width, pooled width), what "auto" picks
+    ("flux-tiny", (1, 16, 8, 8), (4096, 768), "flux.1-schnell"),
+    ("flux-tiny-guidance", (1, 16, 8, 8), (4096, 768), "flux.1-dev"),
+    ("flux2-tiny", (1, 128, 4, 4), (7680, 0), "flux.2-klein"),
+    ("flux2-tiny-dev", (1, 128, 4, 4), (15360, 0), "flux.2-dev"),
+    ("zimage-tiny", (1, 16, 8, 8), (2560, 0), "z-image-turbo"),
+]
+
+
+def _node_model(pack, preset):
+    (model,) = pack.NODE_CLASS_MAPPINGS["FewStepDiTLoader"]().load(f"dummy:{preset}")
+    return model
+
+
+def _synthetic(pack, model=None, width=4096, pooled_width=768, tokens=6):
+    node = pack.NODE_CLASS_MAPPINGS["FewStepSyntheticConditioning"]()
+    return node.make(tokens, width, pooled_width, 3.5, 0, model=model)[0]
+
+
+def _sample(pack, model, cond, shape, schedule="auto", steps=2):
+    node = pack.NODE_CLASS_MAPPINGS["FewStepSampler"]()
+    return node.sample(model, cond, {"samples": torch.zeros(shape)}, 0, steps, schedule, "euler", 1.0, 1.0)
+
+
+@pytest.mark.parametrize("preset,shape,widths,auto", FAMILY_CASES)
+def test_sampler_node_runs_every_image_family(pack, preset, shape, widths, auto):
+    from fewstep.engine.sampling import schedule_sigmas
+    from fewstep.nodes.sampling import auto_schedule
+
+    model = _node_model(pack, preset)
+    cond = _synthetic(pack, model=model)
+    context, opts = cond[0]
+    assert context.shape == (1, 6, widths[0])
+    assert (opts["pooled_output"].shape[-1] if "pooled_output" in opts else 0) == widths[1]
+    assert auto_schedule(model) == auto
+    out, report = _sample(pack, model, cond, shape)
+    assert out["samples"].shape == shape and "2 DiT forwards" in report
+    # "auto" is the model's schedule, at the image's token count (one token per 16x16 px in every family)
+    expected = schedule_sigmas(auto, 2, image_seq_len=16)
+    assert report.startswith(f"euler, 2 steps, sigmas {[round(s, 4) for s in expected.tolist()]}")
+
+
+@pytest.mark.parametrize("preset,shape,widths,auto", FAMILY_CASES)
+def test_sampler_node_names_a_wrong_conditioning_width(pack, preset, shape, widths, auto):
+    model = _node_model(pack, preset)
+    wrong = _synthetic(pack, width=widths[0] // 2, pooled_width=widths[1])
+    with pytest.raises(  # ValueError: the pack, loaded as ComfyUI loads it, has its own InputError class
+        ValueError,
+        match=rf"^FewStepSampler: input 'positive': conditioning tokens are \[1, 6, {widths[0] // 2}\]; this .* "
+        rf"model \({preset}\) expects \[batch, tokens, {widths[0]}\]",
+    ):
+        _sample(pack, model, wrong, shape)
+
+
+def test_flux1_synthetic_draws_do_not_change_with_a_model(pack):
+    model = _node_model(pack, "flux-tiny")
+    a, b = _synthetic(pack), _synthetic(pack, model=model)
+    assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[0][1]["pooled_output"], b[0][1]["pooled_output"])

@@ -142,7 +142,6 @@ def test_decoder_only_file_cannot_encode(tmp_path):
         ("taesdxl", 0.13025, 0.0),
         ("taesd3", 1.5305, 0.0609),
         ("taef1", 0.3611, 0.1159),
-        ("taef2", 1.0, 0.0),
         ("taesana", 0.41407, 0.0),
     ],
 )
@@ -152,6 +151,16 @@ def test_raw_latent_conversion_per_family(variant, scale, shift):
     raw = torch.randn(2, c, 3, 4)
     assert torch.allclose(vae.raw_to_latent(raw), (raw - shift) * scale)
     assert torch.allclose(vae.latent_to_raw(vae.raw_to_latent(raw)), raw, atol=1e-6)
+
+
+def test_taef2_raw_latent_is_flux2s_128_channel_latent():
+    """No scale or shift; ComfyUI's FLUX.2 LATENT [B, 128, h, w] is taef2's [B, 32, 2h, 2w] 2x2-patchified
+    (tests/test_tiny_vae_flux2_zimage.py checks the layout against einops and the real weights)."""
+    vae = load_tiny_vae("dummy:taef2")
+    raw = torch.randn(2, 128, 3, 4)
+    latent = vae.raw_to_latent(raw)
+    assert latent.shape == (2, 32, 6, 8)
+    assert torch.equal(vae.latent_to_raw(latent), raw)
 
 
 def test_wan_conversion_is_per_channel():

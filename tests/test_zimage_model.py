@@ -314,24 +314,9 @@ def test_against_diffusers_if_installed(tiny):
 def test_sampling_matches_diffusers_pipeline_if_installed(tiny):
     """A whole 4-step run: diffusers' ZImagePipeline denoising loop (latents in, latents out; no text encoder or
     VAE) against Euler steps of :func:`zimage_velocity` on the pipeline's own sigmas, same random transformer."""
-    diffusers = pytest.importorskip("diffusers", reason="diffusers not installed (optional cross-check)")
-    try:
-        diffusers.ZImagePipeline  # noqa: B018 - a lazy import: it needs transformers too
-    except (AttributeError, ImportError) as err:
-        pytest.skip(
-            f"diffusers {diffusers.__version__} cannot give ZImagePipeline here: {str(err).strip()[:120]}"
-        )
-    ref = diffusers.ZImageTransformer2DModel(
-        in_channels=16, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
-        cap_feat_dim=2560, axes_dims=[8, 12, 12], axes_lens=[1536, 512, 512],
-    ).eval()  # fmt: skip
-    ref.load_state_dict(tiny.state_dict(), strict=True)
-    # Z-Image-Turbo's scheduler/scheduler_config.json: FlowMatchEulerDiscreteScheduler, shift 3, no dynamic shift
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-    pipe = diffusers.ZImagePipeline(
-        scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=ref
-    )
-    pipe.set_progress_bar_config(disable=True)
+    from test_zimage_sampling import zimage_pipeline
+
+    pipe = zimage_pipeline(tiny)
     g = torch.Generator().manual_seed(5)
     noise = torch.randn(1, 16, 10, 12, generator=g)
     cap = torch.randn(1, 7, 2560, generator=g)

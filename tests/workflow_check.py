@@ -244,6 +244,34 @@ CORE_NODES = {
 }
 
 
+# Core nodes and combo entries of ComfyUI releases after 0.3.64 (the version CI's server runs), as current
+# ComfyUI declares them (comfy_extras/nodes_flux.py, nodes.py CLIPLoader). Only the real FLUX.2 workflows use
+# them; their dummy twins stay on 0.3.64's nodes, so every dummy workflow still runs on the CI server.
+NEWER_CORE_NODES = {
+    "EmptyFlux2LatentImage": core(
+        {
+            "width": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
+            "height": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
+            "batch_size": ("INT", {"default": 1, "min": 1, "max": 4096}),
+        },
+        outputs={"LATENT": "LATENT"},
+    ),
+}
+# (node, combo input) -> entries added after 0.3.64: CLIPLoader's "flux2" loads FLUX.2's Qwen3 / Mistral encoders.
+NEWER_COMBO_OPTIONS = {("CLIPLoader", "type"): ("flux2",)}
+
+
+def with_newer_options(name: str, d: dict) -> dict:
+    """A CORE_NODES entry with the combo entries of later ComfyUI releases appended."""
+    d = {**d, "required": dict(d["required"]), "optional": dict(d["optional"])}
+    for (node, inp), extra in NEWER_COMBO_OPTIONS.items():
+        if node == name:
+            section = "required" if inp in d["required"] else "optional"
+            options, *rest = d[section][inp]
+            d[section][inp] = (list(options) + list(extra), *rest)
+    return d
+
+
 def load_pack(root: Path = ROOT):
     """Import the pack the way ComfyUI imports a custom-node folder (a module named after the folder)."""
     if PACK_MODULE in sys.modules:
@@ -263,7 +291,11 @@ def load_pack(root: Path = ROOT):
 
 def node_specs() -> dict[str, NodeSpec]:
     specs = {name: spec_from_class(name, cls) for name, cls in load_pack().NODE_CLASS_MAPPINGS.items()}
-    for name, d in CORE_NODES.items():  # core wins: ComfyUI drops a pack node that collides with one
+    for name, d in {
+        **CORE_NODES,
+        **NEWER_CORE_NODES,
+    }.items():  # core wins: ComfyUI drops a colliding pack node
+        d = with_newer_options(name, d)
         specs[name] = spec_from_input_types(name, d, d["outputs"].items())
     return specs
 
@@ -560,7 +592,10 @@ def compare_object_info(spec: NodeSpec, info: dict) -> list[str]:
                     f"{spec.name}.{mine.name}: options {mine.options} not all on server {other.options}"
                 )
         elif mine.options != other.options:
-            errors.append(f"{spec.name}.{mine.name}: options {mine.options}, server {other.options}")
+            # an older server (0.3.64 in CI) lacks the entries later releases added; a newer one has them
+            newer = NEWER_COMBO_OPTIONS.get((spec.name, mine.name), ())
+            if tuple(o for o in mine.options if o not in newer or o in other.options) != other.options:
+                errors.append(f"{spec.name}.{mine.name}: options {mine.options}, server {other.options}")
     if spec.outputs != server.outputs:
         errors.append(f"{spec.name}: outputs {spec.outputs}, server {server.outputs}")
     return errors

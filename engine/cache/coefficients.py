@@ -13,7 +13,10 @@ The polynomials below are the ones published with the method, coefficients highe
 
 They only mean something for the model they were fitted on, so TeaCache is refused for any other model
 (:func:`teacache_coefficients_for`); ``coefficients=`` takes a published set by name or an explicit polynomial
-for experiments.
+for experiments. None is published for FLUX.2 or Z-Image (TeaCache's repository covers FLUX.1, Wan 2.1 and
+older video / image models; the Lumina-2 set, the closest architecture to Z-Image, is fitted on Lumina-Image
+2.0, another model): they are refused with that reason and pointed to First-Block-Cache or a MagCache
+calibration.
 """
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ PRESET_COEFFICIENTS = {
 }
 
 
+def family_title(family: str) -> str:
+    """``"FLUX.2"`` for ``"flux2"``: the registry's description of an image family up to its parenthesis."""
+    from ..models.registry import FAMILIES
+
+    spec = FAMILIES[family].image if family in FAMILIES else None
+    return spec.description.split(" (")[0] if spec is not None and spec.description else family
+
+
 def published_models() -> str:
     return ", ".join(f"{preset} ({name})" for preset, name in PRESET_COEFFICIENTS.items())
 
@@ -97,6 +108,14 @@ def teacache_coefficients_for(
     if override is not None:
         return TeaCacheCoefficients("custom", family, tuple(float(c) for c in override), "given explicitly")
     preset = preset_of(model)
+    if family not in {c.family for c in TEACACHE_COEFFICIENTS.values()}:
+        raise InputError(
+            input_name,
+            f"TeaCache needs a rescaling polynomial fitted on the model, and none is published for any "
+            f"{family_title(family)} model (this one: {preset or 'a custom configuration'}); TeaCache's "
+            f"polynomials exist only for {published_models()}. Use method 'first_block' (First-Block-Cache needs "
+            "no per-model fit), or 'magcache' with a calibration file (calibrate on, once per step count)",
+        )
     if preset not in PRESET_COEFFICIENTS:
         raise InputError(
             input_name,

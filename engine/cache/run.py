@@ -3,10 +3,10 @@
 :meth:`CacheGate.start_run` creates one for each sampling run; ``finish`` returns the telemetry and empties it
 (``reset``), so two runs never share anything. The model and the handle are never written to.
 
-* :class:`BlockCacheRun` (the engine's FLUX and Wan models): the denoiser calls :meth:`~BlockCacheRun.velocity`
-  for each forward; it passes a ``block_runner`` to the family's velocity adapter, which runs the model's
-  ``embed`` stage, hands the residual stream to the runner (probe, decide, then run the remaining blocks or add
-  the kept residual) and finishes with the model's head.
+* :class:`BlockCacheRun` (the engine's FLUX.1, FLUX.2, Z-Image and Wan models): the denoiser calls
+  :meth:`~BlockCacheRun.velocity` for each forward; it passes a ``block_runner`` to the family's velocity
+  adapter, which runs the model's ``embed`` stage, hands the residual stream to the runner (probe, decide, then
+  run the remaining blocks or add the kept residual) and finishes with the model's head.
 * :class:`WholeModelRun` (ComfyUI's own models, through ModelPatcher wrappers): decides per diffusion-model
   call and reuses the model's last output.
 
@@ -41,17 +41,53 @@ PRIMARY = "pos0"
 
 
 def teacache_probe(model, h, rows: int) -> torch.Tensor:
-    """TeaCache's probe on the primary rows: FLUX block 0's modulated image input; Wan's time embedding."""
+    """TeaCache's probe on the primary rows, before block 0 (see :data:`TEACACHE_PROBES`)."""
     family = type(model).family
-    if family == "flux":
-        from ..models.flux_layers import modulate
+    if family not in TEACACHE_PROBES:
+        raise ValueError(f"no TeaCache probe for {family} models")
+    return TEACACHE_PROBES[family](model, h, rows)
 
-        block = model.double_blocks[0]
-        shift, scale = block.img_mod(h.vec[:rows])[:2]
-        return modulate(block.img_norm1(h.img[:rows]), shift, scale)
-    if family == "wan":
-        return h.e[:rows]
-    raise ValueError(f"no TeaCache probe for {family} models")
+
+def _flux_probe(model, h, rows: int) -> torch.Tensor:
+    """FLUX.1: block 0's modulated image input ``(1 + scale) * LayerNorm(img) + shift``, its own modulation."""
+    from ..models.flux_layers import modulate
+
+    block = model.double_blocks[0]
+    shift, scale = block.img_mod(h.vec[:rows])[:2]
+    return modulate(block.img_norm1(h.img[:rows]), shift, scale)
+
+
+def _flux2_probe(model, h, rows: int) -> torch.Tensor:
+    """FLUX.2: the same input of block 0, whose (shift, scale) come from the shared image modulation
+    (``Flux2Hidden.mod_img``: the attention triple, computed once per forward for every double block)."""
+    from ..models.flux_layers import norm_modulate
+
+    shift, scale, _gate = h.mod_img[0]
+    return norm_modulate(model.double_blocks[0].img_norm1, h.img[:rows], shift[:rows], scale[:rows])
+
+
+def _zimage_probe(model, h, rows: int) -> torch.Tensor:
+    """Z-Image: the first layer's modulated attention input ``RMSNorm(x) * (1 + scale_msa)`` on the real image
+    tokens, FLUX's probe transposed (Z-Image modulates with a scale, no shift). Not the time embedding (Wan's
+    probe): Z-Image's reaches the layers only through the modulation, so it would measure the schedule alone and
+    take the same decisions for every prompt and image; the image tokens carry the latent through the noise
+    refiner. Not the caption tokens: the context refiner is unmodulated, so they are the same at every step and
+    would only dilute the change."""
+    layer = model.layers[0]
+    scale_msa = layer.adaLN_modulation[0](h.vec[:rows]).unsqueeze(1).chunk(4, dim=2)[0]
+    image = h.stream[:rows, : h.img_tokens]
+    return layer.attention_norm1(image) * (1.0 + scale_msa)
+
+
+def _wan_probe(model, h, rows: int) -> torch.Tensor:
+    """Wan: the time embedding ``e`` (the input of the 6-way modulation projection)."""
+    return h.e[:rows]
+
+
+# What TeaCache measures per family. FLUX.1 and Wan follow the published method (their polynomials were fitted on
+# these probes); FLUX.2 and Z-Image have no published polynomial, so their probes serve explicit coefficients
+# (``teacache_coefficients=(...)``, experiments) only.
+TEACACHE_PROBES = {"flux": _flux_probe, "flux2": _flux2_probe, "zimage": _zimage_probe, "wan": _wan_probe}
 
 
 class _Run:
@@ -320,4 +356,4 @@ class WholeModelRun(_Run):
         return out
 
 
-__all__ = ["BlockCacheRun", "PRIMARY", "WholeModelRun", "teacache_probe"]
+__all__ = ["BlockCacheRun", "PRIMARY", "TEACACHE_PROBES", "WholeModelRun", "teacache_probe"]

@@ -1,7 +1,8 @@
 """Compiled and CUDA-graph DiT forwards, applied to a model without changing it.
 
 At 4 steps each forward is short, and kernel launches and Python become a visible share of it. This package
-offers two independent speed features for the engine's FLUX and Wan models; each can be switched off alone:
+offers two independent speed features for the engine's models (FLUX.1, FLUX.2, Z-Image, Wan); each can be
+switched off alone:
 
 * :func:`compile_model` (:mod:`.regional`): ``torch.compile`` of the repeated block, compiled once per block
   class and reused by every block (``regional``), or of the whole forward (``full``); token dimensions marked

@@ -85,12 +85,14 @@ def parse_buckets(text: str | None, input_name: str = "buckets") -> tuple[tuple[
 class CompileConfig:
     """The user's choice for one model; each feature can be off on its own.
 
-    ``buckets``: the image sizes (width, height px) a workflow expects. No padding is done (FLUX's joint
-    attention has no mask, so padding tokens would change every real token's result). They bound what is
-    specialised: with ``dynamic=False`` a size outside the buckets runs uncompiled instead of compiling one more
-    static graph, and CUDA graphs are captured only for bucket sizes (others run without a graph). A bucket is a
-    set of tensor shapes, so for FLUX it covers every size with the same number of image tokens
-    (1024x1024 and 512x2048 both give 4096).
+    ``buckets``: the image sizes (width, height px) a workflow expects. No padding is done (the joint attention
+    of FLUX.1, FLUX.2 and Z-Image has no mask, so padding tokens would change every real token's result; Z-Image's
+    own padding to a multiple of 32 tokens is part of the model). They bound what is specialised: with
+    ``dynamic=False`` a size outside the buckets runs uncompiled instead of compiling one more static graph, and
+    CUDA graphs are captured only for bucket sizes (others run without a graph). A bucket of an image model is a
+    number of image tokens, so it covers every size with as many (FLUX.1 and Z-Image, 16 px a token: 1024x1024
+    and 512x2048 both give 4096; FLUX.2 likewise, its 16x16 px latent pixels one token each); for Wan it is the
+    latent height x width.
     """
 
     mode: str = "regional"

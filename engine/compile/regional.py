@@ -3,8 +3,11 @@
 * **regional** (default): the repeated block is compiled, once per block class, and every block of the stack
   runs through that compiled code. torch.compile inlines module calls and lifts a module's parameters to graph
   inputs (torch >= 2.5), so the graph of ``DoubleStreamBlock.forward`` compiled for block 0 is the graph of
-  every other double-stream block: compile time is that of one block per class (FLUX: two classes, Wan: one),
-  not of the whole model, and it does not grow with depth. Embedding and head stay eager (they run once).
+  every other double-stream block: compile time is that of one block per class (FLUX.1 and FLUX.2: two
+  classes, Wan: one), not of the whole model, and it does not grow with depth. Z-Image has one block class
+  in three stacks that call it three ways (noise refiner, context refiner, layers): one compiled function per
+  stack (:func:`caller_names`), so three block graphs and no recompiles. Embedding, the FLUX.2 shared
+  modulation and the head stay eager (they run once per forward).
 * **full**: the whole forward as one compiled callable (longer compile, no Python between blocks).
 
 The model object is shared, never written to. Regional compilation works on a *view*: a shallow copy of the
@@ -39,6 +42,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from ..models.registry import FAMILIES, Family
 from .capture import tree_leaves
 from .options import COMPILE_BACKENDS, COMPILE_MODES, CompileConfig, run_outside_dynamo
 
@@ -115,40 +119,74 @@ class CompiledBlock(nn.Module):
 
 
 def repeated_block_lists(model: nn.Module) -> list[str]:
-    """Names of the model's block stacks: its ``nn.ModuleList`` children (FLUX: double_blocks, single_blocks;
-    Wan: blocks)."""
+    """Names of the model's block stacks: its ``nn.ModuleList`` children (FLUX.1 / FLUX.2: double_blocks,
+    single_blocks; Z-Image: noise_refiner, context_refiner, layers; Wan: blocks)."""
     return [name for name, child in model.named_children() if isinstance(child, nn.ModuleList) and len(child)]
 
 
 def model_view(model: nn.Module, wrap) -> nn.Module:
     """A shallow copy of ``model`` (same class, same parameters, buffers and submodules) whose block lists
-    hold ``wrap(block)`` for each block. ``model`` is not changed."""
+    hold ``wrap(block, stack)`` for each block (``stack``: the list's name). ``model`` is not changed."""
     view = copy.copy(
         model
     )  # the instance dict is copied; its values (parameter tables, submodules) are shared
     modules = dict(model._modules)
     for name in repeated_block_lists(model):
-        modules[name] = nn.ModuleList(wrap(block) for block in model._modules[name])
+        modules[name] = nn.ModuleList(wrap(block, name) for block in model._modules[name])
     view.__dict__["_modules"] = modules
     return view
 
 
-def image_tokens(family: str, bound: inspect.BoundArguments) -> tuple | None:
-    """The shape a bucket is compared with: FLUX image tokens; Wan latent (height, width)."""
-    args = bound.arguments
-    if family == "flux" and isinstance(args.get("img"), torch.Tensor):
-        return (int(args["img"].shape[1]),)
-    if family == "wan" and isinstance(args.get("x"), torch.Tensor):
-        return tuple(int(s) for s in args["x"].shape[-2:])
-    return None
+def caller_names(model: nn.Module) -> dict[tuple[type, str], str]:
+    """The compiled function of each (block class, stack): ``compiled_<Class>``, one per class, which every block
+    of the class reuses. A class that several stacks call differently gets one function per stack,
+    ``compiled_<Class>_<stack>``: Z-Image's refiners are its layer class called three ways (modulated on the
+    image tokens, unmodulated on the caption, modulated on both with a replicated caption prefix). Through one
+    function each call form would fail the previous one's guards and recompile it (three graphs, two reported
+    recompiles, and a shared recompile limit); through one function per stack each is compiled once, with no
+    recompile, and the compile time is the same three block graphs."""
+    stacks: dict[type, list[str]] = {}
+    for name in repeated_block_lists(model):
+        for block in model._modules[name]:
+            names = stacks.setdefault(type(block), [])
+            if name not in names:
+                names.append(name)
+    return {
+        (cls, stack): f"compiled_{cls.__name__}" if len(names) == 1 else f"compiled_{cls.__name__}_{stack}"
+        for cls, names in stacks.items()
+        for stack in names
+    }
 
 
-def bucket_shapes(family: str, buckets, patch: int = 2) -> set[tuple]:
-    """Bucket sizes (width, height px) as :func:`image_tokens` gives them."""
+def family_spec(model: nn.Module) -> Family | None:
+    """The registry family of ``model`` (None for a model outside the registry: a test double, a callable)."""
+    return FAMILIES.get(getattr(type(model), "family", None))
+
+
+def image_tokens(family: Family | None, first_input) -> tuple | None:
+    """The shape a bucket is compared with, from the forward's first input (FLUX.1 ``img``, FLUX.2 / Z-Image /
+    Wan ``x``): an image family's image tokens (sizes with as many tokens share compiled code and graphs),
+    read from packed tokens ``[B, L, C]`` (FLUX.1, FLUX.2) or from a latent ``[B, C, H, W]`` (Z-Image, which
+    packs its patches inside the forward); a video family's latent (height, width)."""
+    if family is None or not isinstance(first_input, torch.Tensor):
+        return None
+    if family.is_image:
+        if first_input.ndim == 3:
+            return (int(first_input.shape[1]),)
+        if first_input.ndim == 4:
+            return (family.image.image_tokens(int(first_input.shape[-2]), int(first_input.shape[-1])),)
+        return None
+    return tuple(int(s) for s in first_input.shape[-2:])
+
+
+def bucket_shapes(family: Family, buckets) -> set[tuple]:
+    """Bucket sizes (width, height px) as :func:`image_tokens` gives them, through the family's latent
+    downscale (FLUX.1, Z-Image, Wan: 8; FLUX.2: 16) and its token patch (ImageSpec.token_patch)."""
     out = set()
+    down = family.latent_format.downscale
     for w, h in buckets or ():
-        lh, lw = h // 8, w // 8
-        out.add(((lh // patch) * (lw // patch),) if family == "flux" else (lh, lw))
+        lh, lw = h // down, w // down
+        out.add((family.image.image_tokens(lh, lw),) if family.is_image else (lh, lw))
     return out
 
 
@@ -156,16 +194,17 @@ class BucketCheck:
     """``check(*args, **kwargs)`` of a forward call: why its shape is outside the buckets (None: inside)."""
 
     def __init__(self, model: nn.Module, buckets):
-        self.family = getattr(type(model), "family", None)
-        self.shapes = bucket_shapes(self.family, buckets)
+        self.family = family_spec(model)
+        self.shapes = bucket_shapes(self.family, buckets) if self.family is not None else set()
         self.signature = inspect.signature(model.forward)
+        self.first_input = next(iter(self.signature.parameters))
 
     def __call__(self, *args, **kwargs) -> str | None:
         bound = self.signature.bind_partial(*args, **kwargs)
-        shape = image_tokens(self.family, bound)
+        shape = image_tokens(self.family, bound.arguments.get(self.first_input))
         if shape is None or shape in self.shapes:
             return None
-        what = "image tokens" if self.family == "flux" else "latent height x width"
+        what = "image tokens" if self.family.is_image else "latent height x width"
         return f"{what} {shape} is not one of the buckets {sorted(self.shapes)}"
 
 
@@ -196,7 +235,7 @@ class CompiledModel:
         self.bucket_problem = BucketCheck(model, buckets) if buckets else None
         self._view: nn.Module | None = None
         self._full = None
-        self._callers: dict[type, object] = {}
+        self._callers: dict[tuple[type, str], object] = {}
         self.notes: list[str] = []
 
     # -- the compiled pieces (built on first use) ------------------------------------------------------------------
@@ -205,18 +244,21 @@ class CompiledModel:
         run_outside_dynamo(_EagerMethod, "__call__")
         return torch.compile(fn, backend=self.backend, dynamic=self.dynamic)
 
-    def _wrap_block(self, block: nn.Module) -> CompiledBlock:
-        cls = type(block)
-        if cls not in self._callers:
-            self._callers[cls] = self._torch_compile(_block_caller(f"compiled_{cls.__name__}"))
-        return CompiledBlock(block, self._callers[cls])
+    def _wrap_block(self, block: nn.Module, stack: str, names: dict) -> CompiledBlock:
+        key = (type(block), stack)
+        if key not in self._callers:
+            self._callers[key] = self._torch_compile(_block_caller(names[key]))
+        return CompiledBlock(block, self._callers[key])
 
     @property
     def view(self) -> nn.Module:
         """The model with compiled blocks (shares everything else with the model)."""
         with _compile_lock:
             if self._view is None:
-                self._view = model_view(self.model, self._wrap_block)
+                names = caller_names(self.model)
+                self._view = model_view(
+                    self.model, lambda block, stack: self._wrap_block(block, stack, names)
+                )
         return self._view
 
     @property
@@ -269,6 +311,7 @@ def compile_model(
 __all__ = [
     "BucketCheck",
     "CompiledBlock",
+    "caller_names",
     "EAGER_ARGUMENTS",
     "EagerCalls",
     "CompiledModel",

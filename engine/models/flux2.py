@@ -96,6 +96,16 @@ PRESETS: dict[str, Flux2Params] = {
         axes_dim=(8, 8, 8, 8),
         guidance_embed=True,
     ),
+    # Benchmarks on CPU: the FLUX.2 head size (128, axes 4 x 32) and klein's 1 : 4 double : single block mix
+    # (klein-4B: 5 + 20) at a width a CPU runs in about a second, as flux-mid / zimage-mid.
+    "flux2-mid": Flux2Params(
+        context_in_dim=7680,
+        hidden_size=1024,
+        num_heads=8,
+        depth=1,
+        depth_single_blocks=4,
+        guidance_embed=False,
+    ),
 }
 
 

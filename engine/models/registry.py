@@ -38,7 +38,10 @@ class ImageSpec:
     LATENT is already patchified by its VAE, one token a latent pixel). ``context_dim`` / ``pooled_dim``: the
     conditioning widths of a model's params (``pooled_dim`` None: no pooled vector). ``text_encoder``: which
     ComfyUI text-encoder setup produces that conditioning, for error messages. ``guidance``: whether the params
-    have a distilled-guidance embedding. ``schedule``: the default schedule preset of the family's few-step model.
+    have a distilled-guidance embedding. ``schedule``: the default schedule preset of the family's few-step model;
+    ``guided_schedule``: the preset of its guidance-distilled dev model (FLUX.1-dev, FLUX.2-dev), if any.
+    ``drops_masked_tokens``: the reference pipeline feeds only the unmasked text tokens (Z-Image: Tongyi and
+    diffusers pass ``prompt_embeds[i][mask[i]]``); otherwise padding tokens are attended to like any other.
     """
 
     token_patch: int
@@ -47,8 +50,16 @@ class ImageSpec:
     text_encoder: Callable[[object], str]
     guidance: Callable[[object], bool]
     schedule: str
-    # the ComfyUI node / loader setup that produces the conditioning, for FewStepSyntheticConditioning and errors
-    description: str = ""
+    description: str = ""  # the architecture in a few words, for messages
+    guided_schedule: str | None = None
+    drops_masked_tokens: bool = False
+
+    def schedule_for(self, params) -> str:
+        """The schedule a model of these params runs by default: the few-step preset, or for a guidance-distilled
+        dev model (FLUX.1-dev, FLUX.2-dev, many-step models) its dev preset."""
+        if self.guidance(params) and self.guided_schedule is not None:
+            return self.guided_schedule
+        return self.schedule
 
     def image_tokens(self, latent_h: int, latent_w: int) -> int:
         return (latent_h // self.token_patch) * (latent_w // self.token_patch)
@@ -103,6 +114,7 @@ FAMILIES: dict[str, Family] = {
             guidance=lambda p: p.guidance_embed,
             schedule="flux.1-schnell",
             description="FLUX.1 (BFL MMDiT)",
+            guided_schedule="flux.1-dev",
         ),
     ),
     "flux2": Family(
@@ -135,6 +147,7 @@ FAMILIES: dict[str, Family] = {
             guidance=lambda p: p.guidance_embed,
             schedule="flux.2-klein",
             description="FLUX.2 (BFL MMDiT, shared modulation)",
+            guided_schedule="flux.2-dev",
         ),
     ),
     "zimage": Family(
@@ -169,6 +182,7 @@ FAMILIES: dict[str, Family] = {
             guidance=lambda p: False,
             schedule="z-image-turbo",
             description="Z-Image (Tongyi S3-DiT)",
+            drops_masked_tokens=True,
         ),
     ),
     "wan": Family(

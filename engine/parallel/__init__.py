@@ -15,17 +15,33 @@ side: start, watch, stop), ``worker`` / ``jobs`` (worker side), ``client`` (samp
 ``transport`` (payloads through the store), ``tasks`` (diagnostics).
 """
 
-from .client import RemoteVideoSession, check_sequence_parallel, model_spec, parallel_sample
+from .client import (
+    RemoteVideoSession,
+    check_image_sequence_parallel,
+    check_sequence_parallel,
+    model_spec,
+    parallel_sample,
+)
 from .config import BACKENDS, MODES, ParallelConfig
 from .mesh import CommStats, SequenceMesh
 from .pool import ParallelError, WorkerPool, get_pool, shutdown_all, shutdown_pool
 from .sequence import SequenceParallelPlan, attention_with_lse, ring_attention, sequence_parallel_attention
-from .sharding import CausalSharding, ShardedHandle, ShardedKV, flux_block_runner, wan_block_runner
+from .sharding import (
+    IMAGE_SHARDING,
+    CausalSharding,
+    ShardedHandle,
+    ShardedKV,
+    flux_block_runner,
+    image_sharding,
+    wan_block_runner,
+    zimage_block_runner,
+)
 
 __all__ = [
     "BACKENDS",
     "MODES",
     "CausalSharding",
+    "IMAGE_SHARDING",
     "CommStats",
     "ParallelConfig",
     "ParallelError",
@@ -36,9 +52,11 @@ __all__ = [
     "ShardedKV",
     "WorkerPool",
     "attention_with_lse",
+    "check_image_sequence_parallel",
     "check_sequence_parallel",
     "flux_block_runner",
     "get_pool",
+    "image_sharding",
     "model_spec",
     "parallel_sample",
     "ring_attention",
@@ -46,4 +64,5 @@ __all__ = [
     "shutdown_all",
     "shutdown_pool",
     "wan_block_runner",
+    "zimage_block_runner",
 ]

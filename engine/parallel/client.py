@@ -41,6 +41,7 @@ from ..sampling import schedule_sigmas
 from ..text_to_image import SampleReport, build_sigmas, check_sample_inputs
 from .jobs import dtype_name, fingerprint
 from .pool import WorkerPool
+from .sharding import image_sharding
 from .worker import available_memory
 
 COMPILE_NOT_APPLIED = "compile: not applied on the pool's workers (they run the model eagerly)"
@@ -66,10 +67,12 @@ def check_sequence_parallel(
     """Heads must split over the Ulysses degree, the sharded tokens over every rank."""
     u, r = degrees
     if heads % u:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise InputError(
             "ulysses_degree",
             f"the model has {heads} attention heads, which do not split over ulysses degree {u}; choose a "
-            f"divisor of {heads} (the ring degree has no such limit)",
+            f"divisor of {heads} ({', '.join(map(str, divisors[:-1]))} or {divisors[-1]}; the ring degree has "
+            "no such limit)",
         )
     if tokens % (u * r):
         raise InputError(
@@ -77,6 +80,17 @@ def check_sequence_parallel(
             f"{tokens} {what} do not split over ulysses {u} x ring {r} = {u * r} ranks; choose a size whose "
             f"{what} are a multiple of {u * r}",
         )
+
+
+def check_image_sequence_parallel(
+    family: str, params, latent_h: int, latent_w: int, degrees: tuple[int, int]
+) -> None:
+    """Whether an image model of ``family`` / ``params`` shards a ``latent_h x latent_w`` LATENT over ``degrees``:
+    its heads over the Ulysses degree, the tokens its block runner splits (Z-Image: the padded image tokens)
+    over every rank. Raises the :class:`InputError` of :func:`check_sequence_parallel`."""
+    sharding = image_sharding(family)
+    tokens = sharding.sharded_tokens(params, latent_h, latent_w)
+    check_sequence_parallel(degrees, sharding.heads(params), tokens, sharding.tokens_described, "latent")
 
 
 def _check_pool_memory(pool: WorkerPool, spec: dict) -> None:
@@ -105,8 +119,11 @@ def _refuse_step_cache(handle: ModelHandle) -> None:
 
 
 def _cond_dict(c: TextCondition) -> dict:
+    # the padding mask travels too: Z-Image drops the masked tokens (engine.conditioning.for_family), so a worker
+    # without it would attend to them and return another image than the single-process run
     return {"context": c.context.cpu(), "pooled": None if c.pooled is None else c.pooled.cpu(),
-            "guidance": None if c.guidance is None else float(c.guidance)}  # fmt: skip
+            "guidance": None if c.guidance is None else float(c.guidance),
+            "mask": None if c.mask is None else c.mask.cpu()}  # fmt: skip
 
 
 def parallel_sample(
@@ -140,7 +157,9 @@ def parallel_sample(
     check_sample_inputs(handle, positive, negative, latent, sampler)
     _refuse_step_cache(handle)
     if sigmas is None:
-        sigmas = build_sigmas(schedule, steps, latent, denoise, custom_sigmas)
+        sigmas = build_sigmas(
+            schedule, steps, latent, denoise, custom_sigmas, token_patch=handle.family.image.token_patch
+        )
     config = pool.config
     mode = mode or config.mode
     if mode not in ("sp", "dp"):
@@ -149,9 +168,8 @@ def parallel_sample(
         )
     degrees = job_degrees(pool, degrees)
     if mode == "sp":
-        tokens = (latent.shape[-2] // 2) * (latent.shape[-1] // 2)
-        check_sequence_parallel(
-            degrees, handle.params.num_heads, tokens, "image tokens (16x16 px each)", "latent"
+        check_image_sequence_parallel(
+            handle.family.name, handle.params, int(latent.shape[-2]), int(latent.shape[-1]), degrees
         )
     spec = model_spec(handle)
     _check_pool_memory(pool, spec)

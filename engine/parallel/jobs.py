@@ -207,7 +207,9 @@ class WorkerContext:
 
 # -- job kinds --------------------------------------------------------------------------------------------------
 def _conds(items) -> list[TextCondition]:
-    return [TextCondition(c["context"], c.get("pooled"), c.get("guidance")) for c in items or []]
+    return [
+        TextCondition(c["context"], c.get("pooled"), c.get("guidance"), c.get("mask")) for c in items or []
+    ]
 
 
 def _report_dict(report) -> dict:
@@ -274,7 +276,8 @@ def _sample_rows(ctx: WorkerContext, handle, positive, negative, job, options) -
             for c in conds or []:
                 c = c.repeat_to(batch)
                 pooled = None if c.pooled is None else c.pooled[rows]
-                picked.append(TextCondition(c.context[rows], pooled, c.guidance))
+                mask = None if c.mask is None else c.mask[rows]
+                picked.append(TextCondition(c.context[rows], pooled, c.guidance, mask))
             return picked or None
 
         def on_step(info):

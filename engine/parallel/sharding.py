@@ -6,8 +6,13 @@ keep this rank's image / video tokens and their RoPE rotations, run the blocks w
 mesh (``engine.attention.use_parallel_attention``), then all-gather the stream so the head runs on every token
 and every rank returns the same velocity. The sampler loop around the forward is therefore replicated exactly.
 
-* FLUX: the image tokens are split into ``world`` contiguous parts; the text stream stays whole on every rank
-  and the blocks tell attention that the first ``len(txt)`` tokens are replicated.
+* FLUX.1 and FLUX.2: the image tokens are split into ``world`` contiguous parts; the text stream stays whole
+  on every rank and the blocks tell attention that the first ``len(txt)`` tokens are replicated.
+* Z-Image: the joint sequence is ``[caption, image]``, each padded to a multiple of 32 tokens by the model; the
+  padded image tokens are split into ``world`` contiguous parts behind the replicated caption (the layers tell
+  attention that the first ``txt_tokens`` are replicated). Both refiners run in ``embed``, before the block
+  runner, on every rank whole: the context refiner is caption-only, and the noise refiner (2 of Z-Image-Turbo's
+  32 image-token layers) is inside the model's embed stage, which a block runner does not reach.
 * Wan: each latent frame's tokens are split into ``world`` parts (so per-frame modulation applies to a shard
   as it is); cross-attention reads the whole prompt locally.
 * Causal Wan (:class:`CausalSharding`, given to ``VideoSession(parallel=...)``): each rank's KV cache holds its
@@ -19,11 +24,14 @@ and every rank returns the same velocity. The sampler loop around the forward is
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from ..attention import use_parallel_attention
 from ..handle import ModelHandle
+from ..models.registry import FAMILIES
+from ..models.zimage import padded_length
 from ..rope import RopeFreqs
 from .mesh import SequenceMesh, shard
 from .sequence import SequenceParallelPlan
@@ -56,6 +64,24 @@ def flux_block_runner(mesh: SequenceMesh, inner=None):
         with use_parallel_attention(SequenceParallelPlan(mesh)):
             out = model.run_blocks(local) if inner is None else inner(model, local)
         return dataclasses.replace(out, img=mesh.gather(out.stream, dim=1), joint=None, freqs=h.freqs)
+
+    return run
+
+
+def zimage_block_runner(mesh: SequenceMesh, inner=None):
+    """``block_runner`` for :meth:`ZImage.forward` that runs the layers on this rank's padded image tokens."""
+
+    def run(model, h):
+        prefix = h.txt_tokens
+        local = dataclasses.replace(
+            h,
+            joint=torch.cat((h.joint[:, :prefix], mesh.shard(h.stream, dim=1)), dim=1),
+            freqs=shard_freqs(h.freqs, mesh.rank, mesh.world, prefix=prefix),
+        )
+        with use_parallel_attention(SequenceParallelPlan(mesh)):
+            out = model.run_blocks(local) if inner is None else inner(model, local)
+        joint = torch.cat((out.joint[:, :prefix], mesh.gather(out.stream, dim=1)), dim=1)
+        return dataclasses.replace(out, joint=joint, freqs=h.freqs)
 
     return run
 
@@ -134,8 +160,54 @@ class CausalSharding:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageSharding:
+    """How an image family is sharded: its block runner, its attention heads (what the Ulysses degree must
+    divide) and the tokens its runner splits over every rank for a ``latent_h x latent_w`` LATENT."""
+
+    block_runner: Callable
+    heads: Callable[[object], int]
+    sharded_tokens: Callable[[object, int, int], int]
+    # how the sharded tokens are described in an error message
+    tokens_described: str
+
+
+def _image_tokens(family: str):
+    def tokens(params, latent_h: int, latent_w: int) -> int:
+        return FAMILIES[family].image.image_tokens(latent_h, latent_w)
+
+    return tokens
+
+
+def _zimage_padded_tokens(params, latent_h: int, latent_w: int) -> int:
+    """The image tokens Z-Image's layers see: the real ones, padded to a multiple of ``seq_multiple`` (32)."""
+    return padded_length(FAMILIES["zimage"].image.image_tokens(latent_h, latent_w), params.seq_multiple)
+
+
+IMAGE_SHARDING: dict[str, ImageSharding] = {
+    "flux": ImageSharding(
+        flux_block_runner, lambda p: p.num_heads, _image_tokens("flux"), "image tokens (16x16 px each)"
+    ),
+    "flux2": ImageSharding(
+        flux_block_runner, lambda p: p.num_heads, _image_tokens("flux2"), "image tokens (16x16 px each)"
+    ),
+    "zimage": ImageSharding(
+        zimage_block_runner,
+        lambda p: p.n_heads,
+        _zimage_padded_tokens,
+        "image tokens (16x16 px each, padded by Z-Image to a multiple of 32)",
+    ),
+}
+
+
+def image_sharding(family: str) -> ImageSharding:
+    if family not in IMAGE_SHARDING:
+        raise ValueError(f"no sequence-parallel sharding for {family} image models")
+    return IMAGE_SHARDING[family]
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardedHandle(ModelHandle):
-    """A handle whose family velocity runs the block stack sharded over ``mesh`` (FLUX sampling in a worker)."""
+    """A handle whose family velocity runs the block stack sharded over ``mesh`` (image sampling in a worker)."""
 
     mesh: SequenceMesh | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -143,8 +215,9 @@ class ShardedHandle(ModelHandle):
     def family(self):
         family = super().family
         velocity, mesh = family.velocity, self.mesh
+        runner = image_sharding(family.name).block_runner
 
         def sharded_velocity(model, x, sigma, cond, block_runner=None):
-            return velocity(model, x, sigma, cond, block_runner=flux_block_runner(mesh, block_runner))
+            return velocity(model, x, sigma, cond, block_runner=runner(mesh, block_runner))
 
         return dataclasses.replace(family, velocity=sharded_velocity)

@@ -3,6 +3,9 @@
     from fewstep.engine.plan import plan_preset
     plan = plan_preset("wan2.1-1.3b", height=480, width=832, frames=81, gpu="h200")
     print(plan.table()); plan.fields["kv_bytes_window"]
+    plan_preset("flux.2-klein-4b", height=1024, width=1024)["predicted_total_seconds"]
+
+Families: FLUX.1, FLUX.2 (dev, klein) and Z-Image images, Wan causal video.
 
 See ``flops.py`` for the FLOP convention, ``hardware.py`` for the GPU presets and their sources, ``memory.py``
 for the byte layouts.
@@ -11,15 +14,17 @@ for the byte layouts.
 from .flops import (
     ForwardFlops,
     MeasuredFlops,
+    flux2_forward_flops,
     flux_forward_flops,
     measure_flops,
     wan_forward_flops,
     wan_prompt_flops,
     wan_tokens_per_frame,
+    zimage_forward_flops,
 )
 from .hardware import DEFAULT_MFU, GPUS, GpuSpec, gpu_spec
 from .memory import KV_LAYOUTS, WEIGHT_DTYPE_BYTES, count_parameters, kv_bytes_per_token, kv_layout
-from .planner import CostPlan, known_models, plan_cost, plan_preset
+from .planner import CostPlan, image_defaults, known_models, plan_cost, plan_preset
 
 __all__ = [
     "DEFAULT_MFU",
@@ -31,8 +36,10 @@ __all__ = [
     "GpuSpec",
     "MeasuredFlops",
     "count_parameters",
+    "flux2_forward_flops",
     "flux_forward_flops",
     "gpu_spec",
+    "image_defaults",
     "known_models",
     "kv_bytes_per_token",
     "kv_layout",
@@ -42,4 +49,5 @@ __all__ = [
     "wan_forward_flops",
     "wan_prompt_flops",
     "wan_tokens_per_frame",
+    "zimage_forward_flops",
 ]

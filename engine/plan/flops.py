@@ -3,14 +3,16 @@
 Convention (the one ``bench/`` uses and ``torch.utils.flop_counter`` agrees with):
 
 * a linear layer applied token by token costs ``2 x weights x tokens`` (a multiply and an add per weight per
-  token; biases, norms, activations, RoPE and gating are elementwise and not counted). In FLUX's double blocks
-  the image stream's weights see the image tokens and the text stream's weights the text tokens; single blocks
-  see both. Wan's patch embedding is a strided convolution, which is the same product (``16 x 1 x 2 x 2``
+  token; biases, norms, activations, RoPE and gating are elementwise and not counted). In FLUX's (FLUX.1 and
+  FLUX.2) double blocks the image stream's weights see the image tokens and the text stream's weights the text
+  tokens; single blocks see both. Z-Image pads the caption and the image tokens each to a multiple of 32 with
+  learnt pad tokens after embedding them: the embedders and the final layer see the real tokens, the refiners
+  and the single-stream layers the padded ones (pad tokens are computed like any other). Wan's patch embedding is a strided convolution, which is the same product (``16 x 1 x 2 x 2``
   weights per output channel, once per token);
 * attention costs ``4 x N_q x N_kv x d`` per layer (``Q K^T`` and ``P V``, 2 FLOPs per multiply-add each), with
   ``d = heads x head_dim`` the hidden size; softmax and scaling are not counted;
-* the per-sample terms (FLUX's timestep / pooled-text / guidance embedders and every block's adaLN modulation;
-  Wan's time embedding and projection, once per latent frame) are kept apart: they do not grow with the image;
+* the per-sample terms (FLUX's timestep / pooled-text / guidance embedders and every block's adaLN modulation,
+  FLUX.2's three shared modulations; Z-Image's timestep MLP and every modulated block's adaLN; Wan's time embedding and projection, once per latent frame) are kept apart: they do not grow with the image;
 * Wan's text embedding and cross-attention keys/values of the prompt (padded to 512 tokens) are *per prompt*: a
   causal session computes them once, a plain ``Wan.forward(x, t, context)`` once per call.
 
@@ -27,7 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from ..models.flux import FluxParams
+from ..models.flux2 import Flux2Params
 from ..models.wan import WanParams
+from ..models.zimage import ZImageParams, padded_length
+from ..models.zimage_layers import FREQUENCY_EMBEDDING_SIZE, TIME_MID_SIZE, adaln_dim, ffn_hidden_dim
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,66 @@ def flux_forward_flops(p: FluxParams, image_tokens: int, text_tokens: int, batch
         linear=2 * batch * linear,
         attention=batch * attention,
         per_sample=2 * batch * (embedders + modulation),
+    )
+
+
+def flux2_block_weights(p: Flux2Params) -> int:
+    """Token-wise weights of one stream of a FLUX.2 double block, or of a single block (both ``4H^2 + 3HM``):
+    qkv ``3H^2`` + attention out ``H^2`` + the SiLU-gated MLP ``H x 2M`` in, ``M x H`` out; a single block fuses
+    them as ``H(3H + 2M)`` and ``(H + M)H``. No biases anywhere."""
+    h, m = p.hidden_size, int(p.hidden_size * p.mlp_ratio)
+    return 4 * h * h + 3 * h * m
+
+
+def flux2_forward_flops(p: Flux2Params, image_tokens: int, text_tokens: int, batch: int = 1) -> ForwardFlops:
+    """One ``Flux2.forward`` over ``batch`` rows of ``image_tokens`` latent pixels (FLUX.2's LATENT is already
+    patchified: one token each) and ``text_tokens`` stacked text-encoder states."""
+    h, block = p.hidden_size, flux2_block_weights(p)
+    n = image_tokens + text_tokens
+    image_weights = p.in_channels * h + p.depth * block + h * p.out_channels  # img_in, image streams, final
+    text_weights = p.context_in_dim * h + p.depth * block  # txt_in, text streams
+    linear = image_weights * image_tokens + text_weights * text_tokens + p.depth_single_blocks * block * n
+    embedders = (256 * h + h * h) * (2 if p.guidance_embed else 1)  # time (and guidance) MLPs
+    # shared modulation, once per forward: double img 6H^2, double txt 6H^2, single 3H^2; final adaLN 2H^2
+    modulation = 2 * 6 * h * h + 3 * h * h + 2 * h * h
+    attention = (p.depth + p.depth_single_blocks) * 4 * n * n * h
+    return ForwardFlops(
+        linear=2 * batch * linear,
+        attention=batch * attention,
+        per_sample=2 * batch * (embedders + modulation),
+    )
+
+
+def zimage_block_weights(p: ZImageParams) -> int:
+    """Token-wise weights of one Z-Image block (refiner or single-stream): q, k, v, out ``4D^2`` and the SwiGLU
+    ``w1``, ``w3`` (``D x F``) and ``w2`` (``F x D``), ``F = int(8D / 3)``."""
+    d = p.dim
+    return 4 * d * d + 3 * d * ffn_hidden_dim(d)
+
+
+def zimage_forward_flops(
+    p: ZImageParams, image_tokens: int, text_tokens: int, batch: int = 1
+) -> ForwardFlops:
+    """One ``ZImage.forward`` over ``batch`` rows of ``image_tokens`` 2x2 patches and ``text_tokens`` caption
+    features; both counts are padded to ``seq_multiple`` here, as the model pads them."""
+    d, block = p.dim, zimage_block_weights(p)
+    img = padded_length(image_tokens, p.seq_multiple)
+    txt = padded_length(text_tokens, p.seq_multiple)
+    n = img + txt
+    embed = p.patch_channels * d * image_tokens + p.cap_feat_dim * d * text_tokens  # before the padding
+    final = d * p.patch_channels * image_tokens  # on the real image tokens only
+    refiners = (
+        p.n_refiner_layers * block * (img + txt)
+    )  # noise refiner on the image, context refiner on the caption
+    linear = embed + refiners + p.n_layers * block * n + final
+    attention = 4 * d * (p.n_refiner_layers * (img * img + txt * txt) + p.n_layers * n * n)
+    a = adaln_dim(d)
+    time_mlp = FREQUENCY_EMBEDDING_SIZE * TIME_MID_SIZE + TIME_MID_SIZE * a
+    modulation = (p.n_refiner_layers + p.n_layers) * a * 4 * d + a * d  # modulated blocks + the final scale
+    return ForwardFlops(
+        linear=2 * batch * linear,
+        attention=batch * attention,
+        per_sample=2 * batch * (time_mlp + modulation),
     )
 
 
@@ -156,10 +221,14 @@ def measure_flops(fn) -> MeasuredFlops:
 __all__ = [
     "ForwardFlops",
     "MeasuredFlops",
+    "flux2_block_weights",
+    "flux2_forward_flops",
     "flux_block_weights",
     "flux_forward_flops",
     "measure_flops",
     "wan_forward_flops",
     "wan_prompt_flops",
     "wan_tokens_per_frame",
+    "zimage_block_weights",
+    "zimage_forward_flops",
 ]

@@ -1,12 +1,15 @@
 """The cost planner: FLOPs, forwards, bytes and predicted seconds of one job, before it is queued.
 
-``plan_preset("flux.1-schnell", height=1024, width=1024)`` or ``plan_cost(params, ...)`` (any FLUX / Wan
-configuration, e.g. a loaded model's ``params``) returns a :class:`CostPlan`: ``plan.fields`` is the JSON
-record, ``plan.table()`` the readable bill.
+``plan_preset("flux.2-klein-4b", height=1024, width=1024)`` or ``plan_cost(params, ...)`` (any configuration of
+a family the planner knows: FLUX.1, FLUX.2, Z-Image, Wan; e.g. a loaded model's ``params``) returns a
+:class:`CostPlan`: ``plan.fields`` is the JSON record, ``plan.table()`` the readable bill.
 
-Images (FLUX): ``steps x rows`` forwards, where a CFG step (cfg != 1 with a negative prompt) runs the positive
-and the negative as 2 rows (one batched call, twice the FLOPs of one row), each forward over the packed image
-tokens and the text tokens.
+Images (every image family of the registry: FLUX.1, FLUX.2, Z-Image): ``steps x rows`` forwards, where a CFG step
+(cfg != 1 with a negative prompt) runs the positive and the negative as 2 rows (one batched call, twice the FLOPs
+of one row), each forward over the image tokens and the text tokens (Z-Image: each padded to a multiple of 32).
+The default step count is the family's default schedule preset's (``Family.image.schedule``; the guidance-
+embedded dev models take their dev preset: FLUX.1-dev 28, FLUX.2-dev 50), the default text-token count the one
+the family's pipelines feed (:data:`IMAGE_COSTS`).
 
 Causal video (Wan): the video is cut into chunks of ``chunk_frames`` latent frames; each chunk runs ``steps``
 denoising forwards and one clean-context pass (the pass that commits its K/V; the engine defers it until the next
@@ -17,15 +20,25 @@ prompt's 512 padded tokens; the text embedding and cross-attention K/V are compu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..causal.kv_cache import WindowSpec, check_kv_storage
 from ..checks import check_image_size
 from ..errors import InputError
-from ..models.flux import Flux, FluxParams
-from ..models.registry import all_presets
+from ..models.registry import FAMILIES, Family, all_presets
 from ..models.wan import Wan, WanParams
-from .flops import ForwardFlops, flux_forward_flops, wan_forward_flops, wan_prompt_flops, wan_tokens_per_frame
+from ..models.zimage import padded_length
+from ..sampling.schedules import SCHEDULES
+from .flops import (
+    ForwardFlops,
+    flux2_forward_flops,
+    flux_forward_flops,
+    wan_forward_flops,
+    wan_prompt_flops,
+    wan_tokens_per_frame,
+    zimage_forward_flops,
+)
 from .hardware import DEFAULT_MFU, GpuSpec, check_mfu, gpu_spec
 from .memory import (
     KV_LAYOUTS,
@@ -35,7 +48,7 @@ from .memory import (
     kv_layout,
     preset_parameters,
 )
-from .vae import flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
+from .vae import flux2_ae_decode_flops, flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
 
 WAN_FPS = 16  # Wan 2.1 (and its causal students) make 16 frames per second of video
 VIDEO_ONLY = (
@@ -53,10 +66,109 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
 
 
-def flux_defaults(p: FluxParams) -> dict:
-    """schnell-like (no guidance embedding): 4 steps, T5 padded to 256 tokens; dev-like: 28 steps, 512 tokens
-    (black-forest-labs/flux ``src/flux/cli.py``: ``load_t5(max_length=256 if name == "flux-schnell" else 512)``)."""
-    return {"steps": 28 if p.guidance_embed else 4, "text_tokens": 512 if p.guidance_embed else 256}
+# -- image families ------------------------------------------------------------------------------------------------
+def _flux1_decoders(height: int, width: int, batch: int) -> dict[str, int]:
+    lh, lw = height // 8, width // 8
+    return {
+        "full (FLUX.1 AE)": flux_ae_decode_flops(lh, lw, batch),
+        "tiny (taef1)": taesd_decode_flops("taef1", lh, lw, batch),
+    }
+
+
+def _flux2_decoders(height: int, width: int, batch: int) -> dict[str, int]:
+    lh, lw = height // 8, width // 8  # the 32-channel raw latent both decoders read
+    return {
+        "full (FLUX.2 AE)": flux2_ae_decode_flops(lh, lw, batch),
+        "tiny (taef2)": taesd_decode_flops("taef2", lh, lw, batch),
+    }
+
+
+def _no_padding(params, image_tokens: int, text_tokens: int) -> tuple[int, int]:
+    return image_tokens, text_tokens
+
+
+def _zimage_padding(params, image_tokens: int, text_tokens: int) -> tuple[int, int]:
+    return padded_length(image_tokens, params.seq_multiple), padded_length(text_tokens, params.seq_multiple)
+
+
+@dataclass(frozen=True)
+class ImageCost:
+    """The planner's side of an image family (the registry's :class:`ImageSpec` gives the geometry and the
+    default schedule).
+
+    ``forward_flops(params, image_tokens, text_tokens, batch)``: one DiT forward (``flops.py``);
+    ``text_tokens(params)``: the tokens per prompt its pipelines feed; ``guided_schedule``: the schedule preset
+    of the guidance-embedded (dev) variant, None when the family has none; ``decoders(height, width, batch)``:
+    decode FLOPs by decoder, the full autoencoder first; ``sequence(params, image, text)``: the token counts the
+    blocks run over (Z-Image pads both)."""
+
+    architecture: str
+    forward_flops: Callable[..., ForwardFlops]
+    text_tokens: Callable[[object], int]
+    text_note: str
+    guided_schedule: str | None
+    decoders: Callable[[int, int, int], dict[str, int]]
+    sequence: Callable[[object, int, int], tuple[int, int]] = _no_padding
+
+
+IMAGE_COSTS: dict[str, ImageCost] = {
+    # black-forest-labs/flux src/flux/cli.py: load_t5(max_length=256 if name == "flux-schnell" else 512)
+    "flux": ImageCost(
+        "FLUX.1 MMDiT",
+        flux_forward_flops,
+        lambda p: 512 if p.guidance_embed else 256,
+        "T5 tokens (256 schnell-like, 512 dev-like)",
+        "flux.1-dev",
+        _flux1_decoders,
+    ),
+    # diffusers Flux2Pipeline / Flux2KleinPipeline: the prompt is tokenized with padding="max_length" at
+    # max_sequence_length=512 and the hidden states of all 512 positions are fed
+    "flux2": ImageCost(
+        "FLUX.2 MMDiT",
+        flux2_forward_flops,
+        lambda p: 512,
+        "stacked text-encoder states, padded to 512",
+        "flux.2-dev",
+        _flux2_decoders,
+    ),
+    # diffusers ZImagePipeline: the chat-templated prompt is truncated at max_sequence_length=512 and its padding
+    # dropped, so 512 caption tokens is the most a prompt feeds (the model pads them to a multiple of 32)
+    "zimage": ImageCost(
+        "Z-Image S3-DiT",
+        zimage_forward_flops,
+        lambda p: 512,
+        "Qwen3 caption tokens: at most 512, the pipeline's max_sequence_length",
+        None,
+        _flux1_decoders,
+        _zimage_padding,
+    ),
+}
+
+
+def schedule_steps(schedule: str) -> int:
+    """The default step count of a schedule preset (``engine.sampling.schedules``)."""
+    return SCHEDULES[schedule].steps
+
+
+def image_defaults(family: Family, params) -> dict:
+    """The family's default ``schedule`` (its few-step preset, or the dev preset of a guidance-embedded model),
+    that preset's ``steps``, and the ``text_tokens`` its pipelines feed."""
+    cost = IMAGE_COSTS[family.name]
+    guided = family.image.guidance(params) and cost.guided_schedule is not None
+    schedule = cost.guided_schedule if guided else family.image.schedule
+    return {"schedule": schedule, "steps": schedule_steps(schedule), "text_tokens": cost.text_tokens(params)}
+
+
+def family_of_params(params) -> Family | None:
+    """The registry family whose presets are of ``params``'s type."""
+    for fam in FAMILIES.values():
+        if any(type(params) is type(p) for p in fam.presets.values()):
+            return fam
+    return None
+
+
+def _planned(fam: Family) -> bool:
+    return fam.name in IMAGE_COSTS or fam.name == "wan"
 
 
 @dataclass
@@ -77,11 +189,11 @@ class CostPlan:
 
 # -- public entry points -----------------------------------------------------------------------------------------
 def known_models() -> list[str]:
-    return sorted(name for name, (fam, _) in all_presets().items() if fam.name in ("flux", "wan"))
+    return sorted(name for name, (fam, _) in all_presets().items() if _planned(fam))
 
 
 def plan_preset(model: str, **settings) -> CostPlan:
-    """:func:`plan_cost` for a preset name (``flux.1-schnell``, ``wan2.1-1.3b``, ``flux-tiny``...)."""
+    """:func:`plan_cost` for a preset name (``flux.2-klein-4b``, ``z-image-turbo``, ``wan2.1-1.3b``...)."""
     name = model[len("dummy:") :] if model.startswith("dummy:") else model
     presets = all_presets()
     if name not in presets or name not in known_models():
@@ -117,7 +229,8 @@ def plan_cost(
     loaded_weight_bytes: int | None = None,
     where: str | None = None,
 ) -> CostPlan:
-    """The bill of one job on ``params`` (a :class:`FluxParams` or :class:`WanParams`); see the module docstring.
+    """The bill of one job on ``params`` (the params of a FLUX.1, FLUX.2, Z-Image or Wan model); see the module
+    docstring.
 
     ``None`` settings take the family's defaults. ``loaded_weight_bytes``: the bytes a loaded model actually
     holds, reported beside the by-dtype table. Bad input raises :class:`InputError` naming the setting.
@@ -133,49 +246,73 @@ def plan_cost(
             )
         common = dict(name=name, batch=batch, gpu=spec, mfu=mfu, weight_dtype=weight_dtype, vae=vae,
                       loaded_weight_bytes=loaded_weight_bytes)  # fmt: skip
-        if isinstance(params, FluxParams):
+        family = family_of_params(params)
+        if family is None or not _planned(family):
+            raise InputError(
+                "model",
+                f"no cost model for {type(params).__name__}; the planner knows FLUX.1, FLUX.2, Z-Image and Wan",
+            )
+        if family.is_image:
             video = {k: v for k, v in zip(VIDEO_ONLY, (frames, latent_frames, chunk_frames, window_frames,
                                                        sink_frames, kv_dtype, keep_recent_chunks)) if v is not None}  # fmt: skip
             if video:
                 raise InputError(
                     next(iter(video)),
-                    f"{name or 'this FLUX model'} makes images: {', '.join(VIDEO_ONLY)} apply to Wan video models",
+                    f"{name or f'this {family.image.description} model'} makes images: "
+                    f"{', '.join(VIDEO_ONLY)} apply to Wan video models",
                 )
-            return _plan_flux(params, height, width, steps, cfg, text_tokens, **common)
-        if isinstance(params, WanParams):
-            return _plan_wan(params, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
-                             window_frames, sink_frames, kv_dtype, keep_recent_chunks, **common)  # fmt: skip
-        raise InputError(
-            "model", f"no cost model for {type(params).__name__}; the planner knows FLUX and Wan"
-        )
+            return _plan_image(family, params, height, width, steps, cfg, text_tokens, **common)
+        return _plan_wan(params, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
+                         window_frames, sink_frames, kv_dtype, keep_recent_chunks, **common)  # fmt: skip
     except InputError as err:
         if where:
             err.located(where)
         raise
 
 
-# -- FLUX ----------------------------------------------------------------------------------------------------------
-def _plan_flux(p: FluxParams, height, width, steps, cfg, text_tokens, *, name, batch, gpu: GpuSpec, mfu,
-               weight_dtype, vae, loaded_weight_bytes) -> CostPlan:  # fmt: skip
-    defaults = flux_defaults(p)
+# -- images ----------------------------------------------------------------------------------------------------------
+def _token_geometry(family: Family) -> str:
+    patch, down = family.image.token_patch, family.latent_format.downscale
+    if patch == 1:
+        return f"pixels of the 1/{down} latent"
+    return f"{patch}x{patch} patches of the 1/{down} latent"
+
+
+def _plan_image(family: Family, p, height, width, steps, cfg, text_tokens, *, name, batch, gpu: GpuSpec, mfu,
+                weight_dtype, vae, loaded_weight_bytes) -> CostPlan:  # fmt: skip
+    cost, spec = IMAGE_COSTS[family.name], family.image
+    defaults = image_defaults(family, p)
     height, width = height or 1024, width or 1024
     steps = defaults["steps"] if steps is None else steps
     text_tokens = defaults["text_tokens"] if text_tokens is None else text_tokens
-    _check_size(height, width, 16, "8x VAE downscaling and 2x2 patches")
+    down = family.latent_format.downscale
+    multiple = down * spec.token_patch
+    why = f"{down}x VAE downscaling" + (
+        f" and {spec.token_patch}x{spec.token_patch} patches"
+        if spec.token_patch > 1
+        else ", one token a latent pixel"
+    )
+    _check_size(height, width, multiple, why)
     _positive(steps, "steps")
     _positive(text_tokens, "text_tokens")
-    image_tokens = (height // 16) * (width // 16)
+    image_tokens = spec.image_tokens(height // down, width // down)
+    seq_image, seq_text = cost.sequence(p, image_tokens, text_tokens)
     rows_per_step = 2 if cfg != 1 else 1
-    forward = flux_forward_flops(p, image_tokens, text_tokens, batch)
+    forward = cost.forward_flops(p, image_tokens, text_tokens, batch)
     forwards = steps * rows_per_step
     dit = forward.times(forwards)
     seconds = _seconds(dit.total, gpu, mfu)
-    count = preset_parameters(Flux, p)
-    fields = _header(name, "flux", count, batch, steps, cfg, gpu, mfu, weight_dtype, loaded_weight_bytes) | {
+    count = preset_parameters(family.model_class, p)
+    fields = _header(
+        name, family.name, count, batch, steps, cfg, gpu, mfu, weight_dtype, loaded_weight_bytes
+    ) | {
+        "architecture": cost.architecture,
+        "schedule": defaults["schedule"],
         "height": height,
         "width": width,
         "image_tokens": image_tokens,
         "text_tokens": text_tokens,
+        "sequence_tokens": seq_image + seq_text,
         "tokens_per_frame": image_tokens,
         "tokens_per_chunk": None,
         "cfg_rows": rows_per_step,
@@ -188,29 +325,29 @@ def _plan_flux(p: FluxParams, height, width, steps, cfg, text_tokens, *, name, b
         "kv_bytes_per_chunk": None,
         "kv_bytes_window": None,
     }
-    decode = {}
-    if vae:
-        lh, lw = height // 8, width // 8
-        decode = {
-            "full (FLUX.1 AE)": flux_ae_decode_flops(lh, lw, batch),
-            "tiny (taef1)": taesd_decode_flops("taef1", lh, lw, batch),
-        }
+    decode = cost.decoders(height, width, batch) if vae else {}
     fields |= _vae_fields(decode, gpu, mfu)
-    fields["predicted_total_seconds"] = seconds + (
-        fields["predicted_vae_seconds"].get("full (FLUX.1 AE)") or 0.0
-    )
+    full = next(iter(fields["predicted_vae_seconds"].values()), 0.0)  # the full AE comes first
+    fields["predicted_total_seconds"] = seconds + full
     fields |= _memory(fields["weight_bytes"], 0, gpu)
 
     title = (
-        f"Cost plan: {name or 'FLUX model'} (FLUX.1 MMDiT, {_params(count.total)} parameters), "
-        f"{width}x{height} px, batch {batch}, {steps} steps, cfg {cfg:g}\n"
+        f"Cost plan: {name or f'{spec.description} model'} ({cost.architecture}, {_params(count.total)} "
+        f"parameters), {width}x{height} px, batch {batch}, {steps} steps, cfg {cfg:g}\n"
         f"on {gpu.label}: {gpu.dense_bf16_tflops} TFLOPS dense bf16 x MFU {mfu:g}"
     )
+    padded = (
+        f"; padded to {seq_image} + {seq_text} (multiples of {p.seq_multiple})"
+        if cost.sequence is not _no_padding
+        else ""
+    )
+    step_source = f"; the {defaults['schedule']} preset's step count" if steps == defaults["steps"] else ""
     rows = [
-        ("tokens per forward", f"{image_tokens} image (2x2 patches of the 1/8 latent) + {text_tokens} text"),
+        ("tokens per forward", f"{image_tokens} image ({_token_geometry(family)}) + {text_tokens} text "
+         f"({cost.text_note}){padded}"),
         ("FLOPs per forward", _parts(forward)),
         ("DiT forwards", f"{forwards} = {steps} steps x {rows_per_step} row{'s' if rows_per_step > 1 else ''}"
-         + (" (CFG: positive + negative)" if rows_per_step > 1 else " (no CFG)")),
+         + (" (CFG: positive + negative)" if rows_per_step > 1 else " (no CFG)") + step_source),
         ("DiT FLOPs", _flops(dit.total)),
         ("predicted DiT time", f"{_secs(seconds)} ({_secs(seconds / forwards)} per forward)"),
         *_vae_rows(fields),
@@ -479,4 +616,15 @@ def _secs(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-__all__ = ["WAN_FPS", "CostPlan", "flux_defaults", "known_models", "plan_cost", "plan_preset"]
+__all__ = [
+    "IMAGE_COSTS",
+    "WAN_FPS",
+    "CostPlan",
+    "ImageCost",
+    "family_of_params",
+    "image_defaults",
+    "known_models",
+    "plan_cost",
+    "plan_preset",
+    "schedule_steps",
+]

@@ -7,6 +7,7 @@ latent shape.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -26,8 +27,26 @@ def flux_ae_decode_flops(latent_h: int, latent_w: int, batch: int = 1, preset: s
 
 
 @functools.lru_cache(maxsize=64)
+def flux2_ae_decode_flops(latent_h: int, latent_w: int, batch: int = 1) -> int:
+    """The full FLUX.2 autoencoder decoding its raw ``[batch, 32, h, w]`` latent (after ComfyUI's LATENT is
+    un-patchified to 32 channels at 1/8): the FLUX.1 AE's decoder with 32 latent channels (black-forest-labs/flux2
+    ``AutoEncoderParams``: ch 128, ch_mult 1-2-4-4, 2 res blocks, z_channels 32; the same as diffusers'
+    ``AutoencoderKLFlux2``), behind a 1x1 ``post_quant_conv`` 32 -> 32. Counted on the meta device."""
+    from ..vae.flux_ae import AE_PRESETS, Decoder
+
+    params = dataclasses.replace(AE_PRESETS["flux1-ae"], z_channels=32)
+    with torch.device("meta"):
+        decoder = Decoder(params)
+        post_quant_conv = torch.nn.Conv2d(32, 32, 1)
+        z = torch.empty(batch, 32, latent_h, latent_w)
+    return measure_flops(lambda: decoder(post_quant_conv(z))).total
+
+
+@functools.lru_cache(maxsize=64)
 def taesd_decode_flops(variant: str, latent_h: int, latent_w: int, batch: int = 1) -> int:
-    """A TAESD-family tiny decoder (``taef1`` for FLUX.1) decoding ``[batch, C, h, w]``."""
+    """A TAESD-family tiny decoder decoding ``[batch, C, h, w]`` in its own latent (``taef1`` for FLUX.1 and
+    Z-Image: the 16-channel LATENT at 1/8; ``taef2`` for FLUX.2: the 32-channel latent at 1/8, so a FLUX.2 LATENT
+    ``[B, 128, H/16, W/16]`` is ``h, w = H/8, W/8`` here; its un-patchify is a permutation, no FLOPs)."""
     from ..vae import taesd
     from ..vae.tiny import TINY_VARIANTS
 

@@ -1,7 +1,8 @@
 """Noise schedules: functions returning a decreasing ``sigmas`` tensor (float32) that ends in 0.
 
 ``sigma`` is the flow-matching noise level (``x = (1 - sigma) x0 + sigma noise``); the model timestep is
-``1000 * sigma`` for every family here. Each preset reproduces its model's reference sampler:
+``1000 * sigma`` for every family here. Each preset reproduces its model's reference sampler; the default step
+count is the reference's, and each step is one DiT forward (two with CFG):
 
 ==================  =====  =============================================================================
 preset              steps  sigmas
@@ -9,18 +10,40 @@ preset              steps  sigmas
 flux.1-schnell      4      ``linspace(1, 0, N + 1)`` -- unshifted (BFL ``get_schedule(shift=False)``)
 flux.1-dev          28     ``linspace(1, 0, N + 1)`` through ``time_shift(mu)``, ``mu`` linear in the
                            image token count from 0.5 at 256 tokens to 1.15 at 4096 (BFL ``get_schedule``)
+flux.2-klein        4      ``linspace(1, 0, N + 1)`` through ``time_shift(mu)`` with FLUX.2's empirical
+                           ``mu(tokens, N)`` (below); the distilled klein 4B / 9B run 4 steps, no CFG
+                           (guidance 1), no guidance embedding
+flux.2-dev          50     the same schedule at 50 steps; dev's distilled guidance (4 by default) is
+                           embedded, it comes with the conditioning (FluxGuidance), not from CFG
 sd3-turbo           4      ``shift_3(linspace(1, shift_3(0.001), N))`` then 0 -- diffusers
                            ``FlowMatchEulerDiscreteScheduler(shift=3)`` and the SD3.5 reference, which both
                            apply the shift to an already-shifted ``sigma_min``: [1, .8577, .6022, .0089, 0]
-z-image-turbo       9      ``shift_3(linspace(1, 1/N, N))`` then 0 (Tongyi-MAI/Z-Image scheduler, and diffusers
-                           since May 2026); no CFG. The README's "9 steps = 8 DiT forwards" of the first
-                           diffusers pipeline is exactly this preset at 8 steps.
+z-image-turbo       8      ``shift_3(linspace(1, 1/N, N))`` then 0 = 8 DiT forwards, the official count
+                           ("8 NFEs"). Tongyi-MAI/Z-Image ``inference.py``: 8 steps, guidance 0, its
+                           scheduler with ``sigma_min = 0`` (``linspace(1000, 0, N + 1)[:-1] / 1000``,
+                           shift 3, no dynamic shift); diffusers 0.42 ``ZImagePipeline``: the same sigmas
+                           (``linspace(1, 1/N, N)`` into ``FlowMatchEulerDiscreteScheduler(shift=3)``), 8
+                           steps in its example. The first diffusers pipeline's ``num_inference_steps=9``
+                           made ``linspace(1, 0, 9)``, shifted, and skipped the final ``t = 0`` step:
+                           also these 8 forwards. (This preset said 9 steps before: 9 forwards, one more
+                           than the reference.)
 wan-dmd-4step       4      Self-Forcing's ``denoising_step_list`` [1000, 750, 500, 250] warped through the
                            shift-5 flow table: ``shift_5(1 - k/N)`` then 0 = [1, .9375, .8333, .625, 0]
 ==================  =====  =============================================================================
 
-``shift_s(u) = s u / (1 + (s - 1) u)``. ``denoise < 1`` follows ComfyUI: build the schedule for
-``int(steps / denoise)`` steps and keep its last ``steps + 1`` sigmas.
+``shift_s(u) = s u / (1 + (s - 1) u)``; ``time_shift(mu)(t) = e^mu / (e^mu + 1/t - 1)``.
+
+FLUX.2's ``mu`` (black-forest-labs/flux2 ``src/flux2/sampling.py``: ``get_schedule`` ->
+``compute_empirical_mu`` and ``generalized_time_snr_shift(t, mu, 1.0)``; diffusers 0.42
+``pipeline_flux2.compute_empirical_mu``, copied into ``pipeline_flux2_klein``, whose scheduler shifts
+``linspace(1, 1/N, N)`` by the same ``mu`` -- the same points, ``time_shift`` maps 0 to 0): for an image of
+``L`` tokens (one token per 16x16 px) and ``N`` steps, ``mu = a2 L + b2`` above 4300 tokens; otherwise ``mu``
+is linear in ``N`` through ``mu(N=10) = a1 L + b1`` and ``mu(N=200) = a2 L + b2``, with ``a1 = 8.73809524e-5``,
+``b1 = 1.89833333``, ``a2 = 1.6927e-4``, ``b2 = 0.45666666``. So fewer steps shift harder: 1024x1024 (4096
+tokens) at 4 steps has ``mu = 2.2912``, at 50 steps ``mu = 2.0234``.
+
+``denoise < 1`` follows ComfyUI: build the schedule for ``int(steps / denoise)`` steps and keep its last
+``steps + 1`` sigmas (FLUX.2's ``mu`` then reads the longer step count).
 """
 
 from __future__ import annotations
@@ -50,6 +73,18 @@ def flux_mu(image_seq_len: int, base_shift: float = 0.5, max_shift: float = 1.15
     return m * image_seq_len + (base_shift - m * 256)
 
 
+def flux2_mu(image_seq_len: int, steps: int) -> float:
+    """FLUX.2's empirical shift (BFL ``compute_empirical_mu``): see the module docstring."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    mu_200 = a2 * image_seq_len + b2
+    if image_seq_len > 4300:
+        return float(mu_200)
+    mu_10 = a1 * image_seq_len + b1
+    slope = (mu_200 - mu_10) / 190.0
+    return float(slope * steps + (mu_200 - 200.0 * slope))
+
+
 def _with_zero(sigmas: torch.Tensor) -> torch.Tensor:
     return torch.cat([sigmas.float(), sigmas.new_zeros(1)])
 
@@ -60,6 +95,11 @@ def flux_schnell_sigmas(steps: int, image_seq_len: int | None = None) -> torch.T
 
 def flux_dev_sigmas(steps: int, image_seq_len: int) -> torch.Tensor:
     return time_shift(flux_mu(image_seq_len), torch.linspace(1, 0, steps + 1))
+
+
+def flux2_sigmas(steps: int, image_seq_len: int) -> torch.Tensor:
+    """FLUX.2 (klein and dev): BFL ``get_schedule(num_steps, image_seq_len)``."""
+    return time_shift(flux2_mu(image_seq_len, steps), torch.linspace(1, 0, steps + 1))
 
 
 def sd3_turbo_sigmas(steps: int, image_seq_len: int | None = None, shift: float = 3.0) -> torch.Tensor:
@@ -126,9 +166,30 @@ SCHEDULES: dict[str, SchedulePreset] = {
             1.0,
             "FLUX.1-dev: 28 steps, shift grows with resolution (guidance is embedded, not CFG)",
         ),
+        SchedulePreset(
+            "flux.2-klein",
+            4,
+            flux2_sigmas,
+            "euler",
+            1.0,
+            "FLUX.2 klein 4B / 9B (distilled): 4 steps, no CFG, shift grows with resolution, falls with steps",
+        ),
+        SchedulePreset(
+            "flux.2-dev",
+            50,
+            flux2_sigmas,
+            "euler",
+            1.0,
+            "FLUX.2-dev: 50 steps, FLUX.2's shift (guidance 4 is embedded: it comes with the conditioning)",
+        ),
         SchedulePreset("sd3-turbo", 4, sd3_turbo_sigmas, "euler", 1.0, "SD3.5-Large-Turbo: 4 steps, shift 3"),
         SchedulePreset(
-            "z-image-turbo", 9, z_image_turbo_sigmas, "euler", 1.0, "Z-Image-Turbo: 9 steps, shift 3, no CFG"
+            "z-image-turbo",
+            8,
+            z_image_turbo_sigmas,
+            "euler",
+            1.0,
+            "Z-Image-Turbo: 8 steps (8 DiT forwards, the official count), shift 3, no CFG",
         ),
         SchedulePreset(
             "wan-dmd-4step",

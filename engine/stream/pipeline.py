@@ -1,4 +1,9 @@
-"""Stream batch: StreamDiffusion's realtime img2img pipeline on the engine's FLUX-family DiTs with a tiny AE.
+"""Stream batch: StreamDiffusion's realtime img2img pipeline on the engine's image DiTs with a tiny AE.
+
+Any image family of the registry streams: FLUX.1 and Z-Image-Turbo with taef1 (16-channel latent at 1/8, 2x2
+token patches), FLUX.2 with taef2 (the model's 128-channel latent at 1/16 is taef2's 32-channel latent,
+2x2-patchified: encode and decode convert exactly, see :meth:`StreamBatch.encode_frames`). Frame sizes are
+multiples of 16 for all three.
 
 Each input frame is img2img-denoised at the T sigmas a ``t_index_list`` picks from a schedule (see
 :mod:`.config`). Instead of running a frame's T steps one after another, the stream keeps a buffer of frames that
@@ -64,10 +69,11 @@ import torch
 
 from ..attention import use_attention_backend
 from ..compile.feature import start_compile_run
-from ..conditioning import TextCondition
+from ..conditioning import TextCondition, for_family
 from ..errors import InputError
 from ..handle import ModelHandle
 from ..text_to_image import check_condition
+from ..vae.tiny import variants_for
 from .config import StreamConfig
 from .guidance import advance, guided_velocity, residual_velocity
 from .similarity import SimilarityFilter
@@ -123,31 +129,41 @@ class StreamStats:
 
 def check_model(handle: ModelHandle, input_name: str = "model") -> None:
     fam = handle.family
-    if fam.name != "flux":
+    if not fam.is_image:
         raise InputError(
             input_name,
-            f"the stream batch runs FLUX-family image DiTs (img2img per frame); {fam.name} is a video model: "
-            "use the causal video sampler",
+            f"the stream batch runs FLUX-family image DiTs and Z-Image (img2img per frame); {fam.name} is a video "
+            "model: use the causal video sampler",
         )
     fmt = fam.latent_format
-    if handle.params.in_channels != 4 * fmt.channels:
+    if handle.params.latent_channels != fmt.channels:
         raise InputError(
             input_name,
             f"this checkpoint takes {handle.params.in_channels} input channels per token (an inpainting/control "
-            f"variant); the stream batch needs {4 * fmt.channels}",
+            f"variant); the stream batch needs the {fmt.channels}-channel {fmt.name} latent of "
+            f"{fam.image.description}",
         )
 
 
+def _same_space(tiny_vae, fmt) -> bool:
+    """Whether the tiny AE's own latent is the model's latent (taef1 for FLUX.1 / Z-Image); otherwise its ComfyUI
+    LATENT is (taef2 for FLUX.2: the model's 128-channel latent is taef2's 32 channels, 2x2-patchified)."""
+    return tiny_vae.variant.latent_format == fmt
+
+
 def check_tiny_vae(tiny_vae, handle: ModelHandle, input_name: str = "tiny_vae") -> None:
-    """The tiny AE must work in the model's own latent space (taef1 for FLUX.1) and have both halves."""
+    """The tiny AE must work in the model's own latent space, directly (taef1 for FLUX.1 and Z-Image) or through
+    ComfyUI's LATENT layout (taef2 for FLUX.2), and have both halves."""
     fmt = handle.family.latent_format
     v = tiny_vae.variant
-    if v.kind != "image" or v.latent_format != fmt:
+    if v.kind != "image" or (v.latent_format != fmt and v.comfy_format != fmt):
+        fits = variants_for(fmt)
+        use = " or ".join(f"{f.name} ({f.name}_encoder.pth and {f.name}_decoder.pth)" for f in fits)
         raise InputError(
             input_name,
             f"{v.name} ({v.models}) is a {v.channels}-channel {v.kind} autoencoder; this {handle.family.name} "
-            f"model denoises {fmt.channels}-channel {fmt.name} latents: use taef1 (taef1_encoder.pth and "
-            "taef1_decoder.pth)",
+            f"model denoises {fmt.channels}-channel {fmt.name} latents: "
+            + (f"use {use}" if fits else "no tiny AE of this pack decodes them"),
         )
     missing = [part for part in ("encoder", "decoder") if getattr(tiny_vae, part) is None]
     if missing:
@@ -158,17 +174,57 @@ def check_tiny_vae(tiny_vae, handle: ModelHandle, input_name: str = "tiny_vae") 
         )
 
 
-def check_frame_size(height: int, width: int, input_name: str = "frames") -> None:
-    if height < 16 or width < 16 or height % 16 or width % 16:
+@dataclass(frozen=True)
+class FrameGeometry:
+    """What a frame size must be a multiple of, and why: the model's latent downscale times its token patch
+    (FLUX.1 / Z-Image: 8 x 2x2 patches; FLUX.2: 16, one token a latent pixel), and the tiny AE's own downscale."""
+
+    multiple: int
+    why: str
+
+
+# before the model is known (the node checks the frames first): 16 holds for every image family of the registry
+ANY_MODEL_FRAMES = FrameGeometry(
+    16, "8x tiny-AE downscale, then FLUX.1 / Z-Image's 2x2 patches; FLUX.2's latent is 16x smaller"
+)
+
+
+def frame_geometry(handle: ModelHandle, tiny_vae=None) -> FrameGeometry:
+    fam = handle.family
+    fmt, patch = fam.latent_format, fam.image.token_patch
+    model = fmt.downscale * patch
+    ae = tiny_vae.variant.raw_downscale if tiny_vae is not None else 1
+    multiple = math.lcm(model, ae)
+    name = fam.image.description.split(" (")[0]  # "FLUX.2 (BFL MMDiT, shared modulation)" -> "FLUX.2"
+    if patch > 1:
+        why = f"{fmt.downscale}x latent downscale, then {name}'s {patch}x{patch} patches"
+    else:
+        why = f"{name}'s {fmt.downscale}x latent downscale, one token a latent pixel"
+    if multiple != model:
+        why += f"; {tiny_vae.variant.name} needs {ae}"
+    return FrameGeometry(multiple, why)
+
+
+def check_frame_size(
+    height: int, width: int, input_name: str = "frames", geometry: FrameGeometry = ANY_MODEL_FRAMES
+) -> None:
+    m = geometry.multiple
+    if height < m or width < m or height % m or width % m:
         raise InputError(
             input_name,
-            f"frame size {width}x{height} px is not a multiple of 16 (8x tiny-AE downscale, then FLUX's 2x2 "
-            "patches); resize or crop the frames to a width and height divisible by 16",
+            f"frame size {width}x{height} px is not a multiple of {m} ({geometry.why}); resize or crop the frames "
+            f"to a width and height divisible by {m}",
         )
 
 
-def check_frames(frames: torch.Tensor | Sequence[torch.Tensor], input_name: str = "frames") -> torch.Tensor:
-    """Frames ``[N, 3, H, W]`` in [0, 1] (a tensor, or a sequence of ``[3, H, W]`` / ``[n, 3, H, W]``), one size."""
+def check_frames(
+    frames: torch.Tensor | Sequence[torch.Tensor],
+    input_name: str = "frames",
+    geometry: FrameGeometry = ANY_MODEL_FRAMES,
+) -> torch.Tensor:
+    """Frames ``[N, 3, H, W]`` in [0, 1] (a tensor, or a sequence of ``[3, H, W]`` / ``[n, 3, H, W]``), one size,
+    a multiple of ``geometry.multiple`` (:func:`frame_geometry` of the model and tiny AE; 16 for every family of
+    the registry with its tiny AE)."""
     if isinstance(frames, torch.Tensor):
         parts = [frames]
     else:
@@ -198,7 +254,7 @@ def check_frames(frames: torch.Tensor | Sequence[torch.Tensor], input_name: str 
         raise InputError(input_name, "frames contain NaN or infinite values")
     if lo < -1e-3 or hi > 1 + 1e-3:
         raise InputError(input_name, f"frame values must be in [0, 1]; got [{lo:.3f}, {hi:.3f}]")
-    check_frame_size(out.shape[-2], out.shape[-1], input_name)
+    check_frame_size(out.shape[-2], out.shape[-1], input_name, geometry)
     return out
 
 
@@ -215,7 +271,7 @@ def _joint(a: TextCondition, b: TextCondition) -> TextCondition:
 class StreamBatch:
     """A live stream: push frames (or latents), get each one back T forwards later. See the module docstring.
 
-    ``positive`` / ``negative``: one prompt each (batch 1), used for every frame. ``tiny_vae`` (taef1) may be
+    ``positive`` / ``negative``: one prompt each (batch 1), used for every frame. ``tiny_vae`` (taef1; taef2 for FLUX.2) may be
     None when only :meth:`push_latents` is used.
     """
 
@@ -236,7 +292,8 @@ class StreamBatch:
         check_model(handle)
         if tiny_vae is not None:
             check_tiny_vae(tiny_vae, handle)
-        check_frame_size(height, width)
+        self.geometry = frame_geometry(handle, tiny_vae)
+        check_frame_size(height, width, geometry=self.geometry)
         self.handle, self.vae, self.config, self.seed = handle, tiny_vae, config, int(seed)
         # a compile feature on the handle (engine.compile) is used as the sampler uses it: its run object stands
         # for the model; its telemetry joins the summary
@@ -246,9 +303,14 @@ class StreamBatch:
         self.family = handle.family
         self.device, self.dtype = handle.device, handle.dtype
         self.size = (height, width)
-        self.latent_shape = (self.family.latent_format.channels, height // 8, width // 8)
+        fmt = self.family.latent_format
+        latent_h, latent_w = height // fmt.downscale, width // fmt.downscale
+        self.latent_shape = (fmt.channels, latent_h, latent_w)
+        # taef1's latent is the FLUX.1 / Z-Image model's (no conversion: the FLUX.1 path stays bit-identical);
+        # taef2's is converted to and from FLUX.2's 128-channel latent (a 2x2 patchify, exact)
+        self._vae_same_space = tiny_vae is None or _same_space(tiny_vae, fmt)
         steps, fb = config.steps, config.frame_buffer_size
-        self.sigmas = config.step_sigmas(image_seq_len=(height // 16) * (width // 16))
+        self.sigmas = config.step_sigmas(image_seq_len=self.family.image.image_tokens(latent_h, latent_w))
         sig = self.sigmas.to(self.device)
         self._row_sigma = sig[:steps].repeat_interleave(fb).view(-1, 1, 1, 1)
         self._row_sigma_next = sig[1:].repeat_interleave(fb).view(-1, 1, 1, 1)
@@ -279,6 +341,9 @@ class StreamBatch:
                 f"cfg_mode '{self.config.cfg_mode}' runs the unconditional branch with a negative prompt; connect "
                 "one (e.g. an empty prompt) or use cfg_mode 'self', which needs none",
             )
+        # padding tokens as the family's DiT takes them (Z-Image drops masked tokens, FLUX keeps them)
+        positive = for_family(positive, self.family, "positive")
+        negative = None if negative is None else for_family(negative, self.family, "negative")
         rows = self.config.steps * self.config.frame_buffer_size
         self._pos = positive.repeat_to(rows).to(self.device, self.dtype)
         self._neg = None if negative is None else negative.repeat_to(rows).to(self.device, self.dtype)
@@ -295,7 +360,7 @@ class StreamBatch:
             else:
                 neg = _first_rows(self._neg, n_uncond)
                 same = pos.context.shape[1] == neg.context.shape[1] and (
-                    pos.guidance == neg.guidance or not self.handle.params.guidance_embed
+                    pos.guidance == neg.guidance or not self.family.image.guidance(self.handle.params)
                 )
                 conds = [_joint(pos, neg)] if same else [pos, neg]
             self._cond_cache[key] = conds
@@ -457,7 +522,7 @@ class StreamBatch:
             self.stats.add_skip(self._take_group())
             return None if self._last is None else dataclasses.replace(self._last, skipped=True)
         t0 = time.perf_counter()
-        latents = self.vae.encode(frames).float()
+        latents = self.encode_frames(frames)
         self.stats.seconds_encode += time.perf_counter() - t0
         self._decode_outputs = True
         out = self._push_latents(latents)
@@ -481,12 +546,27 @@ class StreamBatch:
 
     def _decode(self, out: StreamOutput) -> None:
         t0 = time.perf_counter()
-        out.images = self.vae.decode(out.latents)
+        out.images = self.decode_latents(out.latents)
         self.stats.seconds_decode += time.perf_counter() - t0
+
+    # -- the tiny AE -------------------------------------------------------------------------------------------------
+    def encode_frames(self, frames: torch.Tensor) -> torch.Tensor:
+        """Frames ``[n, 3, H, W]`` -> latents ``[n, *latent_shape]`` in the model's space, float32."""
+        z = self.vae.encode(frames).float()
+        if self._vae_same_space:
+            return z
+        return self.family.latent_format.process_in(self.vae.latent_to_raw(z))
+
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents in the model's space -> RGB ``[n, 3, H, W]`` in [0, 1]."""
+        if not self._vae_same_space:
+            latents = self.vae.raw_to_latent(self.family.latent_format.process_out(latents))
+        return self.vae.decode(latents)
 
     def _check_push(self, frames: torch.Tensor) -> None:
         if self.vae is None:
-            raise InputError("tiny_vae", "push() encodes frames: create the stream with a tiny VAE (taef1)")
+            use = " or ".join(v.name for v in variants_for(self.family.latent_format))
+            raise InputError("tiny_vae", f"push() encodes frames: create the stream with a tiny VAE ({use})")
         fb = self.config.frame_buffer_size
         shape = list(frames.shape)
         if frames.ndim == 3 and fb == 1:
@@ -502,7 +582,7 @@ class StreamBatch:
                 f"frames are {shape[-1]}x{shape[-2]} px; this stream was prepared for {self.size[1]}x{self.size[0]} "
                 "px (all frames of a stream must have one size)",
             )
-        check_frames(frames.unsqueeze(0) if frames.ndim == 3 else frames)
+        check_frames(frames.unsqueeze(0) if frames.ndim == 3 else frames, geometry=self.geometry)
 
     # -- a whole clip ----------------------------------------------------------------------------------------------
     def run(
@@ -514,7 +594,7 @@ class StreamBatch:
         (float32, CPU) aligned with the input. A skipped frame repeats the output of the last processed frame
         before it. The last group is padded with copies of the last frame when N is not a multiple of fb.
         ``callback(done, total, output)`` runs after every forward (total = groups + T - 1)."""
-        frames = check_frames(frames)
+        frames = check_frames(frames, geometry=self.geometry)
         if tuple(frames.shape[-2:]) != self.size:
             raise InputError(
                 "frames",

@@ -40,7 +40,7 @@ def denoise_sequential(stream: StreamBatch, latents: torch.Tensor) -> torch.Tens
 def run_sequential(stream: StreamBatch, frames: torch.Tensor) -> torch.Tensor:
     """A clip ``[N, 3, H, W]`` -> ``[N, 3, H, W]``, each group encoded, denoised on its own and decoded (no
     similarity filter). Time spent is added to ``stream.stats`` as for :meth:`StreamBatch.run`."""
-    frames = check_frames(frames)
+    frames = check_frames(frames, geometry=stream.geometry)
     fb = stream.config.frame_buffer_size
     n = frames.shape[0]
     groups = math.ceil(n / fb)
@@ -50,11 +50,11 @@ def run_sequential(stream: StreamBatch, frames: torch.Tensor) -> torch.Tensor:
     outs = []
     for g in range(groups):
         t0 = time.perf_counter()
-        latents = stream.vae.encode(frames[g * fb : (g + 1) * fb]).float()
+        latents = stream.encode_frames(frames[g * fb : (g + 1) * fb])
         t1 = time.perf_counter()
         x0 = denoise_sequential(stream, latents)
         t2 = time.perf_counter()
-        outs.append(stream.vae.decode(x0).float().cpu())
+        outs.append(stream.decode_latents(x0).float().cpu())
         t3 = time.perf_counter()
         stream.stats.seconds_encode += t1 - t0
         stream.stats.seconds_dit += t2 - t1

@@ -5,8 +5,11 @@ Image variants (TAESD family) and video variants (TAEHV) share the :class:`TinyV
 * ``encode(images)`` / ``decode(latents)`` in the tiny AE's own latent space, which is the space the diffusion
   model works in. Images are RGB in [0, 1]: ``[N, 3, H, W]`` for image variants, ``[N, T, 3, H, W]`` for video;
   latents are ``[N, C, h, w]`` or ``[N, C, T, h, w]`` (ComfyUI's layout, channels at dim 1).
-* ``raw_to_latent`` / ``latent_to_raw``: to and from ComfyUI's raw VAE latents, with the family's scale and
-  shift (per channel for Wan).
+* ``raw_to_latent`` / ``latent_to_raw``: to and from ComfyUI's raw VAE latents (its ``LATENT``), with the
+  family's scale and shift (per channel for Wan). For FLUX.2 this is also a change of layout: ComfyUI's LATENT is
+  the 32-channel latent 2x2-patchified to 128 channels at 1/16, taef2 works on the 32 channels at 1/8, so the
+  conversion un-patchifies / patchifies (a permutation of the values, nothing is computed), as ComfyUI's own
+  taesd does. ``decode_raw`` / ``encode_raw`` are decode / encode on ComfyUI LATENTs.
 * ``stream_decoder()`` (video): decode chunk by chunk, frame-exact with decoding all at once.
 """
 
@@ -35,10 +38,30 @@ class TinyVariant:
     spatial_factor: int
     temporal_factor: int
     models: str
+    # ComfyUI's LATENT for this AE when it is not the AE's own latent, and the side of the patch it packs into
+    # channels (FLUX.2: the 32-channel latent, 2x2 patches, 128 channels at 1/16); None: the AE's own latent
+    comfy_latent: lf.LatentFormat | None = None
+    latent_patch: int = 1
 
     @property
     def channels(self) -> int:
+        """Channels of the AE's own latent (what ``encode`` returns and ``decode`` takes)."""
         return self.latent_format.channels
+
+    @property
+    def comfy_format(self) -> lf.LatentFormat:
+        """The LatentFormat of ComfyUI's LATENT for this AE (what ``raw_to_latent`` takes)."""
+        return self.comfy_latent or self.latent_format
+
+    @property
+    def raw_channels(self) -> int:
+        """Channels of ComfyUI's LATENT for this AE (128 for taef2, else ``channels``)."""
+        return self.channels * self.latent_patch**2
+
+    @property
+    def raw_downscale(self) -> int:
+        """Image pixels per pixel of ComfyUI's LATENT along each side (16 for taef2)."""
+        return self.spatial_factor * self.latent_patch
 
 
 TINY_VARIANTS: dict[str, TinyVariant] = {
@@ -48,13 +71,39 @@ TINY_VARIANTS: dict[str, TinyVariant] = {
         TinyVariant("taesdxl", "image", lf.SDXL, 8, 1, "SDXL"),
         TinyVariant("taesd3", "image", lf.SD3, 8, 1, "SD3 / SD3.5"),
         TinyVariant("taef1", "image", lf.FLUX1, 8, 1, "FLUX.1, Z-Image, HiDream"),
-        TinyVariant("taef2", "image", lf.FLUX2_RAW, 8, 1, "FLUX.2"),
+        TinyVariant("taef2", "image", lf.FLUX2_RAW, 8, 1, "FLUX.2", comfy_latent=lf.FLUX2, latent_patch=2),
         TinyVariant("taesana", "image", lf.SANA_DCAE, 32, 1, "Sana (DC-AE f32c32)"),
         TinyVariant("taew2_1", "video", lf.WAN21, 8, 4, "Wan 2.1 (and Qwen-Image)"),
         TinyVariant("taew2_2", "video", lf.WAN22, 16, 4, "Wan 2.2 5B"),
         TinyVariant("taehv", "video", lf.HUNYUAN_VIDEO, 8, 4, "HunyuanVideo"),
     )
 }
+
+
+def patchify_latent(z: torch.Tensor, patch: int) -> torch.Tensor:
+    """``[B, C, H, W] -> [B, C * patch^2, H / patch, W / patch]``, channel ``c * patch^2 + i * patch + j`` holding
+    pixel ``(patch * y + i, patch * x + j)`` of channel c: the FLUX.2 autoencoder's 2x2 patchify (the order its
+    128-channel latent and ComfyUI's FLUX.2 LATENT have)."""
+    if patch == 1:
+        return z
+    b, c, h, w = z.shape
+    z = z.reshape(b, c, h // patch, patch, w // patch, patch).permute(0, 1, 3, 5, 2, 4)
+    return z.reshape(b, c * patch * patch, h // patch, w // patch)
+
+
+def unpatchify_latent(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """The exact inverse of :func:`patchify_latent`: ``[B, C * patch^2, h, w] -> [B, C, h * patch, w * patch]``."""
+    if patch == 1:
+        return x
+    b, cp, h, w = x.shape
+    c = cp // (patch * patch)
+    x = x.reshape(b, c, patch, patch, h, w).permute(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, c, h * patch, w * patch)
+
+
+def variants_for(fmt: lf.LatentFormat, kind: str = "image") -> list[TinyVariant]:
+    """The tiny AEs whose ComfyUI LATENT is ``fmt`` (``FLUX1``: taef1; ``FLUX2``: taef2)."""
+    return [v for v in TINY_VARIANTS.values() if v.kind == kind and v.comfy_format == fmt]
 
 
 def _taehv():
@@ -92,12 +141,46 @@ class TinyVAE:
 
     # -- ComfyUI raw latents ---------------------------------------------------------------------------------
     def raw_to_latent(self, raw: torch.Tensor) -> torch.Tensor:
-        return self.variant.latent_format.process_in(raw)
+        """ComfyUI's LATENT -> this AE's latent (taef2: 128 channels at 1/16 -> 32 channels at 1/8)."""
+        v = self.variant
+        return v.latent_format.process_in(unpatchify_latent(raw, v.latent_patch))
 
     def latent_to_raw(self, latent: torch.Tensor) -> torch.Tensor:
-        return self.variant.latent_format.process_out(latent)
+        """This AE's latent -> ComfyUI's LATENT (taef2: 32 channels at 1/8 -> 128 channels at 1/16)."""
+        v = self.variant
+        return patchify_latent(v.latent_format.process_out(latent), v.latent_patch)
+
+    @torch.inference_mode()
+    def decode_raw(self, raw: torch.Tensor, input_name: str = "latent") -> torch.Tensor:
+        """Decode a ComfyUI LATENT (what samplers output) to RGB in [0, 1]."""
+        self.check_raw_latents(raw, input_name)
+        return self.decode(self.raw_to_latent(raw.to(torch.float32)))
+
+    @torch.inference_mode()
+    def encode_raw(self, images: torch.Tensor) -> torch.Tensor:
+        """Encode RGB in [0, 1] to a ComfyUI LATENT (float32, on the AE's device)."""
+        self.check_images(images, multiple=self.variant.raw_downscale)
+        return self.latent_to_raw(self.encode(images).float())
 
     # -- checks ----------------------------------------------------------------------------------------------
+    def check_raw_latents(self, raw: torch.Tensor, input_name: str = "latent") -> None:
+        """A ComfyUI LATENT this AE decodes: for taef2 FLUX.2's 128-channel one; else as :meth:`check_latents`."""
+        v = self.variant
+        if v.latent_patch == 1:
+            return self.check_latents(raw, input_name)
+        fmt = v.comfy_format
+        if raw.ndim != 4 or raw.shape[1] != v.raw_channels:
+            raise InputError(
+                input_name,
+                f"{v.name} ({v.models}) decodes {fmt.name} LATENTs [batch, {v.raw_channels}, height/"
+                f"{v.raw_downscale}, width/{v.raw_downscale}] (its {v.channels}-channel latent, "
+                f"{v.latent_patch}x{v.latent_patch}-patchified); got shape {list(raw.shape)}"
+                + _decoded_by(raw, v.name),
+            )
+        if raw.numel() == 0:
+            raise InputError(input_name, f"no latents to decode (shape {list(raw.shape)})")
+        check_finite(raw, input_name, "the latents")
+
     def check_latents(self, latents: torch.Tensor, input_name: str = "latent") -> None:
         v = self.variant
         if v.kind == "image" and latents.ndim == 5:
@@ -115,13 +198,17 @@ class TinyVAE:
             raise InputError(
                 input_name,
                 f"{v.name} ({v.models}) decodes {v.channels}-channel latents {layout}; "
-                f"got shape {list(latents.shape)}",
+                f"got shape {list(latents.shape)}" + _decoded_by(latents, v.name),
             )
         if latents.numel() == 0:
             raise InputError(input_name, f"no latents to decode (shape {list(latents.shape)})")
         check_finite(latents, input_name, "the latents")
 
-    def check_images(self, images: torch.Tensor, input_name: str = "images") -> None:
+    def check_images(
+        self, images: torch.Tensor, input_name: str = "images", multiple: int | None = None
+    ) -> None:
+        """RGB in [0, 1], height and width a multiple of the AE's downscale (``multiple``: of ComfyUI's LATENT's,
+        16 for taef2, when encoding to it)."""
         v = self.variant
         want = 4 if v.kind == "image" else 5
         layout = "[N, 3, H, W]" if want == 4 else "[N, T, 3, H, W]"
@@ -142,7 +229,7 @@ class TinyVAE:
                 f"image values must be in [0, 1]; got [{lo:.3f}, {hi:.3f}] "
                 "(images in [-1, 1] need (x + 1) / 2)",
             )
-        f = v.spatial_factor
+        f = multiple or v.spatial_factor
         if images.shape[-1] % f or images.shape[-2] % f:
             raise InputError(
                 input_name,
@@ -164,8 +251,9 @@ class TinyVAE:
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         self.check_latents(latents)
-        self._check_fits(latents.shape[0] * _frames_out(self.variant, latents), latents.shape[-2] * 8,
-                         latents.shape[-1] * 8, "latent")  # fmt: skip
+        f = self.variant.spatial_factor
+        self._check_fits(latents.shape[0] * _frames_out(self.variant, latents), latents.shape[-2] * f,
+                         latents.shape[-1] * f, "latent")  # fmt: skip
         decoder = self._need("decoder")
         z = latents.to(self.device, self.dtype)
         if self.variant.kind == "image":
@@ -346,6 +434,23 @@ def load_tiny_vae(
     for part, (sub, _, fname) in found.items():
         _load_module(getattr(vae, part), sub, fname, input_name)
     return _finish(vae, dev, dtype)
+
+
+def _decoded_by(latents: torch.Tensor, refused_by: str) -> str:
+    """The hint for a latent given to the wrong tiny AE: which other variants decode a ComfyUI LATENT of its
+    channels."""
+    if latents.ndim not in (4, 5):
+        return ""
+    kind = "image" if latents.ndim == 4 else "video"
+    fits = [
+        v
+        for v in TINY_VARIANTS.values()
+        if v.kind == kind and v.raw_channels == latents.shape[1] and v.name != refused_by
+    ]
+    if not fits:
+        return ""
+    names = " or ".join(f"{v.name} ({v.models})" for v in fits)
+    return f"; a {latents.shape[1]}-channel {kind} LATENT decodes with {names}"
 
 
 def _frames_out(variant, latents: torch.Tensor) -> int:

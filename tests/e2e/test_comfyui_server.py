@@ -57,6 +57,9 @@ EXPECTED_TEXT = {
     "flux_schnell_compiled_dummy.api.json": ("CUDA graphs need a CUDA GPU", "compile"),
     "wan_causal_long_int8_dummy.api.json": ("int4",),
     "flux_schnell_cache_gate_refuses_dummy.api.json": ("off",),
+    "flux2_klein_tiny_decode_dummy.api.json": ("euler, 4 steps", "4 DiT forwards"),
+    "zimage_turbo_t2i_dummy.api.json": ("euler, 8 steps", "8 DiT forwards"),
+    "zimage_turbo_stream_batch_dummy.api.json": ("4 of 6 frames skipped",),
 }
 
 

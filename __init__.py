@@ -7,5 +7,7 @@ node classes and changes nothing global.
 
 from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
+# The one version source: pyproject reads this line statically (tool.setuptools.dynamic), and ComfyUI, which
+# imports this folder without installing it, finds it here.
 __version__ = "0.1.0"
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "__version__"]

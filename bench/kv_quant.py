@@ -136,7 +136,7 @@ def kernel_cases(tokens: int, key_tokens: int, dim: int, heads: int, device, dty
             f"[1, {key_tokens}, {heads}, {d}]",
         ),
         "quantized_attention int8": (
-            (q, kv[:, :half], kv[:, :half], *kq, *kq, None, None, 8),
+            (kv_quant.QuantizedAttentionInputs(q, kv[:, :half], kv[:, :half], kq, kq, None, None, 8),),
             kv_quant.quantized_attention,
             f"q {tokens}, keys {half} full + {key_tokens - half} int8, {heads} heads x {d}",
         ),

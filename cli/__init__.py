@@ -32,8 +32,9 @@ IRREGULAR_FLAGS = {
         "positive": "--cond",
         "negative": "--negative-seed",
         "latent": "--height/--width/--batch",
+        "backend": "--compile-backend",
     },
-    "stream": {"keep_recent_chunks": "--keep-recent", "context": "--cond"},
+    "stream": {"keep_recent_chunks": "--keep-recent", "context": "--cond", "backend": "--compile-backend"},
 }
 
 

@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..engine.checks import check_image_size
+from ..engine.compile.options import COMPILE_BACKENDS, COMPILE_MODES, GRAPH_MODES, CompileConfig
 from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
 from ..engine.loader import DUMMY_PREFIX
@@ -66,6 +67,60 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--negative-seed", type=int, default=None, help="synthetic negative embeddings (enables CFG)"
     )
+
+
+def add_compile_arguments(p: argparse.ArgumentParser) -> None:
+    """``--compile`` / ``--compile-backend`` / ``--cuda-graph``: plain strings, checked by the engine's
+    CompileConfig, so a bad value is the engine's one-line error naming the flag (not argparse's usage dump)."""
+    p.add_argument(
+        "--compile",
+        default="off",
+        help=f"torch.compile of the DiT: {' | '.join(COMPILE_MODES)} (regional: one compiled block graph "
+        "reused by every block; full: the whole forward)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help=f"torch.compile backend: {' | '.join(COMPILE_BACKENDS)} (aot_eager compiles fast: checks, CPU)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        default="off",
+        help=f"replay the forward from CUDA graphs: {' | '.join(GRAPH_MODES)} (needs a CUDA GPU; refused "
+        "elsewhere)",
+    )
+
+
+def compile_config(args) -> CompileConfig | None:
+    """The run's compile choice, checked before anything is loaded (None: compile and graphs both off).
+
+    CUDA graphs without a GPU are refused when the model is on the CPU (``allow_fallback`` stays off): a user
+    who asks for graphs is told they do not run here instead of getting a silently eager run."""
+    config = CompileConfig(mode=args.compile, cuda_graph=args.cuda_graph, backend=args.compile_backend)
+    return None if config.mode == "off" and not config.graphs_requested else config
+
+
+def with_compile(handle, config: CompileConfig | None):
+    """``handle`` with the engine's compile feature for ``config`` (the handle itself when it is None)."""
+    if config is None:
+        return handle
+    from ..engine.compile import attach_compile
+
+    return attach_compile(handle, config.mode, config.cuda_graph, backend=config.backend)
+
+
+def compile_report(telemetry) -> dict | None:
+    """The ``--json`` view of a run's CompileTelemetry: its own fields plus the totals a reader compares
+    (graph breaks summed over their reasons; graph replays, and eager calls other than a shape's warm-up: the
+    engine's ``hits`` / ``misses``); None when compile and graphs were both off."""
+    if telemetry is None:
+        return None
+    report = telemetry.as_dict()
+    graphs = report["graphs"]
+    report["graph_breaks_total"] = sum(telemetry.graph_breaks.values())
+    report["graph_hits"] = 0 if graphs is None else graphs["hits"]
+    report["graph_misses"] = 0 if graphs is None else graphs["misses"]
+    return report
 
 
 def source_of(args) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -18,10 +19,13 @@ from ..engine.text_to_image import check_image_model, sample_latent
 from ..engine.vae import load_tiny_vae
 from ..engine.vae.tiny import variants_for
 from .common import (
+    add_compile_arguments,
     add_model_arguments,
     add_sampling_arguments,
     check_at_least,
     check_size,
+    compile_config,
+    compile_report,
     default_schedule,
     default_tiny_vae,
     family_of_preset,
@@ -30,6 +34,7 @@ from .common import (
     prepare_out,
     source_of,
     synthetic_condition,
+    with_compile,
     write_json,
 )
 from .images import decode_raw, save_png
@@ -40,7 +45,11 @@ HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage ti
 def add_arguments(p) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p)
+    add_compile_arguments(p)
     p.add_argument("--out", default="out/generate", help="output folder")
+    p.add_argument(
+        "--json", action="store_true", help="print the report (timings.json, compile telemetry) as JSON"
+    )
     p.add_argument(
         "--decode",
         default="none",
@@ -75,6 +84,7 @@ def run(args) -> int:
     check_finite_number(args.cfg, "--cfg")
     if image_preset:  # the preset is the architecture: an unknown default schedule fails before loading
         check_schedule(args.schedule or default_schedule(*all_presets()[args.model]))
+    compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading, too
     prepare_out(args.out)  # before loading anything: a bad --out fails at once
     timings = {}
     t = time.perf_counter()
@@ -95,6 +105,7 @@ def run(args) -> int:
     )
     timings["load_s"] = time.perf_counter() - t
     check_image_model(handle, "--model" if dummy else "--weights")
+    handle = with_compile(handle, compiling)
     family, params = handle.family, handle.params
     check_size(args.height, args.width, family)
     check_decode(args, family)
@@ -136,19 +147,21 @@ def run(args) -> int:
         pixels = decode(out, args, family, handle.device)
         timings["decode_s"] = time.perf_counter() - t
         images = save_png(pixels, args.out, "image")
-    write_json(
-        os.path.join(args.out, "timings.json"),
-        {
-            "model": handle.describe(),
-            "schedule": schedule,
-            "sampler": sampler,
-            "sigmas": report.sigmas,
-            "dit_forwards": report.model_calls,
-            "latent_shape": list(out.shape),
-            "timings": timings,
-            "images": images,
-        },
-    )
+    info = {
+        "model": handle.describe(),
+        "schedule": schedule,
+        "sampler": sampler,
+        "sigmas": report.sigmas,
+        "dit_forwards": report.model_calls,
+        "latent_shape": list(out.shape),
+        "timings": timings,
+        "images": images,
+        "compile": compile_report(report.compile),
+    }
+    write_json(os.path.join(args.out, "timings.json"), info)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
     print(handle.describe())
     print(report.summary())
     print(

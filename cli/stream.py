@@ -12,12 +12,22 @@ import torch
 from ..engine.causal import ROPE_MODES, CausalConfig, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
 from ..engine.checks import check_seed
+from ..engine.compile.feature import start_compile_run
 from ..engine.errors import InputError
 from ..engine.handle import open_model
 from ..engine.models.registry import FAMILIES
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.vae import load_tiny_vae
-from .common import check_at_least, load_condition, prepare_out, write_json
+from .common import (
+    add_compile_arguments,
+    check_at_least,
+    compile_config,
+    compile_report,
+    load_condition,
+    prepare_out,
+    with_compile,
+    write_json,
+)
 
 HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
 
@@ -76,8 +86,11 @@ def add_arguments(p) -> None:
         "--cond", default=None, help="safetensors with 'context' [B, L, 4096] (default: synthetic)"
     )
     p.add_argument("--tiny-vae", default=None, help="decode each chunk: dummy:taew2_1 or taew2_1.pth")
+    add_compile_arguments(p)
     p.add_argument("--out", default=None, help="folder for latents.safetensors (and frames)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--json", action="store_true", help="print the report (with the compile telemetry) as JSON"
+    )
 
 
 def chunk_count(args) -> int:
@@ -95,6 +108,7 @@ def run(args) -> int:
     n_chunks = chunk_count(args)
     check_at_least(args, tokens=1, chunks=1)
     check_seed(args.seed)
+    compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading
     if args.out:
         prepare_out(args.out)
     source = f"dummy:{args.model}" if args.weights == "dummy" else args.weights
@@ -117,9 +131,13 @@ def run(args) -> int:
     vae = (
         load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
     )
+    handle = with_compile(handle, compiling)
+    # the compile run stands for the model in the session (KV-cache calls stay eager); finish() is its telemetry
+    compiled = start_compile_run(handle)
     session = VideoSession(
-        handle.model, context, args.height, args.width, config, args.seed, vae, where="stream"
-    )
+        handle.model if compiled is None else compiled.model, context, args.height, args.width, config,
+        args.seed, vae, where="stream", base_model=handle.model,
+    )  # fmt: skip
     # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
     writer = None
     if args.out:
@@ -152,6 +170,7 @@ def run(args) -> int:
     finally:
         if writer is not None:
             writer.abandon()  # an interrupted run leaves no half-written file
+        telemetry = compiled.finish() if compiled is not None else None
     report = {
         "model": handle.describe(),
         "chunks": rows,
@@ -165,6 +184,7 @@ def run(args) -> int:
         "kv_bytes_window": session.cache.nbytes,
         "latent_frames": n_chunks * args.chunk_frames,
         "video_frames": 4 * n_chunks * args.chunk_frames - 3,
+        "compile": compile_report(telemetry),
     }
     if args.out:
         write_json(os.path.join(args.out, "stream.json"), report)

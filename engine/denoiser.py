@@ -22,7 +22,11 @@ import torch
 from .conditioning import TextCondition, for_family
 
 
-def _cat_conds(conds: Sequence[TextCondition]) -> TextCondition:
+def concat_conditions(conds: Sequence[TextCondition]) -> TextCondition:
+    """Several prompts' rows as one batch, for one forward over them (CFG's positive and negative rows).
+
+    They must share a token count; the guidance strength is the first one's (one scalar per forward).
+    """
     pooled = None
     if conds[0].pooled is not None:
         pooled = torch.cat([c.pooled for c in conds], 0)
@@ -77,7 +81,7 @@ class FlowDenoiser:
             groups.setdefault((c.context.shape[1], c.guidance), []).append(idx)
         out: list[torch.Tensor | None] = [None] * len(conds)
         for idxs in groups.values():
-            batch = _cat_conds([conds[i] for i in idxs])
+            batch = concat_conditions([conds[i] for i in idxs])
             xs = x.repeat(len(idxs), *([1] * (x.ndim - 1)))
             v = self._velocity(xs, sigma.repeat(len(idxs)), batch, tuple(labels[i] for i in idxs))
             for j, i in enumerate(idxs):

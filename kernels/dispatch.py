@@ -157,24 +157,15 @@ def uses_fused_quantized_attention(q: torch.Tensor) -> bool:
     return uses_triton("quantized_attention", q) and (_mode == "triton" or quantized_attention_supported(q))
 
 
-def quantized_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_data: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_data: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    bits: int,
-) -> torch.Tensor:
-    args = (q, k, v, k_data, k_scale, k_zero, v_data, v_scale, v_zero, cos, sin, bits)
-    if uses_fused_quantized_attention(q):
-        return _run("quantized_attention", kv_quant.quantized_attention, *args)
-    return kv_quant.quantized_attention(*args)
+def quantized_attention(inputs: kv_quant.QuantizedAttentionInputs) -> torch.Tensor:
+    if uses_fused_quantized_attention(inputs.q):
+        return _run("quantized_attention", _quantized_attention_reference, *inputs.flat())
+    return kv_quant.quantized_attention(inputs)
+
+
+def _quantized_attention_reference(*flat) -> torch.Tensor:
+    """The reference with the op's flat arguments (what ``_run`` falls back to)."""
+    return kv_quant.quantized_attention(kv_quant.QuantizedAttentionInputs.from_flat(*flat))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ nearest can sit up to half a float16 ulp above the min, and ``scale`` carries a 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -85,28 +86,46 @@ def dequantize_kv(
     return (q * scale.float()[..., None] + zero.float()[..., None]).to(dtype)
 
 
-def quantized_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_data: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_data: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    bits: int,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class QuantizedAttentionInputs:
+    """What attention over full-precision plus quantized keys and values reads (one layer of the KV cache):
+
+    * ``q [B, Lq, H, D]``; the output has its shape and dtype;
+    * ``k, v [B, Nf, H, D]``: full precision, used as they are (keys already rotated);
+    * ``k_quant, v_quant``: ``(data, scale, zero)`` of ``[B, Nq, H, ...]`` (the layout of the module docstring),
+      dequantized to ``q``'s dtype, the keys then rotated by ``cos, sin [Nq, D // 2]`` (RoPE of the cache
+      positions; ``None``: stored rotated);
+    * ``bits``: 8 or 4.
+
+    The reference, the Triton kernel and the dispatcher take this one object; only the ``torch.library`` op
+    (``ops``) spells it out flat (:meth:`flat` / :meth:`from_flat`), as an op schema must.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    v_quant: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    bits: int
+
+    def flat(self) -> tuple:
+        return (self.q, self.k, self.v, *self.k_quant, *self.v_quant, self.cos, self.sin, self.bits)
+
+    @classmethod
+    def from_flat(cls, q, k, v, k_data, k_scale, k_zero, v_data, v_scale, v_zero, cos, sin, bits):
+        return cls(q, k, v, (k_data, k_scale, k_zero), (v_data, v_scale, v_zero), cos, sin, bits)
+
+
+def quantized_attention(inputs: QuantizedAttentionInputs) -> torch.Tensor:
     """Softmax attention of ``q [B, Lq, H, D]`` over two sets of keys and values, in ``q``'s dtype:
 
-    * ``k, v [B, Nf, H, D]``: full precision, used as they are (keys already rotated);
-    * the quantized ``k_*, v_* [B, Nq, H, ...]``: dequantized to ``q``'s dtype, the keys then rotated by
-      ``cos, sin [Nq, D // 2]`` (RoPE of the cache positions; ``None``: stored rotated).
-
-    The reference dequantizes into transient tensors; the Triton kernel dequantizes tile by tile.
+    ``inputs`` (see :class:`QuantizedAttentionInputs`). The reference dequantizes into transient tensors; the
+    Triton kernel dequantizes tile by tile.
     """
+    q, k, v, cos, sin, bits = inputs.q, inputs.k, inputs.v, inputs.cos, inputs.sin, inputs.bits
+    (k_data, k_scale, k_zero), (v_data, v_scale, v_zero) = inputs.k_quant, inputs.v_quant
     kd = dequantize_kv(k_data, k_scale, k_zero, bits, q.dtype)
     if cos is not None:
         n, half = kd.shape[1], kd.shape[-1] // 2

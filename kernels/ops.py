@@ -68,8 +68,11 @@ def _quantized_attention(
     sin: torch.Tensor | None,
     bits: int,
 ) -> torch.Tensor:
+    # the one flat spelling of kv_quant.QuantizedAttentionInputs: an op schema takes tensors, not objects
     return _triton().quantized_attention(
-        q, k, v, k_data, k_scale, k_zero, v_data, v_scale, v_zero, cos, sin, bits
+        kv_quant.QuantizedAttentionInputs.from_flat(
+            q, k, v, k_data, k_scale, k_zero, v_data, v_scale, v_zero, cos, sin, bits
+        )
     )
 
 

@@ -271,20 +271,9 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def quantized_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_data: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_data: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    bits: int,
-) -> torch.Tensor:
+def quantized_attention(inputs: kv_quant.QuantizedAttentionInputs) -> torch.Tensor:
+    q, k, v, cos, sin, bits = inputs.q, inputs.k, inputs.v, inputs.cos, inputs.sin, inputs.bits
+    (k_data, k_scale, k_zero), (v_data, v_scale, v_zero) = inputs.k_quant, inputs.v_quant
     b, lq, h, d = q.shape
     kv_quant.check_bits(bits, d)
     if d % 2 or d // 2 < 16:

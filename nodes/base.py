@@ -1,10 +1,12 @@
-"""Shared pieces of the node adapters: the category prefix, type names and error attribution."""
+"""Shared pieces of the node adapters: category prefix, type names, error attribution, one-prompt check."""
 
 from __future__ import annotations
 
 import functools
 
+from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
+from .conditioning import from_comfy
 
 CATEGORY = "FewStep"
 FEWSTEP_MODEL = "FEWSTEP_MODEL"
@@ -37,3 +39,14 @@ def reports_input_errors(node_name: str, renames: dict[str, str] | None = None):
         return run
 
     return wrap
+
+
+def single_prompt(conditioning, input_name: str, refusal: str) -> TextCondition:
+    """The one prompt of a ComfyUI CONDITIONING, for nodes that run every frame under a single prompt.
+
+    ``refusal`` finishes the message when there are several entries (what the node takes, and what to do).
+    """
+    conds = from_comfy(conditioning, input_name)
+    if len(conds) != 1:
+        raise InputError(input_name, f"{len(conds)} conditioning entries; {refusal}")
+    return conds[0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import time
 
-from ..engine.errors import InputError
 from ..engine.sampling import SCHEDULES
 from ..engine.stream import (
     CFG_MODES,
@@ -21,22 +20,13 @@ from ..engine.stream import (
     check_frames,
     parse_t_index_list,
 )
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
-from .conditioning import from_comfy
+from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
 from .host import Progress, check_interrupt, in_comfyui, preview_payload
 from .memory import load_for_run
 from .vae import FEWSTEP_TINY_VAE, images_to_nchw, nchw_to_images
 
-
-def _one_prompt(conditioning, input_name: str):
-    conds = from_comfy(conditioning, input_name)
-    if len(conds) != 1:
-        raise InputError(
-            input_name,
-            f"{len(conds)} conditioning entries; the stream batch takes one prompt for every frame "
-            "(encode a single prompt)",
-        )
-    return conds[0]
+# Several entries would be averaged by ComfyUI's samplers; a stream batch has one prompt row for every frame.
+_ONE_PROMPT_PER_STREAM = "the stream batch takes one prompt for every frame (encode a single prompt)"
 
 
 class FewStepStreamBatch:
@@ -195,8 +185,8 @@ class FewStepStreamBatch:
         seed,
         negative=None,
     ):
-        pos = _one_prompt(positive, "positive")
-        neg = _one_prompt(negative, "negative") if negative is not None else None
+        pos = single_prompt(positive, "positive", _ONE_PROMPT_PER_STREAM)
+        neg = single_prompt(negative, "negative", _ONE_PROMPT_PER_STREAM) if negative is not None else None
         config = StreamConfig(
             t_index_list=parse_t_index_list(t_index_list),
             schedule=schedule,

@@ -33,8 +33,7 @@ from ..engine.errors import InputError
 from ..engine.plan.preflight import check_fits
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import env_float, env_int
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
-from .conditioning import from_comfy
+from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
 from .parallel import FEWSTEP_PARALLEL, open_parallel_session
@@ -150,14 +149,9 @@ _SESSION_OF: dict[str, str] = {}  # sampler node id -> the session it made
 
 
 def _prompt(conditioning, input_name: str) -> torch.Tensor:
-    conds = from_comfy(conditioning, input_name)
-    if len(conds) != 1:
-        raise InputError(
-            input_name,
-            f"{len(conds)} conditioning entries; the video sampler takes one prompt "
-            "(use ConditioningConcat or encode a single prompt)",
-        )
-    return conds[0].context
+    """The video session's prompt: the context tokens of the single entry (Wan has no pooled vector)."""
+    refusal = "the video sampler takes one prompt (use ConditioningConcat or encode a single prompt)"
+    return single_prompt(conditioning, input_name, refusal).context
 
 
 def _cancel_hook(chunk: int, step: int | None) -> None:

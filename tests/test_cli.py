@@ -205,3 +205,89 @@ def test_generate_real_size_preset_is_refused_by_the_memory_preflight(tmp_path, 
     assert r.returncode == 2, r.stderr
     assert f"input '--model': this needs about {weights} (float32 weights {weights})" in r.stderr
     assert f"Try --model {tiny} (the same architecture at test size)" in r.stderr
+
+
+# -- --compile / --compile-backend / --cuda-graph -------------------------------------------------------------------
+COMPILE_KEYS = {"config", "frames_compiled", "compile_seconds", "recompiles", "recompile_reasons", "graph_breaks",
+                "graph_breaks_total", "failures", "graph_mode", "graphs", "graph_hits", "graph_misses", "notes"}  # fmt: skip
+
+
+def test_generate_json_carries_the_compile_telemetry(tmp_path):
+    common = ("generate", "--model", "flux-tiny", "--height", "64", "--width", "64", "--steps", "2")
+    r = _cli(*common, "--compile", "regional", "--compile-backend", "aot_eager", "--json",
+             "--out", str(tmp_path / "c"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    telemetry = report["compile"]
+    assert set(telemetry) == COMPILE_KEYS
+    assert telemetry["config"].startswith("compile regional; backend aot_eager")
+    # one block class each for the double and the single blocks (regional), compiled once and reused by every
+    # block and step: no recompiles, and the sampler's forward has no graph break
+    assert telemetry["frames_compiled"] >= 1 and telemetry["compile_seconds"] > 0
+    assert telemetry["recompiles"] == 0 and telemetry["failures"] == []
+    assert telemetry["graph_mode"] == "off" and telemetry["graphs"] is None
+    assert telemetry["graph_hits"] == telemetry["graph_misses"] == 0
+    assert json.loads((tmp_path / "c" / "timings.json").read_text())["compile"] == telemetry
+    eager = _cli(*common, "--json", "--out", str(tmp_path / "e"))
+    assert eager.returncode == 0 and json.loads(eager.stdout)["compile"] is None
+    compiled = load_file(str(tmp_path / "c" / "latent.safetensors"))["latent"]
+    reference = load_file(str(tmp_path / "e" / "latent.safetensors"))["latent"]
+    torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)  # the same ops, traced
+
+
+def test_stream_json_carries_the_compile_telemetry_past_the_window():
+    # 6 chunks of 3 frames through a 9-frame window: the cache fills and rolls; its calls run eagerly, so the
+    # compiled blocks never recompile while it does
+    r = _cli("stream", "--chunks", "6", "--window-frames", "9", "--compile", "regional",
+             "--compile-backend", "aot_eager", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert len(report["chunks"]) == 6
+    telemetry = report["compile"]
+    assert set(telemetry) == COMPILE_KEYS
+    assert telemetry["frames_compiled"] >= 1 and telemetry["compile_seconds"] > 0
+    assert telemetry["recompiles"] == 0
+    assert telemetry["graph_breaks_total"] == sum(telemetry["graph_breaks"].values())
+    assert telemetry["graphs"] is None and telemetry["graph_hits"] == telemetry["graph_misses"] == 0
+
+
+@pytest.mark.parametrize("command", ["generate", "stream"])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--compile", "fast", "input '--compile': unknown compile mode 'fast'; expected one of off, regional, full"),
+        ("--compile-backend", "tvm", "input '--compile-backend': unknown compile backend 'tvm'; expected one of "
+         "inductor, aot_eager, eager"),
+        ("--cuda-graph", "on", "input '--cuda-graph': unknown CUDA-graph mode 'on'; expected one of off, whole, "
+         "breakable"),
+    ],
+)  # fmt: skip
+def test_compile_flags_bad_values_are_one_line_errors(tmp_path, command, flag, value, message):
+    model = ("--model", "flux-tiny", "--out", str(tmp_path)) if command == "generate" else ()
+    r = _cli(command, *model, flag, value)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: fewstep {command}: {message}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run on this machine")
+@pytest.mark.parametrize("command", ["generate", "stream"])
+@pytest.mark.parametrize("mode", ["whole", "breakable"])
+def test_cuda_graph_without_a_gpu_is_refused_as_the_engine_refuses_it(tmp_path, command, mode):
+    """The CLI keeps the engine's allow_fallback off: graphs asked for on a CPU are an error, not an eager run."""
+    model = ("--model", "flux-tiny", "--height", "64", "--width", "64", "--out", str(tmp_path))
+    r = _cli(command, *(model if command == "generate" else ("--chunks", "1")), "--cuda-graph", mode)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith(f"error: fewstep {command}: input '--cuda-graph': CUDA graphs need a CUDA GPU")
+    assert "Set cuda_graph off, or allow_fallback to run eagerly without graphs" in r.stderr
+
+
+def test_compile_flags_default_off_and_parse():
+    from fewstep.cli import build_parser
+
+    for command in ("generate", "stream"):
+        args = build_parser().parse_args([command])
+        assert (args.compile, args.compile_backend, args.cuda_graph) == ("off", "inductor", "off")
+        args = build_parser().parse_args(
+            [command, "--compile", "full", "--compile-backend", "eager", "--cuda-graph", "whole"]
+        )
+        assert (args.compile, args.compile_backend, args.cuda_graph) == ("full", "eager", "whole")

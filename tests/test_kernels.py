@@ -141,8 +141,10 @@ def test_quantized_attention(tk, dtype, bits, head_dim, full, rotate):
     if rotate:
         angles = 3 * _rand(37, head_dim // 2, seed=17).double()
         cos, sin = angles.cos(), angles.sin()
-    args = (q, k, v, *k_quant, *v_quant, cos, sin, bits)
-    _assert_matches("quantized_attention", tk.quantized_attention(*args), kv_quant.quantized_attention(*args))
+    inputs = kv_quant.QuantizedAttentionInputs(q, k, v, k_quant, v_quant, cos, sin, bits)
+    _assert_matches(
+        "quantized_attention", tk.quantized_attention(inputs), kv_quant.quantized_attention(inputs)
+    )
 
 
 # -- custom ops: opaque to torch.compile, fake implementations ----------------------------------------------------

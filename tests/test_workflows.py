@@ -103,6 +103,23 @@ def test_files_match_their_definitions():
     assert run.returncode == 0, run.stdout + run.stderr
 
 
+def test_the_builder_depends_on_nothing_in_tests():
+    """Shipped code: building every workflow loads no module from tests/ (workflow_check re-exports the builder's)."""
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv[1:] = ['--check']\n"
+        "try:\n"
+        "    runpy.run_path('workflows/build_workflows.py', run_name='__main__')\n"
+        "except SystemExit as done:\n"
+        "    assert done.code == 0, done.code\n"
+        "tests = [n for n, m in sys.modules.items() if 'tests' in str(getattr(m, '__file__', '') or '').split('/')]\n"
+        "print(sorted(tests))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], cwd=wc.ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines()[-1] == "[]"
+
+
 # ---- the validator must catch broken workflows ----
 
 

@@ -2,9 +2,13 @@
 
 :class:`KVCache` holds the self-attention keys and values of every transformer layer in buffers preallocated
 once (``[batch, window_frames * tokens_per_frame, heads, head_dim]`` each, or split into full-precision and
-quantized storage, see *Storage*): written in place, never
-concatenated, with all bookkeeping in host-side integers (no ``.item()`` syncs), so its memory is flat for a
-stream of any length and its shapes stay fixed once the window is full.
+quantized storage, see *Storage*): written in place, never concatenated, so its memory is flat for a stream of
+any length. Static shapes (gpt-fast's discipline): every chunk step reads the whole window, and what changes
+from chunk to chunk lives in device tensors of fixed shapes that :meth:`KVCache.begin` rewrites in place (the
+token slots written, ``index_copy_``; the visibility of every slot; the RoPE positions of the chunk and of every
+slot and their rotations). The bookkeeping behind them is host-side integers: nothing is read back (no
+``.item()``). While the window fills, attention masks the empty slots; once every slot is visible there is no
+mask and a step is a pure tensor function of fixed shapes (one graph for ``torch.compile`` or a CUDA graph).
 
 Slots: the first ``sink_frames`` latent frames of the video keep slots ``[0, S)`` forever; the other frames
 share a ring of ``R = window - S`` frame slots, so writing a new chunk evicts the oldest non-sink frames. A
@@ -34,9 +38,10 @@ Storage (``kv_dtype``):
   when the next chunk takes its full-precision slot, and only if it is still in the window; it is never written
   again. Sinks are never quantized: every chunk attends to them, so their error would be paid forever, and
   they are few. Reads dequantize: on CUDA the attention kernel dequantizes (and RoPE-rotates) the quantized keys
-  tile by tile (``kernels.quantized_attention``); elsewhere each layer's quantized part is dequantized into a
-  transient buffer, concatenated with the full-precision part and attended to, one layer at a time (so the
-  transient memory is one layer's window, not the cache's). Until a frame ages out, an int8/int4 stream is
+  tile by tile (``kernels.quantized_attention``, once the window is full: it takes no mask); elsewhere (and
+  while the window fills) each layer's quantized part is dequantized into a transient buffer, concatenated with
+  the full-precision part and attended to, one layer at a time (so the transient memory is one layer's window,
+  not the cache's). Until a frame ages out, an int8/int4 stream is
   identical to a ``"bf16"`` one.
 
 :class:`CrossAttentionCache` holds the text keys and values of every layer, computed once per prompt.
@@ -50,7 +55,7 @@ import torch
 from torch import nn
 
 from ... import kernels
-from ...kernels.kv_quant import group_bytes, packed_dim
+from ...kernels.kv_quant import QuantizedAttentionInputs, group_bytes, packed_dim
 from ..attention import attention
 from ..errors import InputError
 from ..rope import RopeFreqs, apply_rope
@@ -144,8 +149,8 @@ class QuantizedKV:
     scale: torch.Tensor
     zero: torch.Tensor
 
-    def first(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.data[:, :tokens], self.scale[:, :tokens], self.zero[:, :tokens]
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.data, self.scale, self.zero
 
 
 class _LayerView:
@@ -155,45 +160,55 @@ class _LayerView:
         self.cache, self.index = cache, index
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write the chunk's ``k, v [B, C*T, H, D]`` (k unrotated) and attend to every visible slot."""
+        """Write the chunk's ``k, v [B, C*T, H, D]`` (k unrotated) into its slots and attend to the whole
+        window. Every tensor here has the same shape for every chunk: the slots written come from the
+        ``write_index`` buffer, the slots hidden (empty, or out of the window) from ``key_visible``."""
         c = self.cache
-        keys, values = c.k[self.index], c.v[self.index]
+        keys, values = c.layer_kv(self.index)
         if c.rope == "absolute":
-            k = apply_rope(k, c._step_query_freqs)
-        for src, dst in c._write_ranges:
-            keys[:, dst[0] : dst[1]].copy_(k[:, src[0] : src[1]])
-            values[:, dst[0] : dst[1]].copy_(v[:, src[0] : src[1]])
-        if c._quant_tokens and kernels.uses_fused_quantized_attention(q):
+            k = apply_rope(k, c.query_rope())
+        keys.index_copy_(1, c.write_index, k.to(keys.dtype))
+        values.index_copy_(1, c.write_index, v.to(values.dtype))
+        mask = c.key_mask()
+        # the fused kernel takes no mask; it only runs once every slot is visible (the window is full)
+        if c.quant_ring and mask is None and kernels.uses_fused_quantized_attention(q):
             return self._fused_quantized_attention(q)
-        k_read, v_read = self.read()
-        return attention(q, k_read.to(q.dtype), v_read)
+        k_read, v_read = self.read_window()
+        return attention(q, k_read.to(q.dtype), v_read, mask=mask)
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys (rotated as this chunk reads them) and values of every occupied slot, full-precision slots
-        first, then the quantized ones dequantized into transient tensors (frames: ``KVCache.read_frames``)."""
+    def read_window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (rotated as this chunk reads them) and values of every slot, visible or not, in slot order:
+        full-precision slots, then the quantized ones dequantized into transient tensors. Fixed shapes."""
         c = self.cache
-        n, m = c._read_tokens, c._quant_tokens
-        k_read, v_read = c.k[self.index][:, :n], c.v[self.index][:, :n]
-        if m:
-            kq, vq = c.k_quant[self.index].first(m), c.v_quant[self.index].first(m)
-            k_read = torch.cat((k_read, kernels.dequantize_kv(*kq, c.bits, k_read.dtype)), dim=1)
-            v_read = torch.cat((v_read, kernels.dequantize_kv(*vq, c.bits, v_read.dtype)), dim=1)
+        k_read, v_read = c.layer_kv(self.index)
+        if c.quant_ring:
+            kq, vq = c.layer_quant(self.index)
+            k_read = torch.cat((k_read, kernels.dequantize_kv(*kq.parts(), c.bits, k_read.dtype)), dim=1)
+            v_read = torch.cat((v_read, kernels.dequantize_kv(*vq.parts(), c.bits, v_read.dtype)), dim=1)
         if c.rope == "cache":
-            k_read = apply_rope(k_read, c._step_key_freqs)
+            k_read = apply_rope(k_read, c.key_rope())
         return k_read, v_read
 
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The visible slots only, in the order of ``KVCache.read_frames`` (for inspection and tests: the forward
+        reads :meth:`read_window` under the visibility mask, which needs no shape that changes)."""
+        k_read, v_read = self.read_window()
+        rows = self.cache.visible_rows()
+        return k_read.index_select(1, rows), v_read.index_select(1, rows)
+
     def _fused_quantized_attention(self, q: torch.Tensor) -> torch.Tensor:
-        """As ``attention(q, *read())``, the quantized slots dequantized (and rotated) inside the kernel."""
+        """As ``attention(q, *read_window())``, the quantized slots dequantized (and rotated) in the kernel."""
         c = self.cache
-        n, m = c._read_tokens, c._quant_tokens
-        k, v = c.k[self.index][:, :n], c.v[self.index][:, :n]
-        kq, vq = c.k_quant[self.index].first(m), c.v_quant[self.index].first(m)
+        k, v = c.layer_kv(self.index)
+        kq, vq = c.layer_quant(self.index)
+        n = k.shape[1]
         cos = sin = None
         if c.rope == "cache":
-            freqs = c._step_key_freqs
+            freqs = c.key_rope()
             k = apply_rope(k, RopeFreqs(freqs.cos[:, :n], freqs.sin[:, :n]))
             cos, sin = freqs.cos[:, n:], freqs.sin[:, n:]
-        return kernels.quantized_attention(q, k.to(q.dtype), v, *kq, *vq, cos, sin, c.bits)
+        inputs = QuantizedAttentionInputs(q, k.to(q.dtype), v, kq.parts(), vq.parts(), cos, sin, c.bits)
+        return kernels.quantized_attention(inputs)
 
 
 class KVCache(nn.Module):
@@ -220,6 +235,7 @@ class KVCache(nn.Module):
         self.bits = check_kv_storage(kv_dtype, keep_recent_chunks, window, head_dim)
         self.kv_dtype, self.keep_recent_chunks = kv_dtype, keep_recent_chunks
         self.tokens_per_frame = tokens_per_frame
+        self.layers = layers
         self.rope = rope
         # frame slots: [0, sinks) for the sinks, then a ring of `full_ring` full-precision slots; quantized
         # storage: a ring of `quant_ring` slots (see the module docstring)
@@ -228,17 +244,15 @@ class KVCache(nn.Module):
         self.quant_ring = ring - self.full_ring
         full_frames = window.sink_frames + self.full_ring
         shape = (batch, full_frames * tokens_per_frame, heads, head_dim)
+        self._storage: list[str] = []  # the K/V buffers (what nbytes counts)
         for i in range(layers):
-            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.k = [getattr(self, f"k{i}") for i in range(layers)]
-        self.v = [getattr(self, f"v{i}") for i in range(layers)]
-        self.k_quant: list[QuantizedKV] = []
-        self.v_quant: list[QuantizedKV] = []
+            for name in (f"k{i}", f"v{i}"):
+                self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+                self._storage.append(name)
         if self.quant_ring:
             tokens = self.quant_ring * tokens_per_frame
             for i in range(layers):
-                for name, store in (("k", self.k_quant), ("v", self.v_quant)):
+                for name in ("k", "v"):
                     parts = (
                         (f"{name}q{i}", (batch, tokens, heads, packed_dim(head_dim, self.bits)), torch.uint8),
                         (f"{name}q{i}_scale", (batch, tokens, heads), torch.float16),
@@ -248,17 +262,72 @@ class KVCache(nn.Module):
                         self.register_buffer(
                             buffer, torch.zeros(size, dtype=kind, device=device), persistent=False
                         )
-                    store.append(QuantizedKV(*(getattr(self, buffer) for buffer, _, _ in parts)))
+                        self._storage.append(buffer)
+        # Per-chunk bookkeeping as device tensors of fixed shapes, rewritten in place by `begin` (so a forward,
+        # compiled or replayed from a CUDA graph, reads the same tensors every chunk): the token slots the
+        # chunk writes, and which token slots (full precision, then quantized) its queries see.
+        # Not registered buffers: the module's buffers are exactly the K/V storage (nbytes, planned_bytes);
+        # `_apply` moves these with them.
+        slots = full_frames + self.quant_ring
+        self.write_index = torch.zeros(
+            window.chunk_frames * tokens_per_frame, dtype=torch.long, device=device
+        )
+        self.key_visible = torch.zeros(slots * tokens_per_frame, dtype=torch.bool, device=device)
+        # RoPE frame positions of the chunk's frames and of every slot, and their rotations (float64 as Wan's
+        # reference computes them, whatever `.to(dtype)` does to the storage)
+        self.chunk_positions = torch.zeros(window.chunk_frames, dtype=torch.long, device=device)
+        self.slot_positions = torch.zeros(slots, dtype=torch.long, device=device)
+        self._query_freqs: RopeFreqs | None = None
+        self._key_freqs: RopeFreqs | None = None
+        # host mirrors (plain integers, never read back from the device: no sync)
         self.frames_committed = 0  # frames whose clean K/V are final
         self.slot_frame: list[int | None] = [None] * full_frames  # which frame each full-precision slot holds
         self.quant_slot_frame: list[int | None] = [None] * self.quant_ring  # ... and each quantized slot
         self.frames_quantized = 0  # frames quantized so far (each once)
         self._chunk: tuple[int, int] | None = None
-        self._write_ranges: list[tuple[tuple[int, int], tuple[int, int]]] = []
-        self._read_tokens = 0
-        self._quant_tokens = 0
-        self._step_query_freqs: RopeFreqs | None = None
-        self._step_key_freqs: RopeFreqs | None = None
+        self._visible_slots: list[int] = []
+        self._all_visible = False
+
+    _BOOKKEEPING = ("write_index", "key_visible", "chunk_positions", "slot_positions")
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.cuda()`` / ``.half()``: the storage as nn.Module converts it, and the bookkeeping to
+        the storage's device (integer tensors: ``fn`` leaves their dtype alone)."""
+        super()._apply(fn, recurse)
+        for name in self._BOOKKEEPING:
+            setattr(self, name, fn(getattr(self, name)))
+        device = self.write_index.device
+        for attr in ("_query_freqs", "_key_freqs"):
+            freqs = getattr(self, attr)
+            if freqs is not None:
+                setattr(self, attr, RopeFreqs(freqs.cos.to(device), freqs.sin.to(device)))
+        return self
+
+    # -- storage: read through the registered buffers, so `.to()` / `.cuda()` leave no stale alias -----------------
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k{index}"), getattr(self, f"v{index}")
+
+    def layer_quant(self, index: int) -> tuple[QuantizedKV, QuantizedKV]:
+        return tuple(
+            QuantizedKV(*(getattr(self, f"{name}q{index}{part}") for part in ("", "_scale", "_zero")))
+            for name in ("k", "v")
+        )
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return [self.layer_kv(i)[0] for i in range(self.layers)]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [self.layer_kv(i)[1] for i in range(self.layers)]
+
+    @property
+    def k_quant(self) -> list[QuantizedKV]:
+        return [self.layer_quant(i)[0] for i in range(self.layers)] if self.quant_ring else []
+
+    @property
+    def v_quant(self) -> list[QuantizedKV]:
+        return [self.layer_quant(i)[1] for i in range(self.layers)] if self.quant_ring else []
 
     # -- accounting ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -279,26 +348,28 @@ class KVCache(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated by the cache (sum of ``nbytes`` of every buffer, scales and zero points included)."""
-        return sum(t.nbytes for t in self.buffers())
+        """Bytes of the K/V storage (every layer's buffers, scales and zero points included; the per-chunk
+        bookkeeping, a few integers per slot, is not counted)."""
+        return sum(getattr(self, name).nbytes for name in self._storage)
 
     def bytes_per_token(self) -> int:
         """``2 x heads x head_dim x layers x element size``: K and V of one full-precision token, all layers."""
-        b, _, h, d = self.k[0].shape
-        return 2 * h * d * len(self.k) * self.k[0].element_size()
+        k0 = self.layer_kv(0)[0]
+        b, _, h, d = k0.shape
+        return 2 * h * d * self.layers * k0.element_size()
 
     def quantized_bytes_per_token(self) -> int:
         """``2 x heads x (codes + scale + zero point) x layers``: K and V of one quantized token (0 if none)."""
         if self.bits is None:
             return 0
-        b, _, h, d = self.k[0].shape
-        return 2 * h * group_bytes(d, self.bits) * len(self.k)
+        b, _, h, d = self.layer_kv(0)[0].shape
+        return 2 * h * group_bytes(d, self.bits) * self.layers
 
     def bytes_used(self) -> int:
         """Bytes of the occupied slots (full precision and quantized), all layers and the whole batch."""
         full = sum(f is not None for f in self.slot_frame) * self.bytes_per_token()
         quant = sum(f is not None for f in self.quant_slot_frame) * self.quantized_bytes_per_token()
-        return (full + quant) * self.tokens_per_frame * self.k[0].shape[0]
+        return (full + quant) * self.tokens_per_frame * self.layer_kv(0)[0].shape[0]
 
     # -- positions -----------------------------------------------------------------------------------------------
     def slot_of(self, frame: int) -> int:
@@ -321,7 +392,8 @@ class KVCache(nn.Module):
 
     # -- one chunk -----------------------------------------------------------------------------------------------
     def begin(self, chunk_start: int, frames: int, grid_hw: tuple[int, int], rope_fn) -> None:
-        """Prepare forwards over the chunk ``[chunk_start, chunk_start + frames)``.
+        """Prepare forwards over the chunk ``[chunk_start, chunk_start + frames)``: rewrite the bookkeeping
+        tensors in place (host-to-device copies of values computed on the host; nothing is read back).
 
         ``rope_fn(frame_positions [F], (h, w)) -> RopeFreqs`` builds rotations for whole frames.
         """
@@ -339,26 +411,25 @@ class KVCache(nn.Module):
         chunk = range(chunk_start, chunk_start + frames)
         if self.quant_ring:
             self._age_out(chunk)
-        ranges = []
-        for i, frame in enumerate(chunk):  # one range per frame, merged when contiguous
+        written = []
+        for frame in chunk:
             slot = self.slot_of(frame)
-            if ranges and ranges[-1][1][1] == slot * t:
-                (s0, _), (d0, _) = ranges[-1]
-                ranges[-1] = ((s0, (i + 1) * t), (d0, (slot + 1) * t))
-            else:
-                ranges.append(((i * t, (i + 1) * t), (slot * t, (slot + 1) * t)))
             self.slot_frame[slot] = frame
-        # slots fill from the first one on, so the occupied ones are a prefix of each storage
-        read = [f for f in self.slot_frame if f is not None]
-        read_quant = [f for f in self.quant_slot_frame if f is not None]
-        self._write_ranges = ranges
-        self._read_tokens, self._quant_tokens = len(read) * t, len(read_quant) * t
+            written.append(slot)
+        by_slot = self.slot_frame + self.quant_slot_frame
+        visible = [f is not None and self.window.visible(chunk_start, f) for f in by_slot]
+        self._visible_slots = [i for i, seen in enumerate(visible) if seen]
+        self._all_visible = all(visible)
+        tokens = torch.arange(t)
+        self.write_index.copy_((torch.tensor(written)[:, None] * t + tokens).flatten())
+        self.key_visible.copy_(torch.tensor(visible).repeat_interleave(t))
+        self.chunk_positions.copy_(torch.tensor([self.position_of(f, chunk_start) for f in chunk]))
+        self._query_freqs = _refill(self._query_freqs, rope_fn(self.chunk_positions, grid_hw))
+        if self.rope == "cache":  # keys in slot order: full-precision slots, then quantized ones
+            positions = [0 if f is None else self.position_of(f, chunk_start) for f in by_slot]
+            self.slot_positions.copy_(torch.tensor(positions))
+            self._key_freqs = _refill(self._key_freqs, rope_fn(self.slot_positions, grid_hw))
         self._chunk = (chunk_start, frames)
-        positions = torch.tensor([self.position_of(f, chunk_start) for f in chunk])
-        self._step_query_freqs = rope_fn(positions, grid_hw)
-        if self.rope == "cache":  # keys in reading order: full-precision slots, then quantized ones
-            slots = torch.tensor([self.position_of(f, chunk_start) for f in read + read_quant])
-            self._step_key_freqs = rope_fn(slots, grid_hw)
 
     def _age_out(self, chunk: range) -> None:
         """Quantize the completed frames whose full-precision slots ``chunk`` is about to take, if they are
@@ -382,19 +453,34 @@ class KVCache(nn.Module):
         for full_slot, quant_slot, n in runs:
             src = slice(full_slot * t, (full_slot + n) * t)
             dst = slice(quant_slot * t, (quant_slot + n) * t)
-            for full, quant in zip(self.k + self.v, self.k_quant + self.v_quant):
-                for buffer, part in zip(
-                    (quant.data, quant.scale, quant.zero), kernels.quantize_kv(full[:, src], self.bits)
-                ):
-                    buffer[:, dst].copy_(part)
+            for i in range(self.layers):
+                for full, quant in zip(self.layer_kv(i), self.layer_quant(i)):
+                    for buffer, part in zip(quant.parts(), kernels.quantize_kv(full[:, src], self.bits)):
+                        buffer[:, dst].copy_(part)
             self.frames_quantized += n
+
+    def key_mask(self) -> torch.Tensor | None:
+        """The keys this chunk's queries may see, ``[1, 1, 1, slots * T]`` (None once every slot is visible:
+        the window is full and the step is a pure function of fixed shapes, unmasked)."""
+        return None if self._all_visible else self.key_visible.view(1, 1, 1, -1)
+
+    def visible_rows(self) -> torch.Tensor:
+        """Token indices (into :meth:`_LayerView.read_window`) of the visible slots, in slot order."""
+        t = self.tokens_per_frame
+        rows = (torch.tensor(self._visible_slots, dtype=torch.long)[:, None] * t + torch.arange(t)).flatten()
+        return rows.to(self.key_visible.device)
 
     def read_frames(self) -> list[int]:
         """The frames the current chunk reads, in the order of ``layer(i).read()``'s tokens."""
-        return [f for f in self.slot_frame + self.quant_slot_frame if f is not None]
+        by_slot = self.slot_frame + self.quant_slot_frame
+        return [by_slot[i] for i in self._visible_slots]
 
     def query_rope(self) -> RopeFreqs:
-        return self._step_query_freqs
+        return self._query_freqs
+
+    def key_rope(self) -> RopeFreqs:
+        """Rotations of every slot's keys as this chunk reads them (``rope="cache"``)."""
+        return self._key_freqs
 
     def layer(self, index: int) -> _LayerView:
         return _LayerView(self, index)
@@ -405,6 +491,20 @@ class KVCache(nn.Module):
             raise InputError("chunk", "no chunk to commit")
         self.frames_committed = self._chunk[0] + self._chunk[1]
         self._chunk = None
+
+
+def _refill(buffer: RopeFreqs | None, fresh: RopeFreqs) -> RopeFreqs:
+    """``fresh`` copied into ``buffer`` in place when it has the same layout (the tensors a captured forward
+    reads stay the same objects), else ``fresh`` itself becomes the buffer (first chunk, or moved device)."""
+    same = buffer is not None and all(
+        old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+        for old, new in ((buffer.cos, fresh.cos), (buffer.sin, fresh.sin))
+    )
+    if not same:
+        return RopeFreqs(fresh.cos.clone(), fresh.sin.clone())
+    buffer.cos.copy_(fresh.cos)
+    buffer.sin.copy_(fresh.sin)
+    return buffer
 
 
 class CrossAttentionCache:

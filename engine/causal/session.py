@@ -2,8 +2,8 @@
 
 Per chunk of ``chunk_frames`` latent frames: fresh noise, then N denoising steps of the DMD re-noise sampler on
 the ``wan-dmd-4step`` schedule (each step attends to the KV cache and rewrites the chunk's slots), then the chunk
-is handed out (latents, and frames when a tiny VAE is attached). Its clean-context pass (the model run once more
-on the clean chunk at timestep ``context_noise``, which commits the chunk's K/V) is deferred until the next
+is handed out (latents, and frames when a tiny VAE is attached). Its clean-context pass (``clean_context``: the
+model run once more on the clean chunk at timestep ``context_noise``, which commits the chunk's K/V) is deferred until the next
 chunk starts: a stream that stops never pays for it, and one that continues later gets exactly the same video.
 
 A :class:`VideoSession` owns everything that lives across chunks: the KV cache, the cross-attention cache, the
@@ -39,6 +39,7 @@ from ..errors import InputError
 from ..latent_formats import WAN21
 from ..plan.preflight import check_fits
 from ..sampling import sample_dmd, schedule_sigmas
+from .clean_context import clean_context_pass
 from .kv_cache import CrossAttentionCache, KVCache, WindowSpec, check_kv_storage
 
 # ``before_forward(chunk index, denoising step or None for the clean-context pass)``, called before every forward
@@ -288,8 +289,7 @@ class VideoSession:
         if before_forward is not None:
             before_forward(chunk_index, None)
         t0 = time.perf_counter()
-        self._velocity(self._pending, self.config.context_noise, self.cache.frames_committed)
-        self.cache.commit()
+        clean_context_pass(self._velocity, self.cache, self._pending, self.config.context_noise)
         self._pending = None
         return time.perf_counter() - t0
 

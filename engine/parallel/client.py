@@ -41,8 +41,8 @@ from ..sampling import schedule_sigmas
 from ..text_to_image import SampleReport, build_sigmas, check_sample_inputs
 from .jobs import dtype_name, fingerprint
 from .pool import WorkerPool
+from .rank import available_memory
 from .sharding import image_sharding
-from .worker import available_memory
 
 COMPILE_NOT_APPLIED = "compile: not applied on the pool's workers (they run the model eagerly)"
 

@@ -30,8 +30,8 @@ from ..text_to_image import sample_latent
 from . import transport
 from .config import ParallelConfig
 from .mesh import SequenceMesh
+from .rank import JobCancelledError, available_memory, error_record
 from .sharding import CausalSharding, ShardedHandle
-from .worker import JobCancelledError, _error_record, available_memory
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class WorkerContext:
             self.store.set(f"cancelled/{n}/{self.rank}", "1")
         except Exception as err:  # noqa: BLE001 - every failure is reported to the host, which decides
             log.error("rank %d: job %d failed: %s", self.rank, n, err)
-            transport.put(self.store, f"error/{n}/{self.rank}", _error_record(err, self.rank))
+            transport.put(self.store, f"error/{n}/{self.rank}", error_record(err, self.rank))
             self.store.add(f"failed/{n}", 1)
         finally:
             self.store.set(f"done/{n}/{self.rank}", "1")

@@ -20,7 +20,6 @@ import os
 import socket
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -30,14 +29,12 @@ import torch.distributed as dist
 from ..errors import InputError
 from . import transport
 from .config import ParallelConfig
+from .jobs import WorkerContext
+from .rank import describe_device, error_record
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 0.5
-
-
-class JobCancelledError(Exception):
-    """The host asked to stop the current job (every rank stops at the same step)."""
 
 
 @dataclass(frozen=True)
@@ -158,26 +155,6 @@ class Heartbeat:
             self.stop.wait(HEARTBEAT_SECONDS)
 
 
-def describe_device(device: torch.device) -> dict:
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return {"device": str(device), "name": torch.cuda.get_device_name(device), "free_bytes": free,
-                "total_bytes": total}  # fmt: skip
-    return {"device": "cpu", "name": "cpu", "free_bytes": available_memory(), "total_bytes": None}
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo (bytes), None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def serve(rdzv: Rendezvous) -> int:
     """Join the pool and serve jobs until the host shuts it down. Returns the exit status."""
     if not rdzv.token:
@@ -214,7 +191,7 @@ def serve(rdzv: Rendezvous) -> int:
         return _serve(rdzv, store, config, pool, rank, world)
     except BaseException as err:  # the host is waiting for this rank: tell it why it will not come
         with contextlib.suppress(RuntimeError, OSError):
-            transport.put(store, f"fatal/{rank}", _error_record(err, rank))
+            transport.put(store, f"fatal/{rank}", error_record(err, rank))
         raise
 
 
@@ -243,8 +220,6 @@ def _serve(rdzv, store, config: ParallelConfig, pool: dict, rank: int, world: in
         info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "backend": backend,
                 "threads": torch.get_num_threads(), **describe_device(device)}  # fmt: skip
         transport.put(store, f"ready/{rank}", info)
-        from .jobs import WorkerContext
-
         WorkerContext(store, config, rank, world, device, backend).serve()
         return 0
     finally:
@@ -265,20 +240,6 @@ def _wait_for_everyone(store, rank: int, world: int, timeout: float) -> None:
             missing = [r for r in range(world) if not store.check([f"joined/{r}"])]
             raise InputError("startup_timeout", f"ranks {missing} did not join within {timeout:g} s")
         poll.wait()
-
-
-def _error_record(err: BaseException, rank: int) -> dict:
-    record = {
-        "rank": rank,
-        "type": type(err).__name__,
-        "message": str(err),
-        "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__))[-4000:],
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-    }
-    if isinstance(err, InputError):
-        record.update(input_name=err.input_name, problem=err.problem)
-    return record
 
 
 def main(env=None) -> int:

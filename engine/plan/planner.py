@@ -14,8 +14,9 @@ the family's pipelines feed (:data:`IMAGE_COSTS`).
 Causal video (Wan): the video is cut into chunks of ``chunk_frames`` latent frames; each chunk runs ``steps``
 denoising forwards and one clean-context pass (the pass that commits its K/V; the engine defers it until the next
 chunk starts, so the last chunk's never runs: ``chunks x steps + chunks - 1`` forwards). Every forward of chunk
-``k`` attends to ``min((k + 1) x chunk, window)`` latent frames of keys (the cache fills, then rolls) and to the
-prompt's 512 padded tokens; the text embedding and cross-attention K/V are computed once per prompt.
+``k`` attends to the whole ``window`` of latent frames of keys: the static-shape KV cache reads every slot at
+every chunk (empty slots are masked while it fills), so a forward costs the same before and after the window
+fills; and to the prompt's 512 padded tokens; the text embedding and cross-attention K/V are computed once per prompt.
 """
 
 from __future__ import annotations
@@ -390,7 +391,7 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
     chunk_forwards, chunk_rows = [], []
     total = wan_prompt_flops(p, batch)  # text embedding + cross K/V, once per prompt
     for k in range(n_chunks):
-        keys = min((k + 1) * chunk, window)
+        keys = window  # the static cache reads every slot, visible or not (engine/causal/kv_cache.py)
         forward = wan_forward_flops(p, chunk, tpf, keys * tpf, batch)
         passes = steps + (1 if k < n_chunks - 1 else 0)  # the last chunk's clean pass is deferred, never run
         chunk_forwards.append(forward)

@@ -64,25 +64,6 @@ def sample_euler(model, x, sigmas, extra_args=None, callback=None, disable=None)
     return x
 
 
-@torch.no_grad()
-def sample_dmd(
-    model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, sigma_space=FLOW
-):
-    """Distribution-matching-distilled students (DMD2, CausVid, Self-Forcing): predict x0, then re-noise it
-    with *fresh* noise to the next sigma. Nothing of the current noise survives a step."""
-    extra_args = {} if extra_args is None else extra_args
-    if noise_sampler is None:
-        noise_sampler = default_noise_sampler(x, seed=extra_args.get("seed"))
-    s_in = x.new_ones([x.shape[0]])
-    for i in trange(len(sigmas) - 1, disable=disable):
-        denoised = model(x, sigmas[i] * s_in, **extra_args)
-        _report(callback, x, i, sigmas[i], denoised)
-        x = denoised
-        if sigmas[i + 1] > 0:
-            x = sigma_space.noise_scaling(sigmas[i + 1], noise_sampler(sigmas[i], sigmas[i + 1]), denoised)
-    return x
-
-
 # Latent Consistency Models' boundary condition (Luo et al. 2023; diffusers LCMScheduler): the consistency
 # function is c_skip(t) * x + c_out(t) * x0_pred with t on the 0..1000 training-timestep scale.
 LCM_SIGMA_DATA = 0.5
@@ -111,9 +92,9 @@ def sample_lcm(
 ):
     """Multistep consistency sampling (LCM): x0 from the consistency function, re-noised to the next sigma.
 
-    With ``boundary_condition=False`` (the default, ComfyUI's ``lcm``) the model's x0 is used as is, and the
-    update is the same as :func:`sample_dmd`. With ``boundary_condition=True`` the LCM scheduler's
-    ``c_skip * x + c_out * x0`` is applied, with ``t = timestep_of_sigma(sigma)`` (default ``1000 * sigma``,
+    With ``boundary_condition=False`` (the default, ComfyUI's ``lcm``) the model's x0 is used as is: that is
+    DMD's update, and :func:`sample_dmd` is this function with the default. With ``boundary_condition=True``
+    the LCM scheduler's ``c_skip * x + c_out * x0`` is applied, with ``t = timestep_of_sigma(sigma)`` (default ``1000 * sigma``,
     the flow-matching timestep); it only matters for t below ~1 where c_skip is not negligible.
     """
     extra_args = {} if extra_args is None else extra_args
@@ -131,6 +112,20 @@ def sample_lcm(
         if sigmas[i + 1] > 0:
             x = sigma_space.noise_scaling(sigmas[i + 1], noise_sampler(sigmas[i], sigmas[i + 1]), denoised)
     return x
+
+
+def sample_dmd(
+    model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, sigma_space=FLOW
+):
+    """Distribution-matching-distilled students (DMD2, CausVid, Self-Forcing): predict x0, then re-noise it
+    with *fresh* noise to the next sigma. Nothing of the current noise survives a step.
+
+    That is LCM's multistep update without its boundary condition, so it runs :func:`sample_lcm` with
+    ``boundary_condition=False``; the name stays because the causal video students are sampled by it.
+    """
+    return sample_lcm(
+        model, x, sigmas, extra_args, callback, disable, noise_sampler, sigma_space, boundary_condition=False
+    )
 
 
 @torch.no_grad()

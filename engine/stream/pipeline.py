@@ -70,6 +70,7 @@ import torch
 from ..attention import use_attention_backend
 from ..compile.feature import start_compile_run
 from ..conditioning import TextCondition, for_family
+from ..denoiser import concat_conditions
 from ..errors import InputError
 from ..handle import ModelHandle
 from ..text_to_image import check_condition
@@ -263,11 +264,6 @@ def _first_rows(cond: TextCondition, n: int) -> TextCondition:
     return TextCondition(cond.context[:n], pooled, cond.guidance)
 
 
-def _joint(a: TextCondition, b: TextCondition) -> TextCondition:
-    pooled = None if a.pooled is None else torch.cat([a.pooled, b.pooled])
-    return TextCondition(torch.cat([a.context, b.context]), pooled, a.guidance)
-
-
 class StreamBatch:
     """A live stream: push frames (or latents), get each one back T forwards later. See the module docstring.
 
@@ -362,7 +358,7 @@ class StreamBatch:
                 same = pos.context.shape[1] == neg.context.shape[1] and (
                     pos.guidance == neg.guidance or not self.family.image.guidance(self.handle.params)
                 )
-                conds = [_joint(pos, neg)] if same else [pos, neg]
+                conds = [concat_conditions([pos, neg])] if same else [pos, neg]
             self._cond_cache[key] = conds
         return self._cond_cache[key]
 

@@ -1,0 +1,540 @@
+"""The device checks, in the order they run: the cheap correctness checks first, then the schnell group (one
+12B model in bf16, 24 GB), then the Wan group (1.3B), so a spent budget drops speed figures, not correctness.
+
+Each check takes the run's :class:`~.runner.Context` and returns its results (a ``"summary"`` list of
+``{"metric", "value", "goal", "met"}`` rows among them); it raises :class:`~.runner.Skip` when it cannot run here,
+:class:`~.runner.Failed` when a comparison is outside its tolerance. The engine features are used the way the
+nodes use them: ``attach_compile`` (FewStepCompile) on a handle, ``start_compile_run`` for a video session.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .runner import Context, Failed, Setup, Skip, clock, sync
+
+NO_GPU = "need a CUDA GPU (smoke mode runs on the CPU)"
+SCHNELL_GOAL_S = 0.5  # 4 steps of the FLUX.1-schnell DiT at 1024x1024, H200
+WAN_GOAL_FPS = 20.0  # video frames per second after the window fills, 832x480, H200
+STEPS = 4
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    title: str
+    run: Callable[[Context], dict]
+    gpu_only: str | None = None  # the reason it is skipped without a GPU
+    last_of_group: bool = False  # free the shared model afterwards
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (the measure tests/test_kernels.py uses)."""
+    ref64 = ref.double()
+    return float((out.double() - ref64).abs().max() / ref64.abs().max().clamp_min(1e-30))
+
+
+def row(metric: str, value: str, goal: str | None = None, met: bool | None = None) -> dict:
+    return {"metric": metric, "value": value, "goal": goal, "met": met}
+
+
+def median_seconds(ctx: Context, fn, n: int | None = None) -> tuple[float, list[float]]:
+    """Median of up to ``n`` synchronised timings of ``fn`` (fewer once the budget is spent; at least one)."""
+    times = []
+    for _ in ctx.repeats(n):
+        times.append(clock(ctx.setup, fn)[0])
+        if ctx.time_left() <= 0:
+            break
+    return statistics.median(times), times
+
+
+# -- device rate -----------------------------------------------------------------------------------------------------
+def measure_matmul_rate(setup: Setup, n: int, batch: int = 10) -> float:
+    """FLOP/s of the best of 5 timings of ``batch`` back-to-back ``n x n`` matmuls in the setup's dtype."""
+    gen = torch.Generator(device=setup.device).manual_seed(0)
+    a = torch.randn(n, n, device=setup.device, dtype=setup.dtype, generator=gen)
+    b = torch.randn(n, n, device=setup.device, dtype=setup.dtype, generator=gen)
+    for _ in range(3):  # warm-up: cuBLAS handle and heuristics, clocks up
+        a @ b
+    best = min(clock(setup, lambda: [a @ b for _ in range(batch)])[0] for _ in range(5))
+    return 2 * n**3 * batch / best
+
+
+def matmul_rate(ctx: Context) -> dict:
+    s = ctx.setup
+    rate = measure_matmul_rate(s, s.matmul_size)
+    ctx.shared["matmul_flops_per_s"] = rate
+    dtype = str(s.dtype).removeprefix("torch.")
+    shown = f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+    return {
+        "size": s.matmul_size,
+        "dtype": dtype,
+        "tflops": rate / 1e12,
+        "summary": [row(f"{dtype} matmul rate ({s.matmul_size}^3, best of 5)", shown)],
+    }
+
+
+# -- Triton kernels --------------------------------------------------------------------------------------------------
+# max |triton - reference| / max |reference| per kernel and dtype: the bounds of tests/test_kernels.py, where the
+# interpreter truncates to bfloat16; a GPU rounds to nearest, so they hold with margin here
+KERNEL_TOL = {
+    "dequantize_kv": {torch.float32: 0.0, torch.bfloat16: 2**-5},
+    "apply_rope": {torch.float32: 0.0, torch.bfloat16: 2**-5},
+    "rms_norm": {torch.float32: 1e-6, torch.bfloat16: 2**-5},
+    "adaln_modulate": {torch.float32: 1e-6, torch.bfloat16: 2**-5},
+    "quantized_attention": {torch.float32: 4e-6, torch.bfloat16: 5e-2},
+}
+
+
+# sizes of the real models: Wan-1.3B at 832x480 (12 heads of 128, 1560 tokens a frame, 3-frame chunks over a
+# 21-frame window: 4680 query tokens, 9360 older keys quantized), FLUX.1 at 1024x1024 (24 heads of 128, 4352
+# tokens, width 3072)
+KERNEL_SHAPES = {
+    "kv": (1, 4680, 12, 128),
+    "kv_old": 9360,
+    "heads": (1, 4352, 24, 128),
+    "hidden": (1, 4096, 3072),
+}
+
+
+def compare_kernels(tk, device: torch.device, shapes: dict = KERNEL_SHAPES) -> tuple[dict, list[str]]:
+    """Each kernel of module ``tk`` against its reference in fp32 and bf16: (results by case, failures)."""
+    from fewstep.kernels import kv_quant, norms, rope
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device=device, generator=gen) * scale
+
+    results, bad = {}, []
+
+    def compare(case: str, kernel: str, dtype, out, ref):
+        tol = KERNEL_TOL[kernel][dtype]
+        err = rel_err(out, ref)
+        results[case] = {"rel_err": err, "tol": tol}
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            bad.append(
+                f"{case}: {tuple(out.shape)} {out.dtype}, the reference {tuple(ref.shape)} {ref.dtype}"
+            )
+        elif not err <= tol:  # NaN fails too
+            bad.append(f"{case}: relative error {err:.2e} > {tol:.0e}")
+
+    b, n, h, d = shapes["kv"]
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        for bits in (8, 4):
+            x = (rand(b, n, h, d, scale=2.0) + rand(b, n, h, 1)).to(dtype)
+            ref = kv_quant.quantize_kv(x, bits)
+            out = tk.quantize_kv(x, bits)
+            identical = all(torch.equal(o, r) for o, r in zip(out, ref))
+            # a code one level off (a rounding tie decided the other way) moves a value by one step of its
+            # group's range, at most 2 / (levels - 1) of the largest value
+            step = 2 / (2**bits - 1)
+            err = rel_err(*(kv_quant.dequantize_kv(*t, bits, torch.float32) for t in (out, ref)))
+            results[f"quantize_kv int{bits} {name}"] = {"identical": identical, "rel_err_dequantized": err,
+                                                        "tol": step}  # fmt: skip
+            if not identical and not err <= step:
+                bad.append(f"quantize_kv int{bits} {name}: dequantized relative error {err:.2e} > {step:.2e}")
+            compare(f"dequantize_kv int{bits} {name}", "dequantize_kv", dtype,
+                    tk.dequantize_kv(*ref, bits, dtype), kv_quant.dequantize_kv(*ref, bits, dtype))  # fmt: skip
+            q, k, v = (rand(b, n, h, d).to(dtype) for _ in range(3))
+            old = (b, shapes["kv_old"], h, d)
+            k_quant, v_quant = kv_quant.quantize_kv(rand(*old), bits), kv_quant.quantize_kv(rand(*old), bits)
+            angles = 3 * rand(shapes["kv_old"], d // 2).double()
+            args = (
+                kv_quant.QuantizedAttentionInputs(
+                    q, k, v, k_quant, v_quant, angles.cos(), angles.sin(), bits
+                ),
+            )
+            compare(f"quantized_attention int{bits} {name}", "quantized_attention", dtype,
+                    tk.quantized_attention(*args), kv_quant.quantized_attention(*args))  # fmt: skip
+        x = rand(*shapes["heads"], scale=3.0).to(dtype)
+        weight = 1 + 0.1 * rand(shapes["heads"][-1])
+        compare(
+            f"rms_norm {name}",
+            "rms_norm",
+            dtype,
+            tk.rms_norm(x, weight, 1e-6),
+            norms.rms_norm(x, weight, 1e-6),
+        )
+        hidden = rand(*shapes["hidden"], scale=2.0).to(dtype)
+        width = shapes["hidden"][-1]
+        shift, scale = rand(1, 1, width).to(dtype), (0.3 * rand(1, 1, width)).to(dtype)
+        compare(f"adaln_modulate {name}", "adaln_modulate", dtype, tk.adaln_modulate(hidden, shift, scale, 1e-6),
+                norms.adaln_modulate(hidden, shift, scale, 1e-6))  # fmt: skip
+        angles = 3 * rand(1, x.shape[1], 1, x.shape[-1] // 2)
+        cos, sin = angles.cos(), angles.sin()
+        compare(
+            f"apply_rope {name}",
+            "apply_rope",
+            dtype,
+            tk.apply_rope(x, cos, sin),
+            rope.apply_rope(x, cos, sin),
+        )
+    return results, bad
+
+
+def triton_kernels(ctx: Context) -> dict:
+    if importlib.util.find_spec("triton") is None:
+        raise Skip("triton is not installed (the engine runs the PyTorch references)")
+    from fewstep.kernels import triton_kernels as tk
+
+    if type(tk._rms_norm_kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError(
+            "TRITON_INTERPRET is set: the kernels would run interpreted; unset it for this check"
+        )
+    results, bad = compare_kernels(tk, ctx.setup.device)
+    sync(ctx.setup)
+    if bad:
+        raise Failed("; ".join(bad), {"kernels": results})
+    summary = row(
+        "Triton kernels equal their references (GPU, compiled)", f"{len(results)} cases", "all", True
+    )
+    return {"kernels": results, "summary": [summary]}
+
+
+# -- FLUX.1-schnell group -------------------------------------------------------------------------------------------
+def flux_inputs(handle, setup: Setup) -> dict:
+    """One schnell forward's keyword arguments at the setup's size: activations in the compute dtype, position ids
+    and timesteps in float32 (as the sampler passes them)."""
+    from fewstep.engine.models.flux import random_inputs
+
+    inputs = random_inputs(handle.params, setup.image_px, setup.image_px, setup.text_tokens)
+    return {
+        k: v.to(device=setup.device, dtype=setup.dtype if k in ("img", "txt", "y") else v.dtype)
+        for k, v in inputs.items()
+    }
+
+
+def sample_four_steps(handle, setup: Setup):
+    """``sample_latent``: 4 euler steps of the schnell schedule from seeded synthetic conditioning (no text
+    encoder, no VAE: the DiT's end-to-end time)."""
+    from fewstep.cli.common import latent_shape, synthetic_condition
+    from fewstep.engine import sample_latent
+
+    cond = synthetic_condition(handle.family, handle.params, setup.text_tokens, 1, None)
+    latent = torch.zeros(latent_shape(handle.family, 1, setup.image_px, setup.image_px))
+    return sample_latent(
+        handle, [cond], latent, seed=0, steps=STEPS, schedule="flux.1-schnell", sampler="euler"
+    )
+
+
+def flash_attn_vs_sdpa(ctx: Context) -> dict:
+    if importlib.util.find_spec("flash_attn") is None:
+        raise Skip("flash-attn is not importable here (pip install flash-attn); the engine runs SDPA")
+    from flash_attn import flash_attn_func
+
+    s = ctx.setup
+    gen = torch.Generator(device=s.device).manual_seed(0)
+    q, k, v = (torch.randn(1, 4352, 24, 128, device=s.device, dtype=s.dtype, generator=gen) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(
+        1, 2
+    )
+    kernel_err = rel_err(flash_attn_func(q, k, v), ref)
+    # the whole model through the engine's backend setting: 4 schnell steps each way
+    handle = ctx.models.get(s.flux_preset)
+    with torch.inference_mode():
+        sdpa, _ = sample_four_steps(handle.replace(attention_backend="sdpa"), s)
+        flash, _ = sample_four_steps(handle.replace(attention_backend="flash-attn"), s)
+    model_err = rel_err(flash, sdpa)
+    # bf16 attention: another summation order moves outputs by a few bf16 ulps, 4 steps of 57 blocks compound it
+    results = {"attention_rel_err": kernel_err, "attention_tol": 2**-6, "four_steps_rel_err": model_err,
+               "four_steps_tol": 5e-2, "shape": [1, 4352, 24, 128]}  # fmt: skip
+    if kernel_err > 2**-6 or model_err > 5e-2:
+        raise Failed(
+            f"flash-attn differs from SDPA: attention {kernel_err:.2e}, 4 steps {model_err:.2e}", results
+        )
+    results["summary"] = [
+        row(
+            "flash-attn equals SDPA (attention; 4 schnell steps)",
+            f"{kernel_err:.1e}; {model_err:.1e}",
+            "<= 1.6e-2; <= 5e-2",
+            True,
+        )
+    ]
+    return results
+
+
+def schnell_graph_equals_eager(ctx: Context) -> dict:
+    from fewstep.engine.compile import COMPILE_FEATURE, attach_compile
+
+    s = ctx.setup
+    handle = ctx.models.get(s.flux_preset)
+    feature = attach_compile(handle, "off", "whole").feature(COMPILE_FEATURE)
+    graphs = feature.graphs
+    inputs = flux_inputs(handle, s)
+    try:
+        with torch.inference_mode():
+            ref = handle.model(**inputs)
+            graphs(**inputs)  # warm-up sighting (eager, on the capture stream)
+            graphs(**inputs)  # capture
+            out = graphs(**inputs)  # replay
+            sync(s)
+        stats = vars(graphs.stats.copy())
+    finally:
+        feature.dispose()
+    err = rel_err(out, ref)
+    results = {
+        "bitwise_equal": bool(torch.equal(out, ref)),
+        "rel_err": err,
+        "tol": 1e-2,
+        "graph_stats": stats,
+    }
+    if stats["hits"] < 1:
+        raise Failed(f"no graph replay (refused: {stats['refused'] or 'none recorded'})", results)
+    # the same kernels replayed: identical is expected; the bound covers cuBLAS choosing another algorithm in capture
+    if err > 1e-2:
+        raise Failed(f"replay differs from eager: relative error {err:.2e}", results)
+    results["summary"] = [
+        row(
+            "CUDA-graph replay equals eager (schnell step)",
+            f"{err:.1e} ({'bitwise' if results['bitwise_equal'] else 'not bitwise'})",
+            "<= 1e-2",
+            True,
+        )
+    ]
+    return results
+
+
+def schnell_speed(ctx: Context) -> dict:
+    """4 steps of the DiT: eager, regional compile (static shapes), and compile + whole CUDA graph (one
+    compilation serves both: the graphs replay the compiled forward); then ``sample_latent`` end to end."""
+    from fewstep.engine.compile import COMPILE_FEATURE, CompileWatch, attach_compile
+
+    s = ctx.setup
+    handle = ctx.models.get(s.flux_preset)
+    graph_mode = "whole" if s.on_gpu else "off"
+    fast = attach_compile(handle, "regional", graph_mode, dynamic=False, backend=s.compile_backend)
+    feature = fast.feature(COMPILE_FEATURE)
+    inputs = flux_inputs(handle, s)
+    model, compiled = handle.model, feature.compiled
+    px = f"{s.image_px}x{s.image_px}"
+    results: dict = {
+        "preset": s.flux_preset,
+        "size": px,
+        "text_tokens": s.text_tokens,
+        "backend": s.compile_backend,
+    }
+
+    def four(fn):
+        return lambda: [fn(**inputs) for _ in range(STEPS)]
+
+    try:
+        with torch.inference_mode():
+            clock(s, lambda: model(**inputs))  # warm-up: cuBLAS, allocator
+            eager_s, eager_all = median_seconds(ctx, four(model))
+            watch = CompileWatch().start()
+            first_s, _ = clock(s, lambda: compiled(**inputs))
+            watch.stop()
+            compiled_s, compiled_all = median_seconds(ctx, four(compiled))
+            results["eager_s"], results["compiled_s"] = eager_s, compiled_s
+            results["timings_s"] = {"eager": eager_all, "compiled": compiled_all}
+            results["compile"] = {"first_call_s": first_s, "frames": len(watch.frames),
+                                  "seconds": sum(f.seconds for f in watch.frames),
+                                  "recompiles": sum(f.recompile_reason is not None for f in watch.frames),
+                                  "graph_breaks": sum(watch.graph_breaks.values())}  # fmt: skip
+            forward_s = {"eager": eager_s / STEPS, "compiled": compiled_s / STEPS}
+            if s.on_gpu:
+                graphs = feature.graphs
+                graphs(**inputs)  # warm-up sighting, then the capture
+                graphs(**inputs)
+                graph_s, graph_all = median_seconds(ctx, four(graphs))
+                results["compiled_graph_s"], results["timings_s"]["compiled + CUDA graph"] = (
+                    graph_s,
+                    graph_all,
+                )
+                results["graph_stats"] = vars(graphs.stats.copy())
+                forward_s["compiled + CUDA graph"] = graph_s / STEPS
+            else:
+                results["compiled_graph_s"] = None
+                results["compiled_graph_skipped"] = "CUDA graphs " + NO_GPU
+            # end to end through the sampler, the path a workflow runs (noise, 4 forwards, euler arithmetic)
+            sample_four_steps(fast, s)  # warm-up: the sampler's shapes (and their graph) first
+            e2e_s, _ = median_seconds(ctx, lambda: sample_four_steps(fast, s), max(2, s.repeats // 2))
+            results["sample_latent_s"] = e2e_s
+    finally:
+        feature.dispose()
+    ctx.shared["schnell_forward_s"] = forward_s
+    best = results["compiled_graph_s"] or compiled_s
+    on_h200 = s.on_gpu
+    label = f"{s.flux_preset} {px}, {STEPS} steps"
+    results["summary"] = [
+        row(f"{label}: eager", f"{eager_s:.3f} s"),
+        row(f"{label}: compiled ({s.compile_backend}), speed-up", f"{compiled_s:.3f} s, {eager_s / compiled_s:.2f}x"),
+        row(f"{label}: compiled + CUDA graph, speed-up",
+            f"{best:.3f} s, {eager_s / best:.2f}x" if s.on_gpu else "skipped (no GPU)",
+            f"<= {SCHNELL_GOAL_S} s (H200)", best <= SCHNELL_GOAL_S if on_h200 else None),
+        row(f"{label}: sample_latent end to end (compiled{' + graph' if s.on_gpu else ''})", f"{e2e_s:.3f} s",
+            f"<= {SCHNELL_GOAL_S} s (H200)", e2e_s <= SCHNELL_GOAL_S if on_h200 else None),
+    ]  # fmt: skip
+    return results
+
+
+def schnell_mfu(ctx: Context) -> dict:
+    """FLOPs of one forward (engine.plan's count) / its time / the measured matmul rate of this device."""
+    from fewstep.engine.plan.flops import flux_forward_flops
+
+    s = ctx.setup
+    handle = ctx.models.get(s.flux_preset)
+    tokens = (s.image_px // 16) ** 2
+    flops = flux_forward_flops(handle.params, tokens, s.text_tokens).total
+    rate = ctx.shared.get("matmul_flops_per_s") or measure_matmul_rate(s, s.matmul_size)
+    forward_s = dict(ctx.shared.get("schnell_forward_s") or {})
+    if not forward_s:  # the speed check did not run (or failed): time the eager forward here
+        inputs = flux_inputs(handle, s)
+        with torch.inference_mode():
+            clock(s, lambda: handle.model(**inputs))
+            forward_s["eager"] = median_seconds(ctx, lambda: handle.model(**inputs))[0]
+    mfu = {name: flops / t / rate for name, t in forward_s.items()}
+    best = max(mfu, key=mfu.get)
+    return {
+        "forward_tflop": flops / 1e12,
+        "matmul_tflops": rate / 1e12,
+        "forward_s": forward_s,
+        "mfu": mfu,
+        "summary": [row(f"{s.flux_preset} forward MFU vs measured matmul rate ({best})", f"{mfu[best]:.1%}")],
+    }
+
+
+# -- Wan causal group ------------------------------------------------------------------------------------------------
+def wan_context(handle, setup: Setup) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(1, 64, handle.params.text_dim, generator=gen)  # a 64-token synthetic umT5 prompt
+
+
+def stream(handle, setup: Setup, config, chunks: int) -> tuple[list[torch.Tensor], list[float], object]:
+    """Latents and synchronised seconds of ``chunks`` chunks of a video session of ``handle`` (with its compile
+    feature, as the nodes run it), and the compile run's telemetry (None without the feature)."""
+    from fewstep.engine.causal import VideoSession
+    from fewstep.engine.compile import start_compile_run
+
+    run = start_compile_run(handle)
+    model = handle.model if run is None else run.model
+    session = VideoSession(model, wan_context(handle, setup), *setup.video_hw, config, 0, None,
+                           where="device_check", base_model=handle.model)  # fmt: skip
+    latents, seconds = [], []
+    try:
+        chunk_iter = session.chunks(chunks)
+        for _ in range(chunks):
+            t, chunk = clock(setup, lambda: next(chunk_iter))
+            latents.append(chunk.latents)
+            seconds.append(t)
+    finally:
+        telemetry = run.finish() if run is not None else None
+        session.dispose()
+    return latents, seconds, telemetry
+
+
+def wan_graph_equals_eager(ctx: Context) -> dict:
+    from fewstep.engine.causal import CausalConfig
+    from fewstep.engine.compile import attach_compile
+
+    s = ctx.setup
+    handle = ctx.models.get(s.wan_preset)
+    # a 3-chunk window and 5 chunks: the graphs replay before and after the cache rolls
+    config = CausalConfig(chunk_frames=s.chunk_frames, window_frames=3 * s.chunk_frames, steps=STEPS)
+    eager, _, _ = stream(handle, s, config, 5)
+    graph_handle = attach_compile(handle, "off", "whole")
+    try:
+        graphed, _, telemetry = stream(graph_handle, s, config, 5)
+    finally:
+        graph_handle.feature(
+            "compile"
+        ).dispose()  # the graphs' memory pools, before wan_fps allocates its own
+    errs = [rel_err(g, e) for g, e in zip(graphed, eager)]
+    stats = vars(telemetry.graphs) if telemetry is not None and telemetry.graphs is not None else {}
+    results = {
+        "chunk_rel_err": errs,
+        "tol": 1e-2,
+        "graph_stats": stats,
+        "notes": telemetry.notes if telemetry else [],
+    }
+    if stats.get("hits", 0) < 1:
+        raise Failed(
+            f"no graph replay in the causal chunk steps (refused: {stats.get('refused') or 'none recorded'})",
+            results,
+        )
+    if max(errs) > 1e-2:
+        raise Failed(
+            f"replay differs from eager: chunk relative errors {', '.join(f'{e:.1e}' for e in errs)}", results
+        )
+    results["summary"] = [
+        row(
+            "CUDA-graph replay equals eager (Wan causal chunk steps, 5 chunks)",
+            f"{max(errs):.1e}",
+            "<= 1e-2",
+            True,
+        )
+    ]
+    return results
+
+
+def wan_fps(ctx: Context) -> dict:
+    """Chunks after the window fills (every chunk then reads a full window), eager and compiled (+ whole CUDA
+    graph on a GPU), bf16 and int8 KV. Frames are video frames: each latent frame decodes to 4."""
+    from fewstep.engine.causal import CausalConfig
+    from fewstep.engine.compile import attach_compile
+
+    s = ctx.setup
+    handle = ctx.models.get(s.wan_preset)
+    fill = s.window_frames // s.chunk_frames
+    chunks = fill + (3 if s.smoke else 4)
+    graph = "whole" if s.on_gpu else "off"
+    fast = attach_compile(handle, "regional", graph, dynamic=False, backend=s.compile_backend)
+    variants = {"eager": handle, "compiled + graph" if s.on_gpu else "compiled": fast}
+    h, w = s.video_hw
+    results: dict = {"preset": s.wan_preset, "size": f"{w}x{h}", "window_frames": s.window_frames,
+                     "chunk_frames": s.chunk_frames, "chunks": chunks, "runs": {}}  # fmt: skip
+    summary = []
+    for kv in ("bf16", "int8"):
+        config = CausalConfig(
+            chunk_frames=s.chunk_frames, window_frames=s.window_frames, steps=STEPS, kv_dtype=kv
+        )
+        for name, variant in variants.items():
+            if ctx.time_left() <= 0:
+                results["runs"][f"{kv} {name}"] = {"not run": "the time budget is spent"}
+                continue
+            _, seconds, telemetry = stream(variant, s, config, chunks)
+            after = seconds[fill:]
+            chunk_s = statistics.median(after)
+            fps = 4 * s.chunk_frames / chunk_s
+            results["runs"][f"{kv} {name}"] = {
+                "chunk_seconds": seconds, "after_fill_median_s": chunk_s, "video_fps": fps,
+                "latent_fps": s.chunk_frames / chunk_s,
+                "compile": None if telemetry is None else telemetry.as_dict(),
+            }  # fmt: skip
+            goal = f">= {WAN_GOAL_FPS:.0f} fps (H200)"
+            summary.append(row(f"{s.wan_preset} {w}x{h} video fps after the window fills, {kv} KV, {name}",
+                               f"{fps:.1f}", goal, fps >= WAN_GOAL_FPS if s.on_gpu else None))  # fmt: skip
+    for variant in variants.values():
+        feature = variant.feature("compile")
+        if feature is not None:
+            feature.dispose()
+    results["summary"] = summary
+    return results
+
+
+CHECKS = [
+    Check("matmul_rate", "bf16 matmul rate of the device (the MFU denominator)", matmul_rate),
+    Check("triton_kernels", "each Triton kernel equals its reference, compiled for the GPU", triton_kernels,
+          gpu_only="the Triton kernels are checked compiled for a GPU; on a CPU tests/test_kernels.py checks "
+          "them through Triton's interpreter"),
+    Check("flash_attn_vs_sdpa", "flash-attn backend equals SDPA", flash_attn_vs_sdpa,
+          gpu_only="flash-attn runs only on a CUDA GPU (smoke mode runs on the CPU)"),
+    Check("schnell_graph_equals_eager", "CUDA-graph replay equals eager: a FLUX.1-schnell step",
+          schnell_graph_equals_eager, gpu_only="CUDA graphs " + NO_GPU),
+    Check("schnell_speed", "FLUX.1-schnell 4 steps: eager / compiled / compiled + CUDA graph", schnell_speed),
+    Check("schnell_mfu", "MFU of the schnell forward against the measured matmul rate", schnell_mfu,
+          last_of_group=True),
+    Check("wan_graph_equals_eager", "CUDA-graph replay equals eager: Wan causal chunk steps",
+          wan_graph_equals_eager, gpu_only="CUDA graphs " + NO_GPU),
+    Check("wan_fps", "Wan causal frames per second after the window fills, bf16 and int8 KV", wan_fps,
+          last_of_group=True),
+]  # fmt: skip
+NAMES = [c.name for c in CHECKS]

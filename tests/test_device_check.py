@@ -1,0 +1,161 @@
+"""``bench/device_check --smoke``: the prepared GPU check runs on a CPU with tiny presets, so CI tests the script
+itself: the report's structure, the GPU-only checks skipped with their reason, one check's failure recorded while
+the others run, the time budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPT = BENCH / "device_check"
+ORDER = ["matmul_rate", "triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "schnell_speed",
+         "schnell_mfu", "wan_graph_equals_eager", "wan_fps"]  # fmt: skip
+GPU_ONLY = {"triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "wan_graph_equals_eager"}
+CHECK_KEYS = {"name", "title", "status", "seconds", "reason", "error", "traceback", "peak_memory_gib", "results",
+              "summary"}  # fmt: skip
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=BENCH.parent
+    )
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device")
+    r = _run("--smoke", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads((out / "device.json").read_text()), (out / "device.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+def test_smoke_report_structure(smoke):
+    report, _ = smoke
+    assert report["mode"] == "smoke" and report["stopped_early"] is False
+    assert {"machine", "setup", "started", "budget_s", "wall_s", "checks", "summary"} <= set(report)
+    assert report["machine"]["gpu"] is None and report["setup"]["flux_preset"] == "flux-tiny"
+    assert [c["name"] for c in report["checks"]] == ORDER
+    for c in report["checks"]:
+        assert set(c) == CHECK_KEYS and c["error"] is None, c
+        if c["name"] in GPU_ONLY:
+            assert c["status"] == "skipped" and c["results"] == {}
+            assert "GPU" in c["reason"] and c["seconds"] == 0.0
+        else:
+            assert c["status"] == "ok" and c["reason"] is None and c["summary"]
+    for r in report["summary"]:
+        assert set(r) == {"metric", "value", "goal", "met"}
+        assert r["met"] is None  # goals are judged on a GPU only
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+def test_smoke_measurements_are_plausible(smoke):
+    report, _ = smoke
+    checks = {c["name"]: c["results"] for c in report["checks"]}
+    assert checks["matmul_rate"]["tflops"] > 0 and checks["matmul_rate"]["dtype"] == "float32"
+    speed = checks["schnell_speed"]
+    assert speed["eager_s"] > 0 and speed["compiled_s"] > 0 and speed["sample_latent_s"] > 0
+    assert speed["compiled_graph_s"] is None and "CUDA GPU" in speed["compiled_graph_skipped"]
+    assert speed["compile"]["frames"] >= 1 and speed["compile"]["recompiles"] == 0
+    mfu = checks["schnell_mfu"]
+    assert set(mfu["forward_s"]) == {"eager", "compiled"} and all(v > 0 for v in mfu["mfu"].values())
+    assert mfu["matmul_tflops"] == checks["matmul_rate"]["tflops"]  # the measured rate is the denominator
+    fps = checks["wan_fps"]
+    assert set(fps["runs"]) == {"bf16 eager", "bf16 compiled", "int8 eager", "int8 compiled"}
+    for run in fps["runs"].values():
+        assert len(run["chunk_seconds"]) == fps["chunks"] == fps["window_frames"] // fps["chunk_frames"] + 3
+        assert run["video_fps"] == pytest.approx(4 * run["latent_fps"]) and run["video_fps"] > 0
+    assert fps["runs"]["bf16 eager"]["compile"] is None
+    assert fps["runs"]["bf16 compiled"]["compile"]["frames_compiled"] >= 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+def test_smoke_markdown_lists_every_check_and_metric(smoke):
+    report, md = smoke
+    assert md.startswith("# Device check (`bench/device_check --smoke`)")
+    for c in report["checks"]:
+        assert f"| {c['name']} | {c['status']} |" in md
+    for r in report["summary"]:
+        assert f"| {r['metric']} | {r['value']} |" in md
+
+
+def test_spent_budget_stops_before_any_check(tmp_path):
+    r = _run("--smoke", "--budget", "0", "--only", "matmul_rate,schnell_speed,wan_graph_equals_eager",
+             "--out", str(tmp_path))  # fmt: skip
+    assert r.returncode == 1
+    report = json.loads((tmp_path / "device.json").read_text())
+    assert report["stopped_early"] is True
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [
+        ("matmul_rate", "not run"),
+        ("schnell_speed", "not run"),
+        ("wan_graph_equals_eager", "skipped"),  # skipped for the machine first: the reason is the GPU
+    ]
+    assert report["checks"][0]["reason"] == "the time budget is spent"
+
+
+def test_bad_arguments():
+    r = _run("--smoke", "--only", "matmul_rate,warp_speed")
+    assert r.returncode == 2 and "unknown check(s) warp_speed; known: matmul_rate, " in r.stderr
+    if not torch.cuda.is_available():
+        r = _run()
+        assert r.returncode == 2 and "no CUDA device here; run with --smoke" in r.stderr
+
+
+def test_a_failing_check_is_recorded_and_the_next_still_runs():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from device.checks import Check
+        from device.runner import Context, Failed, Models, run_check, setup_for
+    finally:
+        sys.path.remove(str(BENCH))
+    setup = setup_for(smoke=True)
+    ctx = Context(setup, Models(setup), deadline=float("inf"))
+
+    def broken(ctx):
+        raise ValueError("the kernel returned NaN\nsecond line")
+
+    def mismatch(ctx):
+        raise Failed("replay differs from eager: relative error 3.0e-01", {"rel_err": 0.3})
+
+    results = [run_check(ctx, Check(name, name, fn)) for name, fn in
+               [("broken", broken), ("mismatch", mismatch), ("fine", lambda ctx: {"x": 1, "summary": []})]]  # fmt: skip
+    assert [r.status for r in results] == ["error", "failed", "ok"]
+    assert results[0].error == "ValueError: the kernel returned NaN" and results[0].traceback[-2:] == [
+        "ValueError: the kernel returned NaN",
+        "second line",
+    ]
+    assert results[1].reason.startswith("replay differs") and results[1].results == {"rel_err": 0.3}
+    assert results[2].results == {"x": 1}
+
+
+def test_kernel_comparison_passes_the_references_and_names_a_wrong_kernel():
+    """The GPU check's comparison code, run on the CPU with the references standing in for the Triton module."""
+    from types import SimpleNamespace
+
+    from fewstep.kernels import kv_quant, norms, rope
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        from device.checks import compare_kernels
+    finally:
+        sys.path.remove(str(BENCH))
+    shapes = {"kv": (1, 6, 2, 32), "kv_old": 9, "heads": (1, 5, 2, 32), "hidden": (1, 4, 48)}
+    references = SimpleNamespace(
+        quantize_kv=kv_quant.quantize_kv, dequantize_kv=kv_quant.dequantize_kv,
+        quantized_attention=kv_quant.quantized_attention, rms_norm=norms.rms_norm,
+        adaln_modulate=norms.adaln_modulate, apply_rope=rope.apply_rope,
+    )  # fmt: skip
+    results, bad = compare_kernels(references, torch.device("cpu"), shapes)
+    assert bad == [] and len(results) == 2 * (3 * 2 + 3)  # per dtype: 3 KV kernels x 2 widths, 3 others
+    assert all(r.get("rel_err", 0.0) == 0.0 and r.get("identical", True) for r in results.values())
+    wrong = SimpleNamespace(
+        **{**vars(references), "rms_norm": lambda x, w, eps: norms.rms_norm(x, w, eps) * 1.1}
+    )
+    _, bad = compare_kernels(wrong, torch.device("cpu"), shapes)
+    assert [b.split(":")[0] for b in bad] == ["rms_norm float32", "rms_norm bfloat16"]

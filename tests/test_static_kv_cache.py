@@ -1,0 +1,140 @@
+"""The causal KV cache's static shapes: the tensors a chunk step reads are the same objects and shapes for every
+chunk, a step reads nothing back to the host, ``.to()`` converts every view of the storage, and one denoising
+step compiles as one graph that no chunk past the window recompiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fewstep.engine import load_dit
+from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
+from fewstep.engine.rope import RopeFreqs
+
+H, W = 32, 48  # px: 2x3 tokens per frame
+
+
+def _identity_rope(positions, grid_hw):
+    shape = (1, positions.shape[0] * grid_hw[0] * grid_hw[1], 1, 4)
+    return RopeFreqs(torch.ones(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64))
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _layouts(cache: KVCache) -> list[tuple]:
+    """(data_ptr, shape) of every tensor a chunk step reads or writes."""
+    q_rope, k_rope = cache.query_rope(), cache.key_rope()
+    tensors = [*cache.layer_kv(0), cache.write_index, cache.key_visible, q_rope.cos, q_rope.sin]
+    tensors += [k_rope.cos, k_rope.sin] if k_rope is not None else []
+    tensors += list(cache.layer_quant(0)[0].parts()) if cache.quant_ring else []
+    return [(t.data_ptr(), tuple(t.shape)) for t in tensors]
+
+
+@pytest.mark.parametrize("rope", ["cache", "absolute"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_every_chunk_reads_the_same_tensors_before_and_after_the_window_fills(rope, kv_dtype):
+    spec = WindowSpec(2, 7, 1)
+    t = 6
+    cache = KVCache(1, 1, t, 2, 8, spec, torch.float32, "cpu", rope=rope, kv_dtype=kv_dtype)
+    layouts, reads, masked = [], [], []
+    for start in range(0, 20, 2):
+        cache.begin(start, 2, (2, 3), _identity_rope)
+        view = cache.layer(0)
+        view.attend(_rand(1, 2 * t, 2, 8, seed=start), _rand(1, 2 * t, 2, 8, seed=start + 1),
+                    _rand(1, 2 * t, 2, 8, seed=start + 2))  # fmt: skip
+        layouts.append(_layouts(cache))
+        reads.append(tuple(view.read_window()[0].shape))
+        masked.append(cache.key_mask() is not None)
+        cache.commit()
+    assert all(layout == layouts[0] for layout in layouts)
+    assert set(reads) == {(1, 7 * t, 2, 8)}  # the whole window, every chunk
+    # empty slots are hidden until the window fills (frames 0-6), then nothing is: no mask at all
+    assert masked == [True, True, True] + [False] * 7
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records the operators that copy a device value to the host (.item(), .tolist(), bool(tensor))."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            self.syncs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+
+
+def _session(wan, config):
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    return VideoSession(wan, ctx, H, W, config, seed=3)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_a_chunk_step_reads_nothing_back_to_the_host(wan, kv_dtype):
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, kv_dtype=kv_dtype)
+    session = _session(wan, config)
+    session.run(4)  # past the window
+    cache = session.cache
+    x = torch.randn(1, 16, 2, 4, 6)
+    with torch.inference_mode():
+        session._velocity(x, 500.0, cache.frames_committed)  # begin: host bookkeeping, then copies to tensors
+        with _HostSyncs() as mode:
+            session._velocity(x, 250.0, cache.frames_committed)  # a second step of the chunk
+    assert mode.syncs == []
+    assert isinstance(cache.write_index, torch.Tensor) and isinstance(cache.key_visible, torch.Tensor)
+
+
+def test_to_converts_the_storage_every_view_reads():
+    """``cache.to(torch.float64)`` used to convert the registered buffers but not the lists aliasing them."""
+    cache = KVCache(2, 1, 6, 2, 8, WindowSpec(2, 6, 0), torch.float32, "cpu", kv_dtype="int8")
+    cache.to(torch.float64)
+    assert [k.dtype for k in cache.k + cache.v] == [torch.float64] * 4
+    assert cache.k[1] is cache.k1 and cache.v[0] is cache.v0
+    assert cache.k_quant[0].data is cache.kq0 and cache.k_quant[0].data.dtype == torch.uint8
+    cache.begin(0, 2, (2, 3), _identity_rope)
+    k = _rand(1, 12, 2, 8, seed=4).double()
+    cache.layer(1).attend(torch.zeros(1, 12, 2, 8, dtype=torch.float64), k, k)
+    assert torch.equal(cache.layer(1).read()[0], k)  # written into, and read from, the converted buffer
+    assert cache.write_index.dtype == torch.long  # bookkeeping keeps its integer dtype
+
+
+def test_one_denoising_step_compiles_whole_and_never_recompiles_past_the_window(wan):
+    torch._dynamo.reset()
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1)
+    session = _session(wan, config)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(wan.forward, backend=backend, fullgraph=True)
+    expected = []
+    with torch.inference_mode():
+        for chunk in range(8):  # the window (6 frames) fills at chunk 3
+            start = chunk * 2
+            cache = session.cache
+            rope_fn = wan.frame_rope
+            cache.begin(start, 2, session.grid_hw, rope_fn)
+            x = torch.randn(1, 16, 2, 4, 6, generator=torch.Generator().manual_seed(chunk))
+            t = torch.full((1, 2), 500.0)
+            kwargs = dict(context_embedded=session._context, kv=cache, cross_kv=session.cross)
+            out = step(x, t, **kwargs)
+            expected.append(wan(x, t, **kwargs))  # eager, same cache state (the step rewrites the same slots)
+            assert (out - expected[-1]).abs().max() <= 1e-5
+            if chunk == 3:
+                compiled_before_full = len(graphs)
+            cache.commit()
+    # while the window fills: the step that fills the cross-attention cache, the masked step, then the unmasked
+    # one when the window is full (chunk 3); no chunk after it compiles anything (no graph break either:
+    # fullgraph=True raises on one)
+    assert len(graphs) == compiled_before_full <= 3

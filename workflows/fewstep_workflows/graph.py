@@ -1,0 +1,267 @@
+"""A workflow graph and its two ComfyUI formats: nodes added by input name, laid out in columns, written as
+the canvas (UI) format and the API format, plus the registry the ``@workflow`` decorator fills."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .nodes import InputSpec, NodeSpec
+
+COL_WIDTH, GAP, NODE_WIDTH = 380, 40, 340
+SLOT_H, WIDGET_H, TEXT_H, TITLE_H = 22, 26, 110, 36
+
+
+# Download locations as ComfyUI's own workflow templates give them (the frontend offers them when missing).
+MODELS = {
+    "flux1-dev.safetensors": (
+        "diffusion_models",
+        "https://huggingface.co/black-forest-labs/FLUX.1-dev/resolve/main/flux1-dev.safetensors",
+    ),
+    "flux1-schnell.safetensors": (
+        "diffusion_models",
+        "https://huggingface.co/Comfy-Org/flux1-schnell/resolve/main/flux1-schnell.safetensors",
+    ),
+    "ae.safetensors": (
+        "vae",
+        "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors",
+    ),
+    "clip_l.safetensors": (
+        "text_encoders",
+        "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
+    ),
+    "taef1_decoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_decoder.pth"),
+    "taef1_encoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_encoder.pth"),
+    "taew2_1.pth": ("vae_approx", "https://github.com/madebyollin/taehv/raw/main/taew2_1.pth"),
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors": (
+        "text_encoders",
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
+        "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+    ),
+    "t5xxl_fp16.safetensors": (
+        "text_encoders",
+        "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
+    ),
+    # FLUX.2 [klein] 4B: BFL's own single file (the official layout, Apache-2.0, not gated); Comfy-Org/Flux-2-Klein-4B
+    # repacks the same file as split_files/diffusion_models/flux-2-klein-4b.safetensors, next to the VAE.
+    "flux-2-klein-4b.safetensors": (
+        "diffusion_models",
+        "https://huggingface.co/black-forest-labs/FLUX.2-klein-4B/resolve/main/flux-2-klein-4b.safetensors",
+    ),
+    "flux2-vae.safetensors": (
+        "vae",
+        "https://huggingface.co/Comfy-Org/Flux-2-Klein-4B/resolve/main/split_files/vae/flux2-vae.safetensors",
+    ),
+    # Qwen3-4B, the text encoder of both FLUX.2 klein 4B and Z-Image-Turbo (the same file in both Comfy-Org repos)
+    "qwen_3_4b.safetensors": (
+        "text_encoders",
+        "https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors",
+    ),
+    "z_image_turbo_bf16.safetensors": (
+        "diffusion_models",
+        "https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_files/diffusion_models/"
+        "z_image_turbo_bf16.safetensors",
+    ),
+    "taef2_decoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef2_decoder.pth"),
+    "taef2_encoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef2_encoder.pth"),
+}
+
+
+@dataclass(frozen=True)
+class Out:
+    node: Node
+    slot: int
+
+
+@dataclass
+class Node:
+    id: int
+    spec: NodeSpec
+    title: str
+    col: int
+    values: dict  # input name -> widget value or Out
+    size: tuple[int, int]
+    pos: tuple[int, int] = (0, 0)
+
+    def __getitem__(self, slot: int) -> Out:
+        return Out(self, slot)
+
+    @property
+    def class_type(self) -> str:
+        return self.spec.name
+
+
+@dataclass
+class Graph:
+    name: str
+    specs: dict[str, NodeSpec]
+    nodes: list[Node] = field(default_factory=list)
+    note: str = ""
+
+    def add(self, class_type: str, title: str, col: int, /, ui_height: int | None = None, **inputs) -> Node:
+        """A node in layout column ``col`` (1 = leftmost), stacked below the column's earlier nodes."""
+        spec = self.specs[class_type]
+        unknown = set(inputs) - {i.name for i in spec.inputs}
+        if unknown:
+            raise ValueError(f"{self.name}: {class_type} has no inputs {sorted(unknown)}")
+        values = {}
+        for inp in spec.inputs:
+            if inp.name in inputs:
+                values[inp.name] = inputs[inp.name]
+            elif inp.is_widget:
+                values[inp.name] = widget_default(inp, f"{self.name}: {class_type}")
+        node = Node(
+            len(self.nodes) + 1, spec, title, col, values, (NODE_WIDTH, ui_height or node_height(spec))
+        )
+        below = [n for n in self.nodes if n.col == col]
+        y = below[-1].pos[1] + below[-1].size[1] + GAP + TITLE_H if below else 0
+        node.pos = ((col - 1) * COL_WIDTH, y)
+        self.nodes.append(node)
+        return node
+
+    def links(self) -> list[tuple[int, Out, Node, str]]:
+        """(link id, source, target node, target input) in a stable order."""
+        found = [(out, n, name) for n in self.nodes for name, out in n.values.items() if isinstance(out, Out)]
+        return [(i + 1, *link) for i, link in enumerate(found)]
+
+
+def widget_default(inp: InputSpec, where: str):
+    if "default" in inp.opts:
+        return inp.opts["default"]
+    if inp.type == "COMBO" and inp.options and not inp.is_file_combo:
+        return inp.options[0]  # what the frontend shows for a combo without a default
+    raise ValueError(f"{where}: no value given for {inp.name}")
+
+
+def node_height(spec: NodeSpec) -> int:
+    slots = max(len([i for i in spec.inputs if not i.is_widget]), len(spec.outputs))
+    widgets = sum(TEXT_H if w.opts.get("multiline") else WIDGET_H * (1 + w.has_control) for w in spec.widgets)
+    return slots * SLOT_H + widgets + 10
+
+
+def execution_order(graph: Graph) -> dict[int, int]:
+    """Topological order of the nodes (the UI format's 'order'), ties broken by id."""
+    deps = {n.id: {v.node.id for v in n.values.values() if isinstance(v, Out)} for n in graph.nodes}
+    order: dict[int, int] = {}
+    while len(order) < len(deps):
+        ready = min(i for i, d in deps.items() if i not in order and d <= set(order))
+        order[ready] = len(order)
+    return order
+
+
+def models_of(node: Node) -> list[dict]:
+    names = [v for v in node.values.values() if isinstance(v, str) and v in MODELS]
+    return [{"name": n, "url": MODELS[n][1], "directory": MODELS[n][0]} for n in names]
+
+
+def to_api(graph: Graph) -> dict:
+    api = {}
+    for n in graph.nodes:
+        inputs = {name: [str(v.node.id), v.slot] if isinstance(v, Out) else v for name, v in n.values.items()}
+        api[str(n.id)] = {"inputs": inputs, "class_type": n.class_type, "_meta": {"title": n.title}}
+    return api
+
+
+def to_ui(graph: Graph) -> dict:
+    links = graph.links()
+    order = execution_order(graph)
+    nodes = []
+    for n in graph.nodes:
+        in_links = {name: lid for lid, _, dst, name in links if dst is n}
+        inputs = []
+        for i in sockets(n):
+            slot = {"name": i.name, "type": i.type, "link": in_links.get(i.name)}
+            if i.is_widget:
+                slot["widget"] = {"name": i.name}
+            inputs.append(slot)
+        outputs = [
+            {
+                "name": name,
+                "type": typ,
+                "links": [lid for lid, out, _, _ in links if out.node is n and out.slot == slot] or None,
+                "slot_index": slot,
+            }
+            for slot, (name, typ) in enumerate(n.spec.outputs)
+        ]
+        widgets_values = []
+        for w in n.spec.widgets:
+            value = n.values[w.name]
+            widgets_values.append(value if not isinstance(value, Out) else widget_default(w, n.title))
+            if w.companion:
+                widgets_values.append(w.companion[2])
+        properties = {"Node name for S&R": n.class_type}
+        if models := models_of(n):
+            properties["models"] = models
+        nodes.append(
+            {
+                "id": n.id,
+                "type": n.class_type,
+                "pos": list(n.pos),
+                "size": list(n.size),
+                "flags": {},
+                "order": order[n.id],
+                "mode": 0,
+                "title": n.title,
+                "inputs": inputs,
+                "outputs": outputs,
+                "properties": properties,
+                "widgets_values": widgets_values,
+            }
+        )
+    note_id = len(graph.nodes) + 1
+    nodes.append(
+        {
+            "id": note_id,
+            "type": "Note",
+            "pos": [-COL_WIDTH, 0],
+            "size": [NODE_WIDTH, 20 * graph.note.strip().count("\n") + 60],
+            "flags": {},
+            "order": len(graph.nodes),
+            "mode": 0,
+            "title": "About this workflow",
+            "inputs": [],
+            "outputs": [],
+            "properties": {},
+            "widgets_values": [graph.note.strip()],
+            "color": "#432",
+            "bgcolor": "#653",
+        }
+    )
+    return {
+        "last_node_id": note_id,
+        "last_link_id": len(links),
+        "nodes": nodes,
+        "links": [
+            [lid, out.node.id, out.slot, dst.id, input_slot(dst, name), out_type(out)]
+            for lid, out, dst, name in links
+        ],
+        "groups": [],
+        "config": {},
+        "extra": {"ds": {"scale": 0.8, "offset": [COL_WIDTH + 40, 80]}},
+        "version": 0.4,
+    }
+
+
+def sockets(node: Node) -> list[InputSpec]:
+    """The node's UI input slots: link inputs, then widgets driven by a link (which keep their widget)."""
+    linked_widgets = [w for w in node.spec.widgets if isinstance(node.values[w.name], Out)]
+    return [i for i in node.spec.inputs if not i.is_widget] + linked_widgets
+
+
+def input_slot(node: Node, name: str) -> int:
+    return [i.name for i in sockets(node)].index(name)
+
+
+def out_type(out: Out) -> str:
+    return out.node.spec.outputs[out.slot][1]
+
+
+WORKFLOWS: dict[str, Callable[[Graph], None]] = {}
+
+
+def workflow(name: str):
+    def register(fn: Callable[[Graph], None]):
+        WORKFLOWS[name] = fn
+        return fn
+
+    return register

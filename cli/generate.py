@@ -15,7 +15,7 @@ from ..engine.handle import open_model
 from ..engine.models.registry import all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.sampling import SCHEDULES
-from ..engine.text_to_image import check_image_model, sample_latent
+from ..engine.text_to_image import SampleRequest, check_image_model, sample
 from ..engine.vae import load_tiny_vae
 from ..engine.vae.tiny import variants_for
 from .common import (
@@ -123,18 +123,11 @@ def run(args) -> int:
     latent = torch.zeros(latent_shape(family, args.batch, args.height, args.width))
     timings["prepare_s"] = time.perf_counter() - t
 
-    out, report = sample_latent(
-        handle,
-        [positive],
-        latent,
-        negative=negative,
-        seed=args.seed,
-        steps=args.steps,
-        schedule=schedule,
-        sampler=sampler,
-        cfg=args.cfg,
-        custom_sigmas=args.sigmas,
-    )
+    request = SampleRequest(
+        [positive], latent, negative=negative, seed=args.seed, steps=args.steps, schedule=schedule,
+        sampler=sampler, cfg=args.cfg, custom_sigmas=args.sigmas,
+    )  # fmt: skip
+    out, report = sample(handle, request)
     timings["sampling_s"] = report.seconds_total
     timings["per_step_s"] = report.seconds_per_step
 

@@ -16,7 +16,7 @@ from .handle import ModelHandle, open_model
 from .latent_formats import FLUX1, LatentFormat
 from .loader import DUMMY_PREFIX, load_dit, preset_of
 from .models.registry import FAMILIES, all_presets
-from .text_to_image import SampleReport, noise_for, sample_latent
+from .text_to_image import SampleReport, SampleRequest, noise_for, sample, sample_latent
 from .vae import TINY_VARIANTS, TinyVAE, load_tiny_vae
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "LatentFormat",
     "ModelHandle",
     "SampleReport",
+    "SampleRequest",
     "TINY_VARIANTS",
     "TinyVAE",
     "TextCondition",
@@ -40,6 +41,7 @@ __all__ = [
     "noise_for",
     "open_model",
     "preset_of",
+    "sample",
     "sample_latent",
     "use_attention_backend",
 ]

@@ -239,38 +239,67 @@ def check_sample_inputs(
                 )
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sampling run's inputs: what :func:`sample` takes, and what the worker pool sends its workers."""
+
+    positive: Sequence[TextCondition]
+    latent: torch.Tensor  # ComfyUI raw VAE space, zeros for text-to-image
+    negative: Sequence[TextCondition] | None = None
+    seed: int = 0
+    steps: int = 4
+    schedule: str = "flux.1-schnell"
+    sampler: str = "euler"
+    cfg: float = 1.0
+    denoise: float = 1.0
+    # an explicit schedule; steps, schedule, denoise and custom_sigmas are then unused
+    sigmas: torch.Tensor | None = None
+    custom_sigmas: str = ""
+    # the rows' positions in a larger batch: each row gets the noise it has there
+    batch_index: Sequence[int] | None = None
+    callback: Callable[[dict], None] | None = None
+    sampler_options: dict | None = None
+
+    def check(self, handle: ModelHandle) -> None:
+        """What a run refuses before any work starts."""
+        check_sample_inputs(
+            handle, self.positive, self.negative, self.latent, self.sampler, self.seed, self.cfg
+        )
+
+    def schedule_for(self, handle: ModelHandle) -> torch.Tensor:
+        """The run's sigmas: the explicit ones (checked), or built from the schedule for this latent."""
+        if self.sigmas is None:
+            token_patch = handle.family.image.token_patch
+            return build_sigmas(
+                self.schedule,
+                self.steps,
+                self.latent,
+                self.denoise,
+                self.custom_sigmas,
+                token_patch=token_patch,
+            )
+        check_sigmas(self.sigmas)
+        return self.sigmas
+
+
 def sample_latent(
-    handle: ModelHandle,
-    positive: Sequence[TextCondition],
-    latent: torch.Tensor,
-    *,
-    negative: Sequence[TextCondition] | None = None,
-    seed: int = 0,
-    steps: int = 4,
-    schedule: str = "flux.1-schnell",
-    sampler: str = "euler",
-    cfg: float = 1.0,
-    denoise: float = 1.0,
-    sigmas: torch.Tensor | None = None,
-    custom_sigmas: str = "",
-    batch_index: Sequence[int] | None = None,
-    callback: Callable[[dict], None] | None = None,
-    sampler_options: dict | None = None,
+    handle: ModelHandle, positive: Sequence[TextCondition], latent: torch.Tensor, **fields
 ) -> tuple[torch.Tensor, SampleReport]:
-    """Sample from ``latent`` (ComfyUI raw VAE space, zeros for text-to-image) and return the raw latent.
+    """:func:`sample` with the request's fields as keywords (``negative=``, ``seed=``, ``steps=``...)."""
+    return sample(handle, SampleRequest(positive, latent, **fields))
+
+
+def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, SampleReport]:
+    """Sample from ``request.latent`` and return the raw latent and the report.
 
     Refused before any allocation: bad or non-finite inputs, and a job whose estimated memory
     (:func:`estimate_sample_bytes`) does not fit the device. A non-finite result is an error naming the step
     whose prediction first went non-finite.
     """
-    check_sample_inputs(handle, positive, negative, latent, sampler, seed, cfg)
-    if sigmas is None:
-        sigmas = build_sigmas(
-            schedule, steps, latent, denoise, custom_sigmas, token_patch=handle.family.image.token_patch
-        )
-    else:
-        check_sigmas(sigmas)
-    sigmas = sigmas.to(torch.float32)
+    request.check(handle)
+    positive, negative, latent, seed = request.positive, request.negative, request.latent, request.seed
+    sampler, cfg, callback = request.sampler, request.cfg, request.callback
+    sigmas = request.schedule_for(handle).to(torch.float32)
     uses_cfg = bool(negative) and cfg != 1.0
     prompts = len(positive) + (len(negative) if uses_cfg else 0)
     text_tokens = max(c.context.shape[1] for c in [*positive, *(negative or [])])
@@ -291,7 +320,7 @@ def sample_latent(
     device, dtype = handle.device, handle.dtype
     fmt = handle.family.latent_format
     x0_in = fmt.process_in(latent.to(torch.float32)).to(device)
-    noise = noise_for(latent, seed, batch_index).to(device)
+    noise = noise_for(latent, seed, request.batch_index).to(device)
     sig_dev = sigmas.to(device)
     x = sig_dev[0] * noise + (1.0 - sig_dev[0]) * x0_in
 
@@ -335,7 +364,7 @@ def sample_latent(
                 extra_args={"seed": int(seed)},
                 callback=on_step,
                 disable=True,
-                **(sampler_options or {}),
+                **(request.sampler_options or {}),
             )
     except BaseException:
         if run is not None:

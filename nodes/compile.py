@@ -17,7 +17,8 @@ class FewStepCompile:
     DESCRIPTION = (
         "Compiles a FEWSTEP_MODEL's DiT forward (torch.compile: 'regional' compiles the repeated block once and "
         "reuses it for every block; 'full' the whole forward) and/or replays it from CUDA graphs ('whole': one "
-        "graph per shape; 'breakable': graph segments with KV-cache calls run eagerly between them). Prompt length "
+        "graph per shape, a causal video step with its KV cache included; 'breakable': graph segments with "
+        "collectives run eagerly between them). Prompt length "
         "and image size changes reuse the compiled code (dynamic shapes). Used by FewStepSampler, "
         "FewStepCausalVideoSampler and FewStepStreamBatch, whose reports list compile time, recompiles and their "
         "reasons, and graph replays / captures / eager calls with the reason."
@@ -48,9 +49,9 @@ class FewStepCompile:
                     {
                         "default": "off",
                         "tooltip": "off: no graphs. whole: replay the forward from a CUDA graph per input shape "
-                        "(captured on its second run). breakable: graph segments with KV-cache calls and "
-                        "collectives run eagerly between them (causal video). Needs a CUDA GPU; turned off for a "
-                        "run whose step cache is on or whose weights are offloaded.",
+                        "(captured on its second run), causal video steps included. breakable: graph segments "
+                        "with collectives run eagerly between them (sequence parallelism over gloo). Needs a CUDA "
+                        "GPU; turned off for a run whose step cache is on or whose weights are offloaded.",
                     },
                 ),
                 "dynamic": (

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..engine.errors import InputError
 from ..engine.parallel import BACKENDS, MODES, ParallelConfig, get_pool, shutdown_pool
-from ..engine.parallel.client import RemoteVideoSession, parallel_sample
+from ..engine.parallel.client import RemoteVideoSession
 from .base import CATEGORY, reports_input_errors
 from .host import check_interrupt, comfy_module
 from .memory import make_patcher
@@ -182,11 +182,6 @@ def _track_with_comfyui(config: ParallelConfig) -> None:
             patcher.add_callback_with_key(ext.CallbacksMP.ON_DETACH, "fewstep-parallel", on_detach)
         _PATCHERS[config] = patcher
     mm.load_models_gpu([patcher])
-
-
-def run_parallel_sample(config, handle, positive, latent, **kwargs):
-    """``parallel_sample`` on the launcher's pool (FewStepSampler's path when ``parallel`` is connected)."""
-    return parallel_sample(pool_for_run(config, "FewStepSampler"), handle, positive, latent, **kwargs)
 
 
 def open_parallel_session(config, handle, context, height, width, causal_config, seed, tiny_vae, where):

@@ -4,20 +4,19 @@ conditioning source for running workflows without a text encoder."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..engine.conditioning import TextCondition, for_family
 from ..engine.errors import InputError
+from ..engine.parallel.client import parallel_sample_request
 from ..engine.sampling import FLOW, SAMPLERS, SCHEDULES, VE
-from ..engine.text_to_image import build_sigmas, check_image_model, sample_latent
+from ..engine.text_to_image import SampleRequest, build_sigmas, check_image_model, sample
 from ..engine.vae.tiny import variants_for
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
 from .conditioning import from_comfy, to_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
-from .parallel import FEWSTEP_PARALLEL, run_parallel_sample
+from .parallel import FEWSTEP_PARALLEL, pool_for_run
 
 SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]
 # FewStepSampler knows its model, so it can also follow the model: "auto" (its default).
@@ -185,20 +184,17 @@ class FewStepSampler:
             check_interrupt()
             progress.update(info["i"] + 1, previewer(info["denoised"]) if previewer else None)
 
-        run = sample_latent if parallel is None else functools.partial(run_parallel_sample, parallel)
+        request = SampleRequest(
+            pos, latent, negative=neg, seed=seed, sampler=sampler, cfg=cfg, sigmas=sigmas, callback=on_step,
+            batch_index=latent_image.get("batch_index"),
+        )  # fmt: skip
         try:
-            out, report = run(
-                model,
-                pos,
-                latent,
-                negative=neg,
-                seed=seed,
-                sampler=sampler,
-                cfg=cfg,
-                sigmas=sigmas,
-                callback=on_step,
-                batch_index=latent_image.get("batch_index"),
-            )
+            if parallel is None:
+                out, report = sample(model, request)
+            else:
+                out, report = parallel_sample_request(
+                    pool_for_run(parallel, "FewStepSampler"), model, request
+                )
         finally:
             progress.close()
         result = {**latent_image, "samples": out}

@@ -19,16 +19,15 @@ bar advances per denoising step; each chunk's last frame is the preview.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from ..engine.cache import STEP_CACHE_FEATURE
 from ..engine.causal import ROPE_MODES, CausalConfig, SessionStore, VideoSession
 from ..engine.causal.kv_cache import KV_DTYPES
+from ..engine.causal.recipe import SessionRecipe
 from ..engine.causal.session import ChunkTiming
-from ..engine.compile.feature import start_compile_run
 from ..engine.errors import InputError
 from ..engine.plan.preflight import check_fits
 from ..engine.sampling import SCHEDULES
@@ -50,60 +49,6 @@ SESSIONS = SessionStore(
 MAX_PROMPTS = env_int("FEWSTEP_MAX_PROMPTS", 8, minimum=1)
 
 
-def _same_prompt(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
-
-
-@dataclass(frozen=True)
-class SessionRecipe:
-    """Everything needed to rebuild a session deterministically."""
-
-    model: object = field(repr=False)  # the ModelHandle
-    width: int = 0
-    height: int = 0
-    config: CausalConfig = CausalConfig()
-    seed: int = 0
-    tiny_vae: object = field(default=None, repr=False)
-    prompts: tuple = field(default=(), repr=False)  # ((first latent frame, context [B, L, 4096]), ...)
-    parallel: object = field(default=None, repr=False)  # FEWSTEP_PARALLEL: the session runs on a worker pool
-    rebuildable: bool = True  # False once more than MAX_PROMPTS different prompts were used (none are kept)
-
-    def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
-        """The recipe after a prompt switch at ``frame``; a prompt used before is kept once (the same tensor)."""
-        if not self.rebuildable:
-            return self
-        kept = {id(c): c for _, c in self.prompts}
-        context = next((c for c in kept.values() if _same_prompt(c, context)), context)
-        kept[id(context)] = context
-        if len(kept) > MAX_PROMPTS:  # bound the memory a long chain of prompt switches holds
-            return dataclasses.replace(self, prompts=(), rebuildable=False)
-        return dataclasses.replace(self, prompts=(*self.prompts, (frame, context)))
-
-    def rebuild(self, position: int, where: str) -> VideoSession:
-        """A new session advanced to ``position`` latent frames, prompt switches replayed."""
-        if not self.rebuildable:
-            raise InputError(
-                "session",
-                "this reference's session has moved on since it was made (another run continued it), and it "
-                f"cannot be rebuilt: it switched between more than {MAX_PROMPTS} different prompts, which are not "
-                "kept, to bound memory (FEWSTEP_MAX_PROMPTS sets how many are); continue from the newest output, "
-                "or run FewStepCausalVideoSampler again",
-                where,
-            )
-        session, compiled = _open_session(self.model, self.prompts[0][1], self.height, self.width, self.config,
-                                          self.seed, self.tiny_vae, where, self.parallel)  # fmt: skip
-        for frame, context in (*self.prompts[1:], (position, None)):
-            missing = frame - session.frames_generated
-            if missing:
-                for _ in session.chunks(missing // self.config.chunk_frames, before_forward=_cancel_hook):
-                    pass
-            if context is not None:
-                session.set_prompt(context)
-        if compiled is not None:
-            compiled.finish()
-        return session
-
-
 @dataclass(frozen=True)
 class SessionRef:
     """What flows along a FEWSTEP_SESSION link."""
@@ -113,19 +58,10 @@ class SessionRef:
     recipe: SessionRecipe = field(repr=False)
 
 
-def _open_session(model, context, height, width, config, seed, tiny_vae, where, parallel=None):
-    """(session, compile run or None): a session in this process, or on the launcher's worker pool when
-    ``parallel`` is connected. A FewStepCompile feature on the model makes the session run the compiled forward
-    (KV-cache calls stay eager, so the growing cache never recompiles); ``finish()`` the run for its telemetry."""
-    if parallel is not None:
-        return open_parallel_session(
-            parallel, model, context, height, width, config, seed, tiny_vae, where
-        ), None
-    step_cache = model.feature(STEP_CACHE_FEATURE)
-    compiled = start_compile_run(model, step_cache_active=step_cache is not None)
-    session = VideoSession(model.model if compiled is None else compiled.model, context, height, width, config,
-                           seed, tiny_vae, where=where, step_cache=step_cache, base_model=model.model)  # fmt: skip
-    return session, compiled
+def _recipe(model, width, height, config, seed, tiny_vae, context, parallel) -> SessionRecipe:
+    """The engine's recipe for this node's inputs; a connected worker pool computes the session."""
+    remote = None if parallel is None else functools.partial(open_parallel_session, parallel)
+    return SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context),), remote, MAX_PROMPTS)
 
 
 def _free_sessions_on_unload(handle) -> None:
@@ -381,8 +317,8 @@ class FewStepCausalVideoSampler:
                            "FewStepCausalVideoSampler")  # fmt: skip
         if parallel is None:  # with a pool the workers hold the model; this process does not run it
             load_for_run(model)
-        session, compiled = _open_session(model, context, height, width, config, seed, tiny_vae,
-                                          "FewStepCausalVideoSampler", parallel)  # fmt: skip
+        recipe = _recipe(model, width, height, config, seed, tiny_vae, context.cpu(), parallel)
+        session, compiled = recipe.open(context, "FewStepCausalVideoSampler")
         key = SESSIONS.add(session)
         _SESSION_OF[unique_id] = key
         _free_sessions_on_unload(model)
@@ -393,7 +329,6 @@ class FewStepCausalVideoSampler:
         if telemetry is not None:
             report += "\n" + "\n".join(telemetry.summary_lines())
         SESSIONS.touch(key)
-        recipe = SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context.cpu()),), parallel)
         return ({"samples": latent}, images, SessionRef(key, session.frames_generated, recipe), report)
 
 
@@ -431,10 +366,10 @@ class FewStepCausalContinue:
             raise InputError("session", "expected a FEWSTEP_SESSION from FewStepCausalVideoSampler")
         where = "FewStepCausalContinue"
         live, key, recipe = SESSIONS.get(session.key, where), session.key, session.recipe
-        if recipe.parallel is None:
+        if recipe.remote is None:  # with a pool the workers hold the model
             load_for_run(recipe.model)
         if live.frames_generated != session.position:  # moved on since this reference was made: rebuild
-            live = recipe.rebuild(session.position, where)
+            live = recipe.rebuild(session.position, where, before_forward=_cancel_hook)
             key = SESSIONS.add(live)
         live.where = where
         _check_outputs_fit(live.batch, recipe.width, recipe.height, recipe.config, num_chunks,

@@ -393,3 +393,20 @@ def test_fewstep_gate_node_errors(pack):
         ValueError, match=r"^FewStepCacheGate: input 'magcache_file': MagCache needs per-step ratios"
     ):
         _gate_node(pack, model, method="magcache", threshold=0.24)
+
+
+def test_install_native_gate_is_the_engines_without_comfyui(engine_model):
+    """The engine installs the gate from the patcher and the wrapper types alone (no comfy module imported)."""
+    from fewstep.engine.cache import install_native_gate, make_gate
+    from fewstep.engine.errors import InputError
+
+    wrapper_types = types.SimpleNamespace(OUTER_SAMPLE=OUTER, CALC_COND_BATCH=CALC, DIFFUSION_MODEL=DIFFUSION)
+    patcher = _patcher(engine_model)
+    gate = make_gate("input_change", threshold=0.1, level="model")
+    patched = install_native_gate(patcher, gate, wrapper_types)
+    assert patcher.wrappers == {} and set(patched.wrappers) == {OUTER, CALC, DIFFUSION}
+    assert patched.model_options["transformer_options"]["fewstep_cache_gate"] is gate
+    with pytest.raises(InputError, match=r"^input 'model': needs a ComfyUI ModelPatcher with wrappers"):
+        install_native_gate(patcher, gate, None)
+    with pytest.raises(InputError, match=r"^input 'magcache_file': MagCache on a ComfyUI model needs ratios"):
+        install_native_gate(patcher, make_gate("magcache", threshold=0.24, level="model"), wrapper_types)

@@ -13,6 +13,7 @@ import inspect
 
 import pytest
 import torch
+from compile_doubles import EMULATED
 from conftest import make_cond
 
 from fewstep.engine import open_model, sample_latent
@@ -31,7 +32,7 @@ from fewstep.engine.compile import (
     parse_buckets,
     plan_breaks,
 )
-from fewstep.engine.compile.capture import CaptureSession, EmulatedSegments
+from fewstep.engine.compile.capture import CaptureSession
 from fewstep.engine.compile.feature import STEP_CACHE_NO_GRAPH
 from fewstep.engine.compile.graphs import GraphedCallable
 from fewstep.engine.errors import InputError
@@ -43,6 +44,7 @@ TOL = 1e-4
 LATENT = torch.zeros(1, 16, 8, 8)  # 64x64 px: 16 image tokens
 NO_GPU = "CUDA-graph replay needs a CUDA GPU (torch.cuda.is_available() is False)"
 ROLLING = WindowSpec(chunk_frames=2, window_frames=6, sink_frames=2)  # fills after 3 chunks, then rolls
+PAST_WINDOW = WindowSpec(chunk_frames=2, window_frames=9, sink_frames=1)  # 12 chunks run far past 9 frames
 
 
 def fresh(preset: str, **kwargs):
@@ -265,31 +267,33 @@ def test_regional_wan_compiles_its_block_once(wan_regional):
     assert callers == ["compiled_WanAttentionBlock"]
 
 
-def causal_stream(model, forward, chunks: int = 5, window: WindowSpec = ROLLING, seed: int = 0):
+def causal_stream(model, forward, chunks: int = 5, window: WindowSpec = ROLLING, seed: int = 0, device="cpu"):
     """Chunk by chunk over a KV cache (as VideoSession does): 2 denoising forwards and a commit per chunk; the
-    cache fills, then rolls (sinks 2, window 6)."""
+    cache fills, then rolls (default: sinks 2, window 6)."""
     p = model.params
-    cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, window, torch.float32, "cpu")
+    cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, window, torch.float32, device)
     cross = CrossAttentionCache()
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
-        ctx = model.embed_context(torch.randn(1, 8, p.text_dim, generator=g))
+        ctx = model.embed_context(torch.randn(1, 8, p.text_dim, generator=g).to(device))
         outs = []
         for _ in range(chunks):
             cache.begin(cache.frames_committed, window.chunk_frames, (4, 4), model.frame_rope)
-            x = torch.randn(1, 16, window.chunk_frames, 8, 8, generator=g)
+            x = torch.randn(1, 16, window.chunk_frames, 8, 8, generator=g).to(device)
             for sigma in (0.9, 0.6):
-                t = torch.full((1, window.chunk_frames), 1000 * sigma)
+                t = torch.full((1, window.chunk_frames), 1000 * sigma, device=device)
                 v = forward(x, t, context_embedded=ctx, kv=cache, cross_kv=cross)
-                outs.append(v.clone())
+                outs.append(v.float().cpu())
                 x = x - 0.3 * v
-            forward(x, torch.zeros(1, window.chunk_frames), context_embedded=ctx, kv=cache, cross_kv=cross)
+            t = torch.zeros(1, window.chunk_frames, device=device)
+            forward(x, t, context_embedded=ctx, kv=cache, cross_kv=cross)
             cache.commit()
     return outs
 
 
 def test_regional_wan_follows_a_growing_kv_cache_without_recompiling(wan_regional):
-    """KV-cache calls run eagerly between compiled pieces, so the cache's cursors never become guards."""
+    """The cache's per-chunk state is in device tensors, so no chunk is a new guard (each block's attend runs
+    eagerly in regional mode: the layer view picks its buffers by layer index, see regional.EagerLayerView)."""
     model, compiled = wan_regional["model"], wan_regional["compiled"]
     ref = causal_stream(model, model)
     causal_stream(model, compiled, chunks=1)  # compiles the causal path once
@@ -300,6 +304,38 @@ def test_regional_wan_follows_a_growing_kv_cache_without_recompiling(wan_regiona
     assert watch.frames == [], [(f.name, f.recompile_reason) for f in watch.frames]
 
 
+# -- whole steps under torch.compile(fullgraph=True) -----------------------------------------------------------------
+def test_one_flux_step_compiles_as_one_graph(tiny):
+    torch._dynamo.reset()
+    step = torch.compile(tiny.model, backend="eager", fullgraph=True)  # a graph break would raise
+    inputs = flux_forward_inputs(tiny.params)
+    watch = CompileWatch().start()
+    with torch.inference_mode():
+        outs = [step(**{**inputs, "timesteps": torch.full((1,), t)}) for t in (0.9, 0.5, 0.1)]
+        refs = [tiny.model(**{**inputs, "timesteps": torch.full((1,), t)}) for t in (0.9, 0.5, 0.1)]
+    watch.stop()
+    assert all(max_diff(a, b) <= TOL for a, b in zip(outs, refs))
+    assert [f.recompile_reason for f in watch.frames] == [None] and watch.graph_breaks == {}
+
+
+def test_one_causal_wan_step_compiles_as_one_graph_over_a_stream_past_the_window():
+    """12 chunks through a 9-frame window: no graph break, and the only recompiles are the two host states a
+    step branches on before the window is full (the step that fills the cross-attention cache, and the
+    masked step becoming the unmasked one); once full, no chunk compiles anything."""
+    torch._dynamo.reset()
+    model = fresh("wan-tiny").model
+    step = torch.compile(model, backend="eager", fullgraph=True)
+    ref = causal_stream(model, model, chunks=12, window=PAST_WINDOW)
+    watch = CompileWatch().start()
+    out = causal_stream(model, step, chunks=12, window=PAST_WINDOW)
+    watch.stop()
+    assert max(max_diff(a, b) for a, b in zip(out, ref)) <= TOL
+    assert watch.graph_breaks == {}
+    reasons = [f.recompile_reason for f in watch.frames]
+    assert len(reasons) == 3 and reasons[0] is None
+    assert "cross_kv._kv" in reasons[1] and "kv._all_visible == False" in reasons[2], reasons
+
+
 # -- CUDA graphs, emulated on the CPU --------------------------------------------------------------------------------
 @pytest.fixture
 def tiny():
@@ -307,7 +343,7 @@ def tiny():
 
 
 def test_whole_graph_replay_equals_eager_and_counts(tiny):
-    graphed = attach_compile(tiny, "off", "whole", emulate_graphs=True)
+    graphed = attach_compile(tiny, "off", "whole", graph_segments=EMULATED)
     ref, _ = run(tiny)
     out, report = run(graphed)
     assert max_diff(out, ref) == 0.0
@@ -324,14 +360,14 @@ def test_graph_keys_lru_and_bucket_fallback(tiny):
     assert call_key((a,), {}) != call_key((b,), {})  # shapes do
     assert call_key((a,), {}) != call_key((a.double(),), {})  # dtypes do
     assert call_key((a,), {"n": 1}) != call_key((a,), {"n": 2})  # constants do
-    graphed = attach_compile(tiny, "off", "whole", emulate_graphs=True, max_graphs=2)
+    graphed = attach_compile(tiny, "off", "whole", graph_segments=EMULATED, max_graphs=2)
     graphs = graphed.feature(COMPILE_FEATURE).graphs
     for tokens in (8, 9, 10):  # three text lengths: three keys, LRU of 2
         out, _ = run(graphed, tokens=tokens)
         ref, _ = run(tiny, tokens=tokens)
         assert max_diff(out, ref) == 0.0
     assert graphs.stats.captures == 3 and graphs.stats.evictions == 1 and graphs.graphs_held == 2
-    bucketed = attach_compile(tiny, "off", "whole", emulate_graphs=True, buckets=parse_buckets("64x64"))
+    bucketed = attach_compile(tiny, "off", "whole", graph_segments=EMULATED, buckets=parse_buckets("64x64"))
     _, report = run(bucketed, latent=torch.zeros(1, 16, 16, 16))  # 128x128 px: not a bucket
     g = report.compile.graphs
     assert g.captures == 0 and g.misses == 4
@@ -339,7 +375,7 @@ def test_graph_keys_lru_and_bucket_fallback(tiny):
 
 
 def test_graphs_are_dropped_when_the_weights_move(tiny):
-    graphed = attach_compile(tiny, "off", "whole", emulate_graphs=True)
+    graphed = attach_compile(tiny, "off", "whole", graph_segments=EMULATED)
     run(graphed)
     layer = tiny.model.double_blocks[0].img_attn.qkv
     layer.weight.data = layer.weight.data * 0.9  # new storage, as an offload and reload gives
@@ -350,7 +386,7 @@ def test_graphs_are_dropped_when_the_weights_move(tiny):
 
 
 def test_graph_off_with_reason_when_a_step_cache_is_on(tiny):
-    graphed = attach_compile(tiny, "off", "whole", emulate_graphs=True)
+    graphed = attach_compile(tiny, "off", "whole", graph_segments=EMULATED)
     gate = make_gate("first_block", 1.0, force=True)
     ref, _ = run(tiny.with_feature(STEP_CACHE_FEATURE, gate), steps=12, schedule="flux.1-dev")
     out, report = run(graphed.with_feature(STEP_CACHE_FEATURE, gate), steps=12, schedule="flux.1-dev")
@@ -363,46 +399,69 @@ def test_graph_off_with_reason_when_a_step_cache_is_on(tiny):
     )
 
 
-def test_whole_graph_refuses_a_kv_cache_argument():
+def test_whole_graph_replays_every_chunk_of_a_causal_stream_past_the_window():
+    """A causal step is one graph: replay equals eager for every chunk of 12 (a 9-frame window filled at chunk 4,
+    then rolling). Keys: the step that fills the cross-attention cache (seen once: warm-up only), the masked
+    step while the window fills and the unmasked one after it (one capture each)."""
     model = fresh("wan-tiny").model
-    graphed = cuda_graph(model, "whole", emulate=True, weights=model)
-    ref = causal_stream(model, model, chunks=2)
-    out = causal_stream(model, graphed, chunks=2)
-    assert max(max_diff(a, b) for a, b in zip(out, ref)) == 0.0
-    assert graphed.stats.captures == 0 and graphed.stats.misses == 6
+    graphed = cuda_graph(model, "whole", segments=EMULATED, weights=model)
+    ref = causal_stream(model, model, chunks=12, window=PAST_WINDOW)
+    out = causal_stream(model, graphed, chunks=12, window=PAST_WINDOW)
+    assert len(out) == 24 and all(torch.equal(a, b) for a, b in zip(out, ref))
+    s = graphed.stats
+    assert (s.warmups, s.captures, s.hits, s.misses, s.held) == (3, 2, 31, 0, 2), s
+    assert graphed.sessions()[0].breaks == [] and len(graphed.sessions()[0].segments) == 1
+
+
+def test_a_new_cache_is_a_new_graph_key():
+    """A graph reads the addresses of the cache it was captured with: a cache with other buffers is another key."""
+    model = fresh("wan-tiny").model
+    graphed = cuda_graph(model, "whole", segments=EMULATED, weights=model)
+    ref = [causal_stream(model, model, chunks=2, seed=seed) for seed in (0, 1)]
+    out = [causal_stream(model, graphed, chunks=2, seed=seed) for seed in (0, 1)]
+    assert all(torch.equal(a, b) for o, r in zip(out, ref) for a, b in zip(o, r))
+    assert graphed.stats.captures == 2 and graphed.stats.misses == 0
+
+
+def test_an_object_argument_without_declared_state_is_refused():
+    class Opaque:
+        scale = 2.0
+
+    def forward(x, obj):
+        return x * obj.scale
+
+    graphed = cuda_graph(forward, "whole", segments=EMULATED)
+    assert torch.equal(graphed(torch.ones(2), Opaque()), torch.full((2,), 2.0))
     (reason,) = graphed.stats.refused
-    assert "argument 'kv' is a KVCache" in reason and "breakable" in reason
+    assert reason == (
+        "positional argument 1 is a Opaque, host-side state a graph would bake in without knowing when it "
+        "changes (it declares no capture_state())"
+    )
 
 
-def test_breakable_graph_follows_a_growing_kv_cache():
+def test_breakable_graph_of_a_causal_step_has_no_kv_breaks():
     model = fresh("wan-tiny").model
-    graphed = cuda_graph(model, "breakable", emulate=True, weights=model)
+    graphed = cuda_graph(model, "breakable", segments=EMULATED, weights=model)
     ref = causal_stream(model, model)
     out = causal_stream(model, graphed)
-    assert max(max_diff(a, b) for a, b in zip(out, ref)) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
     s = graphed.stats
-    assert (s.warmups, s.captures, s.hits, s.misses) == (
-        1,
-        1,
-        13,
-        0,
-    )  # one capture for 5 chunks of a rolling cache
-    assert s.breaks == {"KVCache.query_rope": 1, "CrossAttentionCache.layer": 2, "_LayerView.attend": 2}
-    assert s.segments == 5
+    assert s.breaks == {} and s.segments == 1 and s.misses == 0  # no collective in a single-process step
 
 
 def test_a_graph_captured_with_the_kv_cache_calls_inside_replays_every_chunk_exactly():
     """The static-shape KV cache keeps its cursors, slot positions and visibility in device tensors updated in
     place, so a graph captured on chunk 0 with the cache calls inside replays the later chunks exactly (with the
-    old host-side cursors the replay re-read the slots of the chunk it was captured on)."""
+    old host-side cursors the replay re-read the slots of the chunk it was captured on). Bare session: no key,
+    so the window stays masked for these 3 chunks of a 6-frame window."""
     model = fresh("wan-tiny").model
-    session = CaptureSession(EmulatedSegments(), (), traced=True)
+    session = CaptureSession(EMULATED(), (), traced=True)
     captured = []
 
     def forward(x, t, **kw):
         if not captured:
             captured.append(True)
-            return session.capture(model, (x, t), kw, proxy_objects=False)
+            return session.capture(model, (x, t), kw)
         return session.replay((x, t), kw)
 
     ref = causal_stream(model, model, chunks=3)
@@ -414,7 +473,7 @@ def test_capture_refuses_a_branch_on_tensor_data():
     def forward(x):
         return x * 2 if bool(x.sum() > 0) else x - 1
 
-    graphed = cuda_graph(forward, "whole", emulate=True)
+    graphed = cuda_graph(forward, "whole", segments=EMULATED)
     x = torch.ones(3)
     outs = [graphed(x) for _ in range(3)]
     assert all(torch.equal(o, x * 2) for o in outs)
@@ -422,7 +481,7 @@ def test_capture_refuses_a_branch_on_tensor_data():
     (reason,) = graphed.stats.refused
     assert "capture failed" in reason and "reads a tensor value into Python" in reason
     with pytest.raises(CaptureError):
-        CaptureSession(EmulatedSegments(), (), traced=True).capture(forward, (x,), {}, proxy_objects=False)
+        CaptureSession(EMULATED(), (), traced=True).capture(forward, (x,), {})
 
 
 def test_weights_on_the_cpu_refuse_a_real_graph(tiny):
@@ -468,29 +527,22 @@ def test_planner_splits_flux_at_its_attention_calls(tiny):
     assert "5 graph segments, 4 break points" in plan.summary()
 
 
-def test_planner_splits_a_causal_wan_forward_at_its_kv_calls():
+def test_planner_keeps_a_causal_wan_forward_whole():
+    """The KV-cache calls are no break points (static shapes): one segment; asked to, it cuts at attention."""
     model = fresh("wan-tiny").model
     p = model.params
     cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, WindowSpec(2, 4, 0), torch.float32, "cpu")
     cache.begin(0, 2, (4, 4), model.frame_rope)
     with torch.inference_mode():
         ctx = model.embed_context(torch.randn(1, 8, p.text_dim))
-        plan = plan_breaks(model, torch.randn(1, 16, 2, 8, 8), torch.full((1, 2), 500.0),
-                           context_embedded=ctx, kv=cache, cross_kv=CrossAttentionCache())  # fmt: skip
-    assert [(b.name, b.module) for b in plan.breaks] == [
-        ("KVCache.query_rope", ""),
-        ("CrossAttentionCache.layer", ""),
-        ("_LayerView.attend", "blocks.0.self_attn"),
-        ("CrossAttentionCache.layer", ""),
-        ("_LayerView.attend", "blocks.1.self_attn"),
-    ]
-    assert [s.blocks()[-1] for s in plan.segments] == [
-        "<model>",
-        "blocks.0",
-        "blocks.0",
-        "blocks.1",
-        "<model>",
-    ]
+        inputs = (torch.randn(1, 16, 2, 8, 8), torch.full((1, 2), 500.0))
+        plan = plan_breaks(model, *inputs, context_embedded=ctx, kv=cache, cross_kv=CrossAttentionCache())
+        assert len(plan.segments) == 1 and plan.breaks == ()
+        plan = plan_breaks(model, *inputs, break_at=("attention",), context_embedded=ctx, kv=cache,
+                           cross_kv=CrossAttentionCache())  # fmt: skip
+    assert plan.break_modules == ["blocks.0.self_attn", "blocks.0.cross_attn", "blocks.1.self_attn",
+                                  "blocks.1.cross_attn"]  # fmt: skip
+    assert len(plan.segments) == 5
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------------
@@ -565,8 +617,8 @@ def test_torch_too_old_names_the_version_needed():
 
 
 def test_emulated_graphs_cannot_wrap_a_compiled_forward(tiny):
-    with pytest.raises(InputError, match=r"input 'cuda_graph': emulated graphs .* compiled forward"):
-        attach_compile(tiny, "regional", "whole", emulate_graphs=True)
+    with pytest.raises(InputError, match=r"input 'cuda_graph': injected graph segments .* compiled forward"):
+        attach_compile(tiny, "regional", "whole", graph_segments=EMULATED)
 
 
 def test_compile_feature_for_another_model_is_refused(tiny):
@@ -638,44 +690,24 @@ def test_compile_and_cuda_graph_equal_eager_on_gpu(gpu_flux):
     assert report.compile.graphs.hits == 4 and report.compile.frames_compiled == 0
 
 
-def test_breakable_graph_follows_a_growing_kv_cache_on_gpu():
+def test_whole_graph_of_a_causal_stream_equals_eager_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip(NO_GPU)
     model = open_model("dummy:wan-tiny", device="cuda", dtype=torch.float32).model
-    graphed = cuda_graph(model, "breakable", weights=model)
-    ref = causal_stream_gpu(model, model)
-    out = causal_stream_gpu(model, graphed)
+    graphed = cuda_graph(model, "whole", weights=model)
+    ref = causal_stream(model, model, chunks=12, window=PAST_WINDOW, device="cuda")
+    out = causal_stream(model, graphed, chunks=12, window=PAST_WINDOW, device="cuda")
     assert max(max_diff(a, b) for a, b in zip(out, ref)) <= 1e-5
-    assert graphed.stats.captures == 1 and graphed.stats.hits == 13, graphed.stats
-
-
-def causal_stream_gpu(model, forward, chunks: int = 5, window: WindowSpec = ROLLING):
-    p = model.params
-    cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, window, torch.float32, "cuda")
-    cross = CrossAttentionCache()
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        ctx = model.embed_context(torch.randn(1, 8, p.text_dim, generator=g).cuda())
-        outs = []
-        for _ in range(chunks):
-            cache.begin(cache.frames_committed, window.chunk_frames, (4, 4), model.frame_rope)
-            x = torch.randn(1, 16, window.chunk_frames, 8, 8, generator=g).cuda()
-            for sigma in (0.9, 0.6):
-                t = torch.full((1, window.chunk_frames), 1000 * sigma, device="cuda")
-                v = forward(x, t, context_embedded=ctx, kv=cache, cross_kv=cross)
-                outs.append(v.float().cpu())
-                x = x - 0.3 * v
-            forward(x, torch.zeros(1, window.chunk_frames, device="cuda"), context_embedded=ctx, kv=cache,
-                    cross_kv=cross)  # fmt: skip
-            cache.commit()
-    return outs
+    assert graphed.stats.captures == 2 and graphed.stats.hits == 31, graphed.stats
 
 
 def test_engine_api_takes_the_node_text_forms():
     from fewstep.engine.compile.options import CompileConfig
 
     assert CompileConfig(buckets="1024x1024, 768x1344").buckets == ((1024, 1024), (768, 1344))
-    assert CompileConfig(break_at="kv,collective").break_at == ("kv", "collective")
+    assert CompileConfig(break_at="collective, attention").break_at == ("collective", "attention")
+    with pytest.raises(InputError, match=r"input 'break_at': unknown break points \['kv'\]"):
+        CompileConfig(break_at="kv")  # the KV cache is captured with the step
     with pytest.raises(
         InputError, match=r"input 'buckets': 10x10 px: width and height must be positive multiples"
     ):

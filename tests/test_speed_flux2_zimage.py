@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from compile_doubles import EMULATED
 
 from fewstep.engine import InputError, TextCondition, open_model, sample_latent
 from fewstep.engine.cache import MIN_STEPS, STEP_CACHE_FEATURE, make_gate
@@ -183,7 +184,7 @@ def test_buckets_count_image_tokens_through_the_family_geometry():
 @pytest.mark.parametrize("preset", list(LATENTS))
 def test_emulated_whole_graph_replays_exactly(preset):
     handle = fresh(preset)
-    graphed = attach_compile(handle, "off", "whole", emulate_graphs=True)
+    graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)
     ref, _ = run(handle, preset)
     out, report = run(graphed, preset)
     assert max_diff(out, ref) == 0.0
@@ -191,7 +192,7 @@ def test_emulated_whole_graph_replays_exactly(preset):
     assert (g.warmups, g.captures, g.hits, g.misses, g.held) == (1, 1, 2, 0, 1)
     out, report = run(graphed, preset)  # the next run replays every step
     assert max_diff(out, ref) == 0.0 and report.compile.graphs.hits == 4
-    bucketed = attach_compile(handle, "off", "whole", emulate_graphs=True, buckets="64x64")
+    bucketed = attach_compile(handle, "off", "whole", graph_segments=EMULATED, buckets="64x64")
     _, report = run(bucketed, preset, latent=OTHER_LATENTS[preset])  # 64x96 px: not a bucket
     assert report.compile.graphs.captures == 0 and report.compile.graphs.misses == 4
     assert any("not one of the buckets" in r for r in report.compile.graphs.refused)
@@ -200,7 +201,7 @@ def test_emulated_whole_graph_replays_exactly(preset):
 @pytest.mark.parametrize("preset", ["flux2-tiny", "zimage-tiny"])
 def test_graphs_are_off_with_the_reason_under_an_active_step_cache(preset):
     handle = fresh(preset)
-    graphed = attach_compile(handle, "off", "whole", emulate_graphs=True)
+    graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)
     gate = make_gate("first_block", 1.0, force=True)
     ref, _ = run(handle.with_feature(STEP_CACHE_FEATURE, gate), preset, steps=12, schedule="flux.1-dev")
     out, report = run(graphed.with_feature(STEP_CACHE_FEATURE, gate), preset, steps=12, schedule="flux.1-dev")

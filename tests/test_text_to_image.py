@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_cond
@@ -222,3 +224,19 @@ def test_flux1_synthetic_draws_do_not_change_with_a_model(pack):
     model = _node_model(pack, "flux-tiny")
     a, b = _synthetic(pack), _synthetic(pack, model=model)
     assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[0][1]["pooled_output"], b[0][1]["pooled_output"])
+
+
+def test_a_sample_request_is_what_sample_latent_runs_and_survives_a_job(tiny_handle):
+    from fewstep.engine.parallel.jobs import request_from_job, request_to_job
+    from fewstep.engine.text_to_image import SampleRequest, sample
+
+    p = tiny_handle.params
+    fields = {"negative": [make_cond(p, seed=9)], "seed": 5, "steps": 3, "cfg": 2.0, "batch_index": [1, 0]}
+    request = SampleRequest([make_cond(p)], torch.randn(2, 16, 16, 16), **fields)
+    expected, _ = sample_latent(tiny_handle, request.positive, request.latent, **fields)
+    assert torch.equal(sample(tiny_handle, request)[0], expected)
+    # on the wire the schedule travels built; the worker's request samples the same latent
+    sent = request_from_job(
+        request_to_job(dataclasses.replace(request, sigmas=request.schedule_for(tiny_handle)))
+    )
+    assert torch.equal(sample(tiny_handle, sent)[0], expected)

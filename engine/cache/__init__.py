@@ -14,7 +14,7 @@ it does. Usage::
 
 Modules: :mod:`.policy` (the gate's rules), :mod:`.methods` (the per-method holders), :mod:`.run` (per-run
 state), :mod:`.gate` (the handle feature), :mod:`.coefficients` (TeaCache's published polynomials),
-:mod:`.calibration` (MagCache files), :mod:`.telemetry` (what a run reports).
+:mod:`.calibration` (MagCache files), :mod:`.native` (the gate on a ComfyUI ModelPatcher), :mod:`.telemetry` (what a run reports).
 """
 
 from .calibration import MagCacheCalibration, load_calibration, model_identity
@@ -30,6 +30,7 @@ from .gate import (
     make_gate,
 )
 from .methods import FirstBlockCache, InputChangeCache, MagCache, TeaCache, relative_l1
+from .native import install_native_gate
 from .policy import MAX_MEDIAN_SIGMA_GAP, MIN_STEPS, GateDecision, decide, renoises
 from .run import PRIMARY, BlockCacheRun, WholeModelRun
 from .telemetry import CacheTelemetry, StepRecord
@@ -60,6 +61,7 @@ __all__ = [
     "load_calibration",
     "make_gate",
     "model_identity",
+    "install_native_gate",
     "relative_l1",
     "renoises",
     "teacache_coefficients_for",

@@ -1,6 +1,7 @@
 """Causal chunk-by-chunk video: the rolling KV cache, sessions, streaming output, the no-cache reference."""
 
 from .kv_cache import ROPE_MODES, CrossAttentionCache, KVCache, WindowSpec
+from .recipe import SessionRecipe, open_session
 from .session import CausalConfig, ChunkResult, VideoSession
 from .store import SessionStore
 
@@ -10,7 +11,9 @@ __all__ = [
     "ChunkResult",
     "CrossAttentionCache",
     "KVCache",
+    "SessionRecipe",
     "SessionStore",
     "VideoSession",
     "WindowSpec",
+    "open_session",
 ]

@@ -8,8 +8,9 @@ switched off alone:
   class and reused by every block (``regional``), or of the whole forward (``full``); token dimensions marked
   dynamic so other prompt lengths and image sizes reuse the compiled code; optional size buckets.
 * :func:`cuda_graph` (:mod:`.graphs`): the forward replayed from CUDA graphs, one per input signature, in a
-  bounded LRU, captured after a warm-up call, eager on anything a graph cannot follow; ``breakable`` captures the
-  forward as segments with KV-cache calls and collectives run eagerly between them (:mod:`.capture`), and
+  bounded LRU, captured after a warm-up call, eager on anything a graph cannot follow. ``whole`` captures a
+  FLUX.1 step or a causal Wan step (its static-shape KV cache included) as one graph; ``breakable`` captures
+  the forward as segments with collectives run eagerly between them (:mod:`.capture`), and
   :func:`plan_breaks` (:mod:`.planner`) shows where a forward would be cut.
 
 Telemetry (:mod:`.telemetry`): frames compiled, compile time, recompiles with the guard that failed, graph
@@ -25,9 +26,9 @@ Usage::
 The models never import this package; it reaches them through their public stages and their block lists.
 """
 
-from .capture import CaptureError, EagerProxy, StaleGraphError, function_break_kind
+from .capture import CaptureError, StaleGraphError, function_break_kind
 from .feature import COMPILE_FEATURE, CompiledDiT, CompileRun, attach_compile, start_compile_run
-from .graphs import GraphedCallable, call_key, cuda_graph
+from .graphs import GraphedCallable, call_key, cuda_graph, object_state
 from .options import (
     BREAK_KINDS,
     COMPILE_BACKENDS,
@@ -57,7 +58,6 @@ __all__ = [
     "CompiledDiT",
     "CompiledModel",
     "DEFAULT_BREAKS",
-    "EagerProxy",
     "GRAPH_MODES",
     "StaleGraphError",
     "GraphStats",
@@ -72,6 +72,7 @@ __all__ = [
     "cuda_graph",
     "function_break_kind",
     "model_view",
+    "object_state",
     "parse_buckets",
     "plan_breaks",
     "repeated_block_lists",

@@ -3,28 +3,30 @@
 One capture pass runs the forward once on static input buffers. Graph capture is open while it runs; at a break
 point the open segment is closed (and, on a GPU, replayed, so the pass computes real values), the break runs
 eagerly, its outputs are copied into buffers the graph owns, and the next segment opens. A replay copies the new
-inputs into the static buffers and walks the same steps: segments are replayed, breaks are called again (on the
-current call's objects) and their outputs copied into the same buffers. Python in the segments does not run on
-replay, so everything it decided at capture (shapes, host-side integers) is baked in; what may change between
-calls (a KV cache's cursors, its growing length) must live inside a break.
+inputs into the static buffers and walks the same steps: segments are replayed, breaks are called again and their
+outputs copied into the same buffers. Python in the segments does not run on replay, so everything it decided at
+capture (shapes, host-side integers and flags) is baked in: the graph's key (:func:`.graphs.call_key`) names
+what it decided on, the object arguments (a KV cache) by their host state and the addresses they hold.
 
-Break points:
+A causal KV cache needs no break: its cursors, visibility and RoPE positions are device tensors rewritten in
+place before each chunk (engine/causal/kv_cache.py), so its calls are captured like any other op and a whole
+causal step is one graph. Break points remain for torch-level calls seen by a ``TorchFunctionMode``
+(:class:`SegmentTracer`), which only sees eager code (inside a compiled forward they are part of its graph):
 
-* ``kv``: a call on an *object* argument of the forward (a KV cache, a cross-attention cache). During capture
-  such arguments are replaced by :class:`EagerProxy` objects, and every method call on them is a break, except
-  declared host-only calls (:data:`HOST_CALLS`: ``KVCache.layer(i)`` only returns a per-layer view), whose results
-  are proxied in turn. On replay each break is resolved again on the current call's arguments (the same path:
-  ``kv.layer(3).attend(q, k, v)``), so a new cache, a new chunk or a longer KV window is followed.
-* ``attention`` / ``collective``: torch-level calls seen by a ``TorchFunctionMode`` (:class:`SegmentTracer`):
-  ``scaled_dot_product_attention``, the pack's quantized attention, flash-attn ops, and the functional
-  collectives (``torch.ops._c10d_functional.*``). The tracer also refuses reads of tensor values into Python
-  (``item``, ``bool(t)``...): a branch on data cannot be captured. It only sees eager code: inside a compiled
-  forward the attention call is part of a compiled graph, so there only ``kv`` breaks exist.
+* ``collective``: the functional collectives (``torch.ops._c10d_functional.*``). What truly cannot be captured
+  is a collective over gloo (sequence parallelism's Ulysses all-to-all on CPU tensors: host-side transport, no
+  kernel a CUDA graph could record); NCCL collectives can be captured but are cut too by default. The tracer
+  sees torch ops only: ``dist.all_to_all_single`` (engine/parallel/mesh.py) is a process-group call it does
+  not see, so a graphed sequence-parallel step needs the functional all-to-all.
+* ``attention``: ``scaled_dot_product_attention``, the pack's quantized attention, flash-attn ops (for a kernel
+  that refuses capture, and for the planner's view of a forward).
 
-Backends: :class:`CudaSegments` (``torch.cuda.CUDAGraph`` in a private memory pool per captured key),
-:class:`EmulatedSegments` (records the segment's torch calls as a tape and re-executes it into the same tensors:
-the same contract as a CUDA graph, so the logic can be tested on a CPU; not faster) and
-:class:`DrySegments` (counts the ops of each segment: the planner).
+The tracer also refuses reads of tensor values into Python (``item``, ``bool(t)``...): a branch on data cannot
+be captured.
+
+Backends: :class:`CudaSegments` (``torch.cuda.CUDAGraph`` in a private memory pool per captured key) and
+:class:`DrySegments` (counts the ops of each segment: the planner). Another backend can be injected
+(``cuda_graph(..., segments=factory)``); the tests inject a CPU emulation (tests/compile_doubles.py).
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-from .options import run_outside_dynamo
 
 # Calls that read a tensor's value into Python: a graph cannot follow what Python then decides.
 DATA_DEPENDENT = frozenset(
@@ -161,13 +161,6 @@ def copy_into(static, new, what: str) -> None:
             )
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return a is b
-
-
 # -- where an op runs (planner) --------------------------------------------------------------------------------------
 def calling_module(names: dict[int, str], depth: int = 2, limit: int = 40) -> str | None:
     """The name of the innermost module whose method is on the Python stack (``names``: id -> module name)."""
@@ -185,76 +178,12 @@ def calling_module(names: dict[int, str], depth: int = 2, limit: int = 40) -> st
 # -- breaks ------------------------------------------------------------------------------------------------------------
 @dataclass
 class BreakCall:
-    """A break point met during capture: ``invoke(objects)`` runs it again for a call (``objects``: that call's
-    object arguments by path)."""
+    """A break point met during capture: ``invoke()`` runs it again on replay (on the captured static inputs)."""
 
     kind: str
     name: str
-    invoke: Callable[[dict], object]
+    invoke: Callable[[], object]
     where: str | None = None
-
-
-# (class name, method) calls that only return another host-side object (no device work, no tensors)
-HOST_CALLS = {("KVCache", "layer")}
-
-
-def _resolve(objects: dict, path: tuple):
-    """The object at ``path``: an argument of the current call, then the host-only calls made on it."""
-    root, *calls = path
-    target = objects[root]
-    for name, args, kwargs in calls:
-        target = getattr(target, name)(*args, **kwargs)
-    return target
-
-
-class EagerProxy:
-    """Stands in for an object argument (a KV cache) during capture: its calls become break points."""
-
-    def __init__(self, target, path: tuple, session: CaptureSession):
-        object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_path", path)
-        object.__setattr__(self, "_session", session)
-
-    def __getattr__(self, name: str):
-        value = getattr(self._target, name)
-        if callable(value):
-            return _ProxyMethod(self, name)
-        self._session.attributes.append((self._path, name, value))  # baked in: checked again on replay
-        return value
-
-    def __repr__(self) -> str:
-        return f"EagerProxy({type(self._target).__name__} at {self._path})"
-
-
-class _ProxyMethod:
-    def __init__(self, proxy: EagerProxy, name: str):
-        self.proxy, self.name = proxy, name
-
-    def __call__(self, *args, **kwargs):
-        proxy = self.proxy
-        session: CaptureSession = object.__getattribute__(proxy, "_session")
-        target = object.__getattribute__(proxy, "_target")
-        path = object.__getattribute__(proxy, "_path")
-        call = (self.name, args, kwargs)
-        if (type(target).__name__, self.name) in HOST_CALLS:
-            with session.paused():
-                result = getattr(target, self.name)(*args, **kwargs)
-            if tree_leaves_have_tensors(result):
-                raise CaptureError(
-                    f"{type(target).__name__}.{self.name} returned tensors (declared host-only)"
-                )
-            return EagerProxy(result, path + (call,), session)
-        label = f"{type(target).__name__}.{self.name}"
-        name = self.name
-
-        def invoke(objects):
-            return getattr(_resolve(objects, path), name)(*args, **kwargs)
-
-        return session.on_break(BreakCall("kv", label, invoke))
-
-
-def tree_leaves_have_tensors(value) -> bool:
-    return any(kind == "tensor" for _, kind, _ in tree_leaves(value))
 
 
 # -- the tracer ------------------------------------------------------------------------------------------------------
@@ -284,7 +213,7 @@ class SegmentTracer(TorchFunctionMode):
         if kind is not None and kind in self.break_kinds:
             captured = (args, kwargs)
 
-            def invoke(objects):
+            def invoke():
                 return func(*captured[0], **captured[1])
 
             return self.session.on_break(BreakCall(kind, op_name(func), invoke))
@@ -361,30 +290,6 @@ class _TracedSegments:
         pass
 
 
-class EmulatedSegments(_TracedSegments):
-    """A CPU stand-in for CUDA graphs with the same contract: a segment is the tape of its torch calls, replayed
-    into the very tensors the capture produced (static addresses, Python not re-run, host values baked in)."""
-
-    def begin(self, tracer: SegmentTracer | None):
-        tape: list = []
-        tracer.record = lambda func, args, kwargs, out: tape.append((func, args, kwargs, out))
-        return tape
-
-    def replay(self, tape) -> None:
-        with torch._C.DisableTorchFunction():
-            for func, args, kwargs, out in tape:
-                new = func(*args, **kwargs)
-                self._write_back(out, new)
-
-    def _write_back(self, out, new) -> None:
-        if isinstance(out, torch.Tensor) and isinstance(new, torch.Tensor):
-            if not _shares_storage(out, new):  # views and in-place results already hold the new values
-                out.copy_(new)
-        elif isinstance(out, (tuple, list)) and isinstance(new, (tuple, list)):
-            for o, n in zip(out, new):
-                self._write_back(o, n)
-
-
 @dataclass
 class SegmentRecord:
     ops: int = 0
@@ -418,20 +323,16 @@ class CaptureSession:
     """The capture of one forward for one key, then its replays (see the module docstring)."""
 
     def __init__(self, backend, break_kinds, traced: bool, names: dict[int, str] | None = None):
-        run_outside_dynamo(EagerProxy, "__getattr__")
-        run_outside_dynamo(_ProxyMethod, "__call__")
         self.backend = backend
         self.break_kinds = tuple(break_kinds)
         self.traced = traced or backend.needs_tracer
         self.names = names or {}
         self.steps: list[tuple] = []  # ("segment", handle) or ("break", BreakCall, static result)
-        self.attributes: list[tuple] = []  # (path, name, value) host attributes read during capture
         self.static_inputs: list[torch.Tensor] = []
         self.output = None
         self.tracer: SegmentTracer | None = None
         self._open = None
         self._ops_at_open = 0
-        self._objects: dict = {}
 
     # -- helpers used by proxies and the tracer --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -466,7 +367,7 @@ class CaptureSession:
         brk.where = self.where()
         self._close_segment()
         with self.paused():
-            result = brk.invoke(self._objects)
+            result = brk.invoke()
             if any(kind == "object" for _, kind, _ in tree_leaves(result)):
                 raise CaptureError(f"{brk.name} returned a Python object; a break must return tensors")
             static = clone_tensors(result)  # the graph reads its own copy, refreshed on every replay
@@ -475,7 +376,7 @@ class CaptureSession:
         return static
 
     # -- capture and replay -------------------------------------------------------------------------------------------
-    def _static_arguments(self, args: tuple, kwargs: dict, proxy_objects: bool):
+    def _static_arguments(self, args: tuple, kwargs: dict):
         def tensor(path, t):
             with torch.inference_mode(False), torch.no_grad():
                 static = torch.empty(t.shape, dtype=t.dtype, device=t.device)
@@ -483,18 +384,12 @@ class CaptureSession:
             self.static_inputs.append(static)
             return static
 
-        def obj(path, o):
-            if not proxy_objects:
-                return o
-            self._objects[path] = o
-            return EagerProxy(o, (path,), self)
+        return tree_map((args, kwargs), tensor)
 
-        return tree_map((args, kwargs), tensor, obj)
-
-    def capture(self, fn: Callable, args: tuple, kwargs: dict, proxy_objects: bool):
+    def capture(self, fn: Callable, args: tuple, kwargs: dict):
         """The capture pass: returns the forward's output (private copies)."""
         self.backend.prepare()
-        static_args, static_kwargs = self._static_arguments(args, kwargs, proxy_objects)
+        static_args, static_kwargs = self._static_arguments(args, kwargs)
         self.tracer = SegmentTracer(self, self.break_kinds) if self.traced else None
         with self.backend.side_stream():
             self._open_segment()
@@ -515,16 +410,9 @@ class CaptureSession:
             raise CaptureError("the forward returned a Python object; a graph returns tensors")
         return clone_tensors(out)
 
-    def objects_of(self, args: tuple, kwargs: dict) -> dict:
-        return {path: o for path, kind, o in tree_leaves((args, kwargs)) if kind == "object"}
-
     def replay(self, args: tuple, kwargs: dict):
-        objects = self.objects_of(args, kwargs)
-        for path, name, value in self.attributes:
-            if not _same(getattr(_resolve(objects, path), name), value):
-                raise StaleGraphError(
-                    f"attribute {name} of the argument at {path[0]} changed since the capture"
-                )
+        """Copy the call's tensors into the static inputs and replay (its objects match the captured ones: the
+        graph's key names their host state and addresses)."""
         new = [t for _, kind, t in tree_leaves((args, kwargs)) if kind == "tensor"]
         for static, t in zip(self.static_inputs, new):
             static.copy_(t)
@@ -533,7 +421,7 @@ class CaptureSession:
                 self.backend.replay(step[1])
             else:
                 _, brk, static = step
-                copy_into(static, brk.invoke(objects), brk.name)
+                copy_into(static, brk.invoke(), brk.name)
         return clone_tensors(self.output)
 
     # -- what the capture did ---------------------------------------------------------------------------------------
@@ -553,10 +441,7 @@ __all__ = [
     "CudaSegments",
     "DATA_DEPENDENT",
     "DrySegments",
-    "EagerProxy",
-    "EmulatedSegments",
     "StaleGraphError",
-    "HOST_CALLS",
     "SegmentTracer",
     "function_break_kind",
     "tree_leaves",

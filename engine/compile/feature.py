@@ -46,15 +46,20 @@ class CompiledDiT:
         self.graph_problem: str | None = None
         self._graphs: GraphedCallable | None = None
         if config.graphs_requested:
-            if config.emulate_graphs and self.compiled is not None:
+            injected = config.graph_segments
+            if (
+                injected is not None
+                and getattr(injected, "needs_tracer", False)
+                and self.compiled is not None
+            ):
                 raise InputError(
                     "cuda_graph",
-                    "emulated graphs record eager torch calls and cannot see inside a compiled forward; "
-                    "use compile off with emulation (real CUDA graphs work with compile)",
+                    "injected graph segments that record eager torch calls cannot see inside a compiled "
+                    "forward; use compile off with them (real CUDA graphs work with compile)",
                 )
-            problem = graph_device_problem(config.emulate_graphs)
+            problem = graph_device_problem() if injected is None else None
             device = next(model.parameters()).device
-            if problem is None and not config.emulate_graphs and device.type != "cuda":
+            if problem is None and injected is None and device.type != "cuda":
                 problem = f"CUDA graphs replay GPU kernels; this model's weights are on {device}"
             if problem is not None and not config.allow_fallback:
                 raise InputError(
@@ -79,7 +84,7 @@ class CompiledDiT:
             self._graphs = cuda_graph(
                 self.forward, self.config.cuda_graph, max_graphs=self.config.max_graphs,
                 warmup=self.config.warmup, allow_fallback=True, weights=self.model,
-                emulate=self.config.emulate_graphs, traced=traced, break_at=self.config.break_at,
+                segments=self.config.graph_segments, traced=traced, break_at=self.config.break_at,
                 accept=BucketCheck(self.model, self.config.buckets) if self.config.buckets else None,
             )  # fmt: skip
             if self.graph_problem is not None:
@@ -177,16 +182,17 @@ def attach_compile(
     max_graphs: int = 4,
     warmup: int = 1,
     break_at: tuple[str, ...] = DEFAULT_BREAKS,
-    emulate_graphs: bool = False,
+    graph_segments=None,
 ):
     """A new handle whose runs use a compiled forward and/or CUDA graphs (both off: the feature removed).
 
     Apply it to the model as it will run: after fp8 storage and weight patches (later in-place patches are
-    followed anyway; a dtype change recompiles, with the reason in the report)."""
+    followed anyway; a dtype change recompiles, with the reason in the report). ``graph_segments``: a factory of
+    segment backends used instead of CUDA graphs (the seam for tests/compile_doubles.py)."""
     config = CompileConfig(
         mode=mode, cuda_graph=cuda_graph, dynamic=dynamic, buckets=buckets, backend=backend,
         allow_fallback=allow_fallback, max_graphs=max_graphs, warmup=warmup, break_at=tuple(break_at),
-        emulate_graphs=emulate_graphs,
+        graph_segments=graph_segments,
     )  # fmt: skip
     if config.mode == "off" and config.cuda_graph == "off":
         return handle.replace(features=tuple((k, v) for k, v in handle.features if k != COMPILE_FEATURE))

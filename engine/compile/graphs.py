@@ -3,9 +3,13 @@
 * **whole**: the forward captured as one graph per key (shapes, dtypes and devices of the tensor arguments,
   values of the constant ones). Inputs are copied into static buffers the graph reads; outputs are copied out
   (a replay overwrites its buffers).
-* **breakable**: the forward captured as segments between break points (:mod:`.capture`): calls on a KV cache
-  (whose cursors and length change every chunk) and collectives run eagerly between the segments, so a KV
-  length change does not invalidate the graph.
+  A causal Wan step is captured whole like a FLUX.1 step: its KV cache keeps every per-chunk value in device
+  tensors of fixed shapes rewritten in place, so one graph replays every chunk. The key names each object
+  argument by the host state its forward branches on and the addresses the graph reads (:func:`object_state`:
+  a KV cache's "window full, no mask" flag and its buffers), so a graph never holds a cache alive: another
+  cache is another key, unless it lies at the same addresses, where the graph reads it correctly.
+* **breakable**: the forward captured as segments between break points (:mod:`.capture`): collectives (a gloo
+  all-to-all cannot be captured) and, on request, attention calls run eagerly between the segments.
 
 Lifecycle of a key: its first ``warmup`` sightings run eagerly (on the capture stream: lazy initialisation,
 cuBLAS workspaces and compilation happen there, never inside a capture); the next one captures (and returns that
@@ -15,8 +19,8 @@ reason and runs eagerly from then on.
 
 Eager fallbacks, each counted with its reason in :class:`~.telemetry.GraphStats`: the weights are not on the
 GPU (offloaded), the weights moved since the capture (offload and reload: every graph is dropped, since a graph
-holds their addresses), an argument is host-side state a whole graph would bake in (a KV cache: use breakable),
-the call is outside the buckets, autograd is recording.
+holds their addresses), an object argument declares no host state a key could name, the call is outside the
+buckets, autograd is recording.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ from .capture import (
     CaptureError,
     CaptureSession,
     CudaSegments,
-    EmulatedSegments,
     StaleGraphError,
     tree_leaves,
 )
@@ -45,9 +48,37 @@ log = logging.getLogger(__name__)
 MAX_REMEMBERED = 256  # keys whose sightings or refusals are remembered
 
 
+def _kv_cache_state(cache) -> tuple:
+    # the one host flag its forward branches on (masked while the window fills, unmasked once it is full) and
+    # the addresses of every tensor a step reads, which a graph holds (a moved or rebuilt cache is a new key)
+    q, k = cache.query_rope(), cache.key_rope()
+    rope = [t for freqs in (q, k) if freqs is not None for t in (freqs.cos, freqs.sin)]
+    tensors = [*cache.buffers(), cache.write_index, cache.key_visible, *rope]
+    return (cache.key_mask() is None, tuple(t.data_ptr() for t in tensors))
+
+
+def _cross_cache_state(cache) -> tuple:
+    # the layers filled (a step that fills the cache runs other code than one that reads it) and their addresses
+    return tuple((i, k.data_ptr(), v.data_ptr()) for i, (k, v) in sorted(cache._kv.items()))
+
+
+# The engine's object arguments and their host state, until they declare it themselves (``capture_state()``).
+_ENGINE_STATES = {"KVCache": _kv_cache_state, "CrossAttentionCache": _cross_cache_state}
+
+
+def object_state(value) -> tuple | None:
+    """What a captured forward decided on from an object argument (None: the object declares nothing, so a
+    graph cannot know when it changes): ``value.capture_state()`` if it has one, else the engine's caches."""
+    declared = getattr(value, "capture_state", None)
+    if callable(declared):
+        return tuple(declared())
+    reader = _ENGINE_STATES.get(type(value).__name__)
+    return None if reader is None else reader(value)
+
+
 def call_key(args: tuple, kwargs: dict) -> tuple:
     """What a graph is specialised on: the argument tree with each tensor's shape, dtype and device, each
-    constant's value and each object's type."""
+    constant's value and each object's host state (:func:`object_state`)."""
     key = []
     for path, kind, value in tree_leaves((args, kwargs)):
         if kind == "tensor":
@@ -55,7 +86,7 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
         elif kind == "const":
             key.append((path, type(value).__name__, value))
         else:
-            key.append((path, "object", type(value).__qualname__))
+            key.append((path, type(value).__qualname__, object_state(value)))
     return (torch.is_grad_enabled(), tuple(key))
 
 
@@ -79,7 +110,7 @@ class GraphedCallable:
         max_graphs: int = 4,
         warmup: int = 1,
         weights: torch.nn.Module | None = None,
-        emulate: bool = False,
+        segments: Callable[[], object] | None = None,
         traced: bool = True,
         break_at: tuple[str, ...] = DEFAULT_BREAKS,
         accept: Callable[..., str | None] | None = None,
@@ -91,8 +122,8 @@ class GraphedCallable:
         self.max_graphs = max_graphs
         self.warmup = warmup
         self.weights = weights
-        self.emulate = emulate
-        self.traced = traced or emulate
+        self.segments = segments  # None: CUDA graphs; else a factory of segment backends (a test double)
+        self.traced = traced
         self.break_at = tuple(break_at) if mode == "breakable" else ()
         self.accept = accept
         self.disabled_reason = disabled_reason
@@ -124,7 +155,7 @@ class GraphedCallable:
         if self.weights is None:
             return None
         tensors = list(chain(self.weights.parameters(), self.weights.buffers()))
-        if not self.emulate:
+        if self.segments is None:
             off = sum(1 for t in tensors if not t.is_cuda)
             if off:
                 return (
@@ -144,23 +175,23 @@ class GraphedCallable:
         if weights is not None:
             return weights
         for path, kind, value in tree_leaves((args, kwargs)):
-            if kind == "object" and "kv" not in self.break_at:
+            if kind == "object" and object_state(value) is None:
                 return (
-                    f"{_path_name(path)} is a {type(value).__name__} (host-side state, e.g. a KV cache's cursors), "
-                    "which a whole graph would bake in; cuda_graph 'breakable' runs its calls eagerly"
+                    f"{_path_name(path)} is a {type(value).__name__}, host-side state a graph would bake in "
+                    "without knowing when it changes (it declares no capture_state())"
                 )
             if kind == "tensor":
                 if value.requires_grad and torch.is_grad_enabled():
                     return "autograd is recording (graphs here are for inference)"
-                if not self.emulate and not value.is_cuda:
+                if self.segments is None and not value.is_cuda:
                     return f"{_path_name(path)} is on {value.device}, not on the GPU"
         if self.accept is not None:
             return self.accept(*args, **kwargs)
         return None
 
     def _backend(self):
-        if self.emulate:
-            return EmulatedSegments()
+        if self.segments is not None:
+            return self.segments()
         device = torch.device("cuda", torch.cuda.current_device())
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
@@ -207,7 +238,7 @@ class GraphedCallable:
     def _capture(self, key: tuple, args: tuple, kwargs: dict):
         session = CaptureSession(self._backend(), self.break_at, self.traced, self.names)
         try:
-            out = session.capture(self.fn, args, kwargs, proxy_objects="kv" in self.break_at)
+            out = session.capture(self.fn, args, kwargs)
         except (CaptureError, RuntimeError) as err:
             reason = f"capture failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
             log.warning("CUDA graph %s; running eagerly for this input signature", reason)
@@ -246,7 +277,7 @@ def cuda_graph(
     warmup: int = 1,
     allow_fallback: bool = False,
     weights: torch.nn.Module | None = None,
-    emulate: bool = False,
+    segments: Callable[[], object] | None = None,
     traced: bool = True,
     break_at: tuple[str, ...] = DEFAULT_BREAKS,
     accept: Callable[..., str | None] | None = None,
@@ -256,8 +287,8 @@ def cuda_graph(
 
     ``weights``: the module whose parameters the forward reads (checked on the GPU and unmoved before each
     replay). ``traced``: the callable is eager Python (not compiled), so attention / collective break points and
-    data-dependent reads can be seen during capture. ``emulate``: record and replay tapes instead of CUDA graphs
-    (any device; tests). ``accept(*args, **kwargs)`` returns why a call must run eagerly, or None.
+    data-dependent reads can be seen during capture. ``segments``: a factory of segment backends used instead of
+    CUDA graphs (the seam for the tests' CPU emulation, tests/compile_doubles.py; no device checks then). ``accept(*args, **kwargs)`` returns why a call must run eagerly, or None.
 
     Without a CUDA device this raises :class:`~..errors.InputError`, unless ``allow_fallback``: then the
     callable runs eagerly and each call is counted with the reason."""
@@ -274,7 +305,7 @@ def cuda_graph(
     check_torch("cuda_graph", input_name)
     if mode == "breakable":
         check_torch("breakable", input_name)
-    disabled = graph_device_problem(emulate)
+    disabled = graph_device_problem() if segments is None else None
     if disabled is not None and not allow_fallback:
         raise InputError(
             input_name,
@@ -285,9 +316,9 @@ def cuda_graph(
     if warmup < 1:
         raise InputError("warmup", f"{warmup}: expected at least 1 eager call before a capture")
     return GraphedCallable(
-        model_callable, mode, max_graphs=max_graphs, warmup=warmup, weights=weights, emulate=emulate,
+        model_callable, mode, max_graphs=max_graphs, warmup=warmup, weights=weights, segments=segments,
         traced=traced, break_at=break_at, accept=accept, disabled_reason=disabled,
     )  # fmt: skip
 
 
-__all__ = ["GraphedCallable", "call_key", "cuda_graph"]
+__all__ = ["GraphedCallable", "call_key", "cuda_graph", "object_state"]

@@ -6,6 +6,7 @@ feature (with the version it needs), CUDA graphs without a CUDA device (unless `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,11 +18,10 @@ GRAPH_MODES = ("off", "whole", "breakable")
 # torch.compile backends offered: inductor generates kernels; aot_eager traces and runs the captured graph with
 # eager kernels (quick to compile: tests, debugging); eager stops after dynamo (graph breaks and guards only).
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-BREAK_KINDS = ("kv", "collective", "attention")
-DEFAULT_BREAKS = (
-    "kv",
-    "collective",
-)  # what must run eagerly; plain attention has fixed shapes and can be captured
+# Break points of a breakable graph (capture.py). No "kv": the causal KV cache has static shapes and is
+# captured with the step. A collective is cut by default: over gloo it has no kernel a graph could record.
+BREAK_KINDS = ("collective", "attention")
+DEFAULT_BREAKS = ("collective",)
 
 # Oldest torch each feature needs, and why.
 MIN_TORCH = {
@@ -104,10 +104,11 @@ class CompileConfig:
     max_graphs: int = 4
     warmup: int = 1
     break_at: tuple[str, ...] = DEFAULT_BREAKS
-    emulate_graphs: bool = False  # record/replay a tape instead of CUDA graphs (tests of the graph logic)
+    # the seam for a test double of CUDA graphs (tests/compile_doubles.py): a factory of segment backends
+    graph_segments: Callable[[], object] | None = None
 
     def __post_init__(self):
-        # the engine API takes the node's text forms too ("1024x1024,768x1344", "kv,collective")
+        # the engine API takes the node's text forms too ("1024x1024,768x1344", "collective,attention")
         if isinstance(self.buckets, str):
             object.__setattr__(self, "buckets", parse_buckets(self.buckets))
         if isinstance(self.break_at, str):
@@ -124,8 +125,8 @@ class CompileConfig:
             raise InputError(
                 "cuda_graph",
                 f"unknown CUDA-graph mode {self.cuda_graph!r}; expected one of {', '.join(GRAPH_MODES)} (whole: "
-                "the forward as one graph per shape; breakable: graph segments with KV-cache calls and "
-                "collectives run eagerly between them)",
+                "the forward as one graph per shape, a causal step with its KV cache included; breakable: graph "
+                "segments with collectives run eagerly between them)",
             )
         if self.backend not in COMPILE_BACKENDS:
             raise InputError(
@@ -158,16 +159,16 @@ class CompileConfig:
         parts = [f"compile {self.mode}"]
         if self.mode != "off":
             parts.append(f"backend {self.backend}, {'dynamic' if self.dynamic else 'static'} shapes")
-        parts.append(f"CUDA graph {self.cuda_graph}" + (" (emulated)" if self.emulate_graphs else ""))
+        parts.append(
+            f"CUDA graph {self.cuda_graph}" + (" (injected segments)" if self.graph_segments else "")
+        )
         if self.buckets:
             parts.append("buckets " + ", ".join(f"{w}x{h}" for w, h in self.buckets))
         return "; ".join(parts)
 
 
-def graph_device_problem(emulate: bool = False) -> str | None:
+def graph_device_problem() -> str | None:
     """Why CUDA graphs cannot run in this process (None: they can)."""
-    if emulate:
-        return None
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device is visible"
         return f"CUDA graphs need a CUDA GPU; this torch {torch.__version__} has {build}"

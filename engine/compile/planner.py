@@ -36,8 +36,8 @@ class PlannedSegment:
 @dataclass(frozen=True)
 class PlannedBreak:
     index: int  # order among the breaks
-    kind: str  # kv / attention / collective
-    name: str  # KVCache.query_rope, _LayerView.attend, scaled_dot_product_attention...
+    kind: str  # attention / collective
+    name: str  # scaled_dot_product_attention, all_to_all_single...
     module: str | None  # the module that made the call ("" the model itself)
 
 
@@ -77,14 +77,14 @@ def plan_breaks(
     """Run ``fn(*args, **kwargs)`` once and return where a breakable graph would cut it.
 
     ``modules``: the model (names the modules in the plan; default: ``fn`` itself when it is a module).
-    ``break_at``: break kinds (``kv``, ``collective``, ``attention``)."""
+    ``break_at``: break kinds (``collective``, ``attention``)."""
     unknown = [k for k in break_at if k not in BREAK_KINDS]
     if unknown:
         raise ValueError(f"unknown break kinds {unknown}; expected some of {', '.join(BREAK_KINDS)}")
     root = modules if modules is not None else (fn if isinstance(fn, nn.Module) else None)
     names = {id(m): name for name, m in root.named_modules()} if root is not None else {}
     session = CaptureSession(DrySegments(names), break_at, traced=True, names=names)
-    session.capture(fn, args, kwargs, proxy_objects="kv" in break_at)
+    session.capture(fn, args, kwargs)
     steps: list[PlannedSegment | PlannedBreak] = []
     n_segments = n_breaks = 0
     for step in session.steps:

@@ -43,7 +43,6 @@ from torch import nn
 
 from ..errors import InputError
 from ..models.registry import FAMILIES, Family
-from .capture import tree_leaves
 from .options import COMPILE_BACKENDS, COMPILE_MODES, CompileConfig, run_outside_dynamo
 
 log = logging.getLogger(__name__)
@@ -62,39 +61,21 @@ def _block_caller(name: str):
     return call
 
 
-# Object arguments of the engine's forwards whose calls must stay out of compiled graphs: a causal KV cache
-# reads and writes through host-side cursors (tokens written, tokens read, ring positions) that change every
-# chunk; traced, each new cursor value would fail a guard and recompile.
-EAGER_ARGUMENTS = ("kv", "cross_kv")
+class EagerLayerView:
+    """A causal KV cache's per-layer view (``kv.layer(i)``) as a regionally compiled block receives it: its calls
+    run eagerly (one graph break per attend).
 
+    The cache itself is traceable (static shapes, cursors in device tensors: ``full`` mode compiles a causal step
+    as one graph), but its layer view selects that layer's buffers by index (``getattr(cache, f"k{index}")``):
+    traced inside the block graph every block shares, the index would be a guard (a recompile per layer, past
+    dynamo's recompile limit for a 30-block Wan) and, with dynamic shapes, a break at the name it builds. When
+    the view holds its layer's tensors instead, this wrapper goes."""
 
-class EagerCalls:
-    """An object argument whose method calls a compiled forward runs eagerly (a graph break): its host state
-    is never specialised into guards. Objects its methods return (a KV cache's per-layer view) are wrapped too."""
+    def __init__(self, view):
+        self.view = view
 
-    def __init__(self, target):
-        object.__setattr__(self, "_target", target)
-
-    def __getattr__(self, name: str):
-        value = getattr(object.__getattribute__(self, "_target"), name)
-        return _EagerMethod(value) if callable(value) else value
-
-    def __repr__(self) -> str:
-        return f"EagerCalls({object.__getattribute__(self, '_target')!r})"
-
-
-class _EagerMethod:
-    def __init__(self, method):
-        self.method = method
-
-    def __call__(self, *args, **kwargs):
-        out = self.method(*args, **kwargs)
-        return EagerCalls(out) if _is_plain_object(out) else out
-
-
-def _is_plain_object(value) -> bool:
-    leaves = tree_leaves(value)
-    return len(leaves) == 1 and leaves[0][0] == () and leaves[0][1] == "object"
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.view.attend(q, k, v)
 
 
 class CompiledBlock(nn.Module):
@@ -115,6 +96,8 @@ class CompiledBlock(nn.Module):
             return getattr(self._modules["block"], name)
 
     def forward(self, *args, **kwargs):
+        if kwargs.get("kv") is not None:
+            kwargs["kv"] = EagerLayerView(kwargs["kv"])
         return self._call(self.block, *args, **kwargs)
 
 
@@ -240,8 +223,7 @@ class CompiledModel:
 
     # -- the compiled pieces (built on first use) ------------------------------------------------------------------
     def _torch_compile(self, fn):
-        run_outside_dynamo(EagerCalls, "__getattr__")
-        run_outside_dynamo(_EagerMethod, "__call__")
+        run_outside_dynamo(EagerLayerView, "attend")
         return torch.compile(fn, backend=self.backend, dynamic=self.dynamic)
 
     def _wrap_block(self, block: nn.Module, stack: str, names: dict) -> CompiledBlock:
@@ -270,9 +252,6 @@ class CompiledModel:
 
     # -- calls -----------------------------------------------------------------------------------------------------
     def __call__(self, *args, block_runner=None, **kwargs):
-        for name in EAGER_ARGUMENTS:
-            if kwargs.get(name) is not None and not isinstance(kwargs[name], EagerCalls):
-                kwargs[name] = EagerCalls(kwargs[name])
         if not self.dynamic and self.bucket_problem is not None and self.bucket_problem(*args, **kwargs):
             # static shapes: a size outside the buckets would compile one more graph; run it uncompiled
             return self.model(*args, block_runner=block_runner, **kwargs)
@@ -312,8 +291,7 @@ __all__ = [
     "BucketCheck",
     "CompiledBlock",
     "caller_names",
-    "EAGER_ARGUMENTS",
-    "EagerCalls",
+    "EagerLayerView",
     "CompiledModel",
     "compile_model",
     "model_view",

@@ -1,6 +1,7 @@
 """The host's API on a pool: sampling and causal video that look like their single-process versions.
 
-``parallel_sample(pool, handle, ...)`` takes ``sample_latent``'s arguments and returns the same ``(latent,
+``parallel_sample(pool, handle, ...)`` takes ``sample_latent``'s arguments (``parallel_sample_request`` a
+:class:`~..text_to_image.SampleRequest`) and returns the same ``(latent,
 SampleReport)``; :class:`RemoteVideoSession` behaves like a ``VideoSession`` whose chunks are computed by the
 pool. Everything that can be checked here is checked before a job is sent (inputs, divisibility of heads and
 tokens by the degrees, memory for the local workers), so bad input is an ``InputError`` naming the input and the
@@ -15,7 +16,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,8 +39,8 @@ from ..handle import ModelHandle
 from ..latent_formats import WAN21
 from ..ops import Linear, weight_bytes
 from ..sampling import schedule_sigmas
-from ..text_to_image import SampleReport, build_sigmas, check_sample_inputs
-from .jobs import dtype_name, fingerprint
+from ..text_to_image import SampleReport, SampleRequest, check_sample_inputs
+from .jobs import dtype_name, fingerprint, request_to_job
 from .pool import WorkerPool
 from .rank import available_memory
 from .sharding import image_sharding
@@ -118,48 +119,44 @@ def _refuse_step_cache(handle: ModelHandle) -> None:
         )
 
 
-def _cond_dict(c: TextCondition) -> dict:
-    # the padding mask travels too: Z-Image drops the masked tokens (engine.conditioning.for_family), so a worker
-    # without it would attend to them and return another image than the single-process run
-    return {"context": c.context.cpu(), "pooled": None if c.pooled is None else c.pooled.cpu(),
-            "guidance": None if c.guidance is None else float(c.guidance),
-            "mask": None if c.mask is None else c.mask.cpu()}  # fmt: skip
-
-
 def parallel_sample(
     pool: WorkerPool,
     handle: ModelHandle,
     positive: Sequence[TextCondition],
     latent: torch.Tensor,
     *,
-    negative: Sequence[TextCondition] | None = None,
-    seed: int = 0,
-    steps: int = 4,
-    schedule: str = "flux.1-schnell",
-    sampler: str = "euler",
-    cfg: float = 1.0,
-    denoise: float = 1.0,
-    sigmas: torch.Tensor | None = None,
-    custom_sigmas: str = "",
-    batch_index: Sequence[int] | None = None,
-    callback: Callable[[dict], None] | None = None,
-    sampler_options: dict | None = None,
+    degrees: tuple[int, int] | None = None,
+    mode: str | None = None,
+    comm: dict | None = None,
+    **fields,
+) -> tuple[torch.Tensor, SampleReport]:
+    """``sample_latent`` on the pool: the request's fields as keywords (see :func:`parallel_sample_request`)."""
+    request = SampleRequest(positive, latent, **fields)
+    return parallel_sample_request(pool, handle, request, degrees=degrees, mode=mode, comm=comm)
+
+
+def parallel_sample_request(
+    pool: WorkerPool,
+    handle: ModelHandle,
+    request: SampleRequest,
+    *,
     degrees: tuple[int, int] | None = None,
     mode: str | None = None,
     comm: dict | None = None,
 ) -> tuple[torch.Tensor, SampleReport]:
-    """``sample_latent`` on the pool: the same arguments, the same result (see the module docstring).
+    """``sample`` on the pool: the same request, the same result (see the module docstring).
 
-    ``callback`` receives ``{"i": step}`` per finished step (no intermediate latents cross the pool);
+    ``request.callback`` receives ``{"i": step}`` per finished step (no intermediate latents cross the pool);
     an exception it raises cancels the job on every rank and propagates. ``mode`` ("sp" / "dp") and ``degrees``
     override the pool's for this job (the degrees' product must stay the pool's size). ``comm``, when given, is
     filled with rank 0's communication counts (``CommStats.snapshot()``: bytes sent and calls per collective)."""
-    check_sample_inputs(handle, positive, negative, latent, sampler)
+    check_sample_inputs(handle, request.positive, request.negative, request.latent, request.sampler)
     _refuse_step_cache(handle)
+    # explicit sigmas are checked by the workers' run; a named schedule is built here, once for every rank
+    sigmas = request.sigmas
     if sigmas is None:
-        sigmas = build_sigmas(
-            schedule, steps, latent, denoise, custom_sigmas, token_patch=handle.family.image.token_patch
-        )
+        sigmas = request.schedule_for(handle)
+    latent, callback = request.latent, request.callback
     config = pool.config
     mode = mode or config.mode
     if mode not in ("sp", "dp"):
@@ -174,11 +171,8 @@ def parallel_sample(
     spec = model_spec(handle)
     _check_pool_memory(pool, spec)
     job = {
-        "kind": "sample", "model": spec, "positive": [_cond_dict(c) for c in positive],
-        "negative": [_cond_dict(c) for c in negative] if negative else None, "latent": latent.float().cpu(),
-        "seed": int(seed), "sampler": sampler, "cfg": float(cfg), "sigmas": sigmas.float().cpu(),
-        "batch_index": list(batch_index) if batch_index is not None else None,
-        "sampler_options": dict(sampler_options or {}), "degrees": list(degrees), "mode": mode,
+        "kind": "sample", "model": spec, "request": request_to_job(dataclasses.replace(request, sigmas=sigmas)),
+        "degrees": list(degrees), "mode": mode,
     }  # fmt: skip
 
     def on_progress(count: int) -> None:

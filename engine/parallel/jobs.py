@@ -13,6 +13,7 @@ all-reduce per step.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -26,7 +27,7 @@ from ..causal import CausalConfig, VideoSession
 from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle, open_model
-from ..text_to_image import sample_latent
+from ..text_to_image import SampleRequest, sample
 from . import transport
 from .config import ParallelConfig
 from .mesh import SequenceMesh
@@ -206,10 +207,40 @@ class WorkerContext:
 
 
 # -- job kinds --------------------------------------------------------------------------------------------------
+def _cond_dict(c: TextCondition) -> dict:
+    # the padding mask travels too: Z-Image drops the masked tokens (engine.conditioning.for_family), so a worker
+    # without it would attend to them and return another image than the single-process run
+    return {"context": c.context.cpu(), "pooled": None if c.pooled is None else c.pooled.cpu(),
+            "guidance": None if c.guidance is None else float(c.guidance),
+            "mask": None if c.mask is None else c.mask.cpu()}  # fmt: skip
+
+
 def _conds(items) -> list[TextCondition]:
     return [
         TextCondition(c["context"], c.get("pooled"), c.get("guidance"), c.get("mask")) for c in items or []
     ]
+
+
+def request_to_job(request: SampleRequest) -> dict:
+    """A sampling request as a job's plain data (the transport loads only tensors, numbers, strings and
+    containers); the schedule travels as ``sigmas``, already built, so every rank runs the same one."""
+    return {
+        "positive": [_cond_dict(c) for c in request.positive],
+        "negative": [_cond_dict(c) for c in request.negative] if request.negative else None,
+        "latent": request.latent.float().cpu(), "seed": int(request.seed), "sampler": request.sampler,
+        "cfg": float(request.cfg), "sigmas": request.sigmas.float().cpu(),
+        "batch_index": list(request.batch_index) if request.batch_index is not None else None,
+        "sampler_options": dict(request.sampler_options or {}),
+    }  # fmt: skip
+
+
+def request_from_job(data: dict) -> SampleRequest:
+    """The :class:`SampleRequest` that :func:`request_to_job` wrote (without a callback: each rank sets its own)."""
+    return SampleRequest(
+        _conds(data["positive"]), data["latent"], negative=_conds(data.get("negative")) or None,
+        seed=data["seed"], sampler=data["sampler"], cfg=data["cfg"], sigmas=data["sigmas"],
+        batch_index=data.get("batch_index"), sampler_options=data.get("sampler_options") or None,
+    )  # fmt: skip
 
 
 def _report_dict(report) -> dict:
@@ -223,13 +254,9 @@ def _report_dict(report) -> dict:
 def run_sample(ctx: WorkerContext, job: dict) -> dict | None:
     """Text-to-image sampling: sequence parallel (every rank, every step) or data parallel (rows per rank)."""
     handle = ctx.model(job["model"])
-    positive, negative = _conds(job["positive"]), _conds(job.get("negative")) or None
-    options = {
-        "seed": job["seed"], "sampler": job["sampler"], "cfg": job["cfg"], "sigmas": job["sigmas"],
-        "sampler_options": job.get("sampler_options") or None,
-    }  # fmt: skip
+    request = request_from_job(job["request"])
     if job.get("mode", ctx.config.mode) == "dp":
-        return _sample_rows(ctx, handle, positive, negative, job, options)
+        return _sample_rows(ctx, handle, request)
     mesh = ctx.mesh(job.get("degrees"))
 
     def on_step(info):
@@ -241,10 +268,7 @@ def run_sample(ctx: WorkerContext, job: dict) -> dict | None:
         model=handle.model, source=handle.source, dtype=handle.dtype, attention_backend=handle.attention_backend,
         mesh=mesh,
     )  # fmt: skip
-    latent, report = sample_latent(
-        sharded, positive, job["latent"], negative=negative, batch_index=job.get("batch_index"),
-        callback=on_step, **options,
-    )  # fmt: skip
+    latent, report = sample(sharded, dataclasses.replace(request, callback=on_step))
     if ctx.rank != 0:
         return None
     return {"latent": latent, "report": _report_dict(report), "comm": mesh.stats.snapshot()}
@@ -261,15 +285,15 @@ def row_split(batch: int, world: int) -> list[range]:
     return out
 
 
-def _sample_rows(ctx: WorkerContext, handle, positive, negative, job, options) -> dict | None:
+def _sample_rows(ctx: WorkerContext, handle, request: SampleRequest) -> dict | None:
     """Data parallel: this rank's rows with the noise they have in the whole batch; rank 0 collects the rows
     through the store (no collective, so a rank with fewer rows never waits inside a timed collective)."""
-    latent = job["latent"]
+    latent = request.latent
     batch = latent.shape[0]
     rows = list(row_split(batch, ctx.world)[ctx.rank])
     part: dict = {"rows": rows, "cancelled": False}
     if rows:
-        index = job.get("batch_index") or list(range(batch))
+        index = request.batch_index or list(range(batch))
 
         def pick(conds):
             picked = []
@@ -286,10 +310,11 @@ def _sample_rows(ctx: WorkerContext, handle, positive, negative, job, options) -
                 raise JobCancelledError
 
         try:
-            out, report = sample_latent(
-                handle, pick(positive), latent[rows], negative=pick(negative),
-                batch_index=[index[i] for i in rows], callback=on_step, **options,
+            rows_request = dataclasses.replace(
+                request, positive=pick(request.positive), latent=latent[rows], negative=pick(request.negative),
+                batch_index=[index[i] for i in rows], callback=on_step,
             )  # fmt: skip
+            out, report = sample(handle, rows_request)
             part.update(latent=out, report=_report_dict(report))
         except JobCancelledError:
             part["cancelled"] = True

@@ -1,0 +1,100 @@
+"""How a causal video session is built from its settings, and rebuilt to a position later.
+
+:func:`open_session` is the one place a session's speed features are composed: the handle's step cache
+(``step_cache`` feature) and compiled forward (``compile`` feature), or a worker pool that computes the session
+instead of this process. :class:`SessionRecipe` keeps what a deterministic rebuild needs (settings, seed, the
+prompts and the frames they were switched at), so a caller holding an old reference to a session that has since
+moved on gets the same video again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import STEP_CACHE_FEATURE
+from ..compile.feature import start_compile_run
+from ..errors import InputError
+from .session import CausalConfig, ForwardHook, VideoSession
+
+# (handle, context, height, width, config, seed, tiny_vae, where) -> a session computed elsewhere (a worker pool)
+RemoteOpener = Callable[..., object]
+
+
+def open_session(handle, context: torch.Tensor, height: int, width: int, config: CausalConfig, seed: int,
+                 tiny_vae=None, where: str | None = None, remote: RemoteOpener | None = None):  # fmt: skip
+    """(session, compile run or None): a session in this process, or the one ``remote`` opens. A compile feature
+    on the handle makes the session run the compiled forward (KV-cache calls stay eager, so the growing cache
+    never recompiles); ``finish()`` the run for its telemetry."""
+    if remote is not None:
+        return remote(handle, context, height, width, config, seed, tiny_vae, where), None
+    step_cache = handle.feature(STEP_CACHE_FEATURE)
+    compiled = start_compile_run(handle, step_cache_active=step_cache is not None)
+    session = VideoSession(handle.model if compiled is None else compiled.model, context, height, width, config,
+                           seed, tiny_vae, where=where, step_cache=step_cache, base_model=handle.model)  # fmt: skip
+    return session, compiled
+
+
+def _same_prompt(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+
+
+@dataclass(frozen=True)
+class SessionRecipe:
+    """Everything needed to rebuild a session deterministically."""
+
+    model: object = field(repr=False)  # the ModelHandle
+    width: int = 0
+    height: int = 0
+    config: CausalConfig = CausalConfig()
+    seed: int = 0
+    tiny_vae: object = field(default=None, repr=False)
+    prompts: tuple = field(default=(), repr=False)  # ((first latent frame, context [B, L, 4096]), ...)
+    remote: RemoteOpener | None = field(
+        default=None, repr=False
+    )  # the session runs elsewhere (a worker pool)
+    max_prompts: int = 8  # different prompts kept; past it the recipe cannot rebuild (bounds the memory held)
+    rebuildable: bool = True  # False once more than max_prompts different prompts were used (none are kept)
+
+    def open(self, context: torch.Tensor, where: str | None = None):
+        """:func:`open_session` with this recipe's settings and ``context`` as the first prompt."""
+        return open_session(self.model, context, self.height, self.width, self.config, self.seed, self.tiny_vae,
+                            where, self.remote)  # fmt: skip
+
+    def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
+        """The recipe after a prompt switch at ``frame``; a prompt used before is kept once (the same tensor)."""
+        if not self.rebuildable:
+            return self
+        kept = {id(c): c for _, c in self.prompts}
+        context = next((c for c in kept.values() if _same_prompt(c, context)), context)
+        kept[id(context)] = context
+        if len(kept) > self.max_prompts:  # bound the memory a long chain of prompt switches holds
+            return dataclasses.replace(self, prompts=(), rebuildable=False)
+        return dataclasses.replace(self, prompts=(*self.prompts, (frame, context)))
+
+    def rebuild(self, position: int, where: str, before_forward: ForwardHook | None = None) -> VideoSession:
+        """A new session advanced to ``position`` latent frames, prompt switches replayed; ``before_forward``
+        is called before every DiT forward of the replay (a caller's cancel check)."""
+        if not self.rebuildable:
+            raise InputError(
+                "session",
+                "this reference's session has moved on since it was made (another run continued it), and it "
+                f"cannot be rebuilt: it switched between more than {self.max_prompts} different prompts, which "
+                "are not kept, to bound memory (FEWSTEP_MAX_PROMPTS sets how many are); continue from the "
+                "newest output, or run FewStepCausalVideoSampler again",
+                where,
+            )
+        session, compiled = self.open(self.prompts[0][1], where)
+        for frame, context in (*self.prompts[1:], (position, None)):
+            missing = frame - session.frames_generated
+            if missing:
+                for _ in session.chunks(missing // self.config.chunk_frames, before_forward=before_forward):
+                    pass
+            if context is not None:
+                session.set_prompt(context)
+        if compiled is not None:
+            compiled.finish()
+        return session

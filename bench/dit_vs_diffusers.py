@@ -32,7 +32,7 @@ from _common import (
 )
 from _common import timed as timed_call
 
-from fewstep.engine.models import flux2_checkpoint
+from fewstep.engine.models import flux2_checkpoint, zimage_checkpoint
 from fewstep.engine.models.flux2 import PRESETS as FLUX2_PRESETS
 from fewstep.engine.models.flux2 import Flux2
 from fewstep.engine.models.zimage import PRESETS as ZIMAGE_PRESETS
@@ -48,18 +48,7 @@ def flux2_pair(preset: str, seed: int):
 
     p = FLUX2_PRESETS[preset]
     torch.manual_seed(seed)
-    ref = diffusers.Flux2Transformer2DModel(
-        in_channels=p.in_channels,
-        num_layers=p.depth,
-        num_single_layers=p.depth_single_blocks,
-        attention_head_dim=p.head_dim,
-        num_attention_heads=p.num_heads,
-        joint_attention_dim=p.context_in_dim,
-        mlp_ratio=p.mlp_ratio,
-        axes_dims_rope=p.axes_dim,
-        rope_theta=p.theta,
-        guidance_embeds=p.guidance_embed,
-    ).eval()
+    ref = diffusers.Flux2Transformer2DModel(**flux2_checkpoint.diffusers_config(p)).eval()
     ours = Flux2(p).eval()
     ours.load_state_dict(flux2_checkpoint.diffusers_to_official(ref.state_dict()), strict=True)
 
@@ -82,17 +71,7 @@ def zimage_pair(preset: str, seed: int):
 
     p = ZIMAGE_PRESETS[preset]
     torch.manual_seed(seed)
-    ref = diffusers.ZImageTransformer2DModel(
-        in_channels=p.in_channels,
-        dim=p.dim,
-        n_layers=p.n_layers,
-        n_refiner_layers=p.n_refiner_layers,
-        n_heads=p.n_heads,
-        n_kv_heads=p.n_kv_heads,
-        cap_feat_dim=p.cap_feat_dim,
-        axes_dims=list(p.axes_dims),
-        axes_lens=list(p.axes_lens),
-    ).eval()
+    ref = diffusers.ZImageTransformer2DModel(**zimage_checkpoint.diffusers_config(p)).eval()
     with (
         torch.no_grad()
     ):  # diffusers starts the learnt pad tokens at zero: values that show if padding differs

@@ -37,6 +37,17 @@ SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})(?P<
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
+def _plain_shard_name(name: str) -> bool:
+    return (
+        name.endswith(".safetensors")
+        and name == os.path.basename(name)
+        and "/" not in name
+        and "\\" not in name
+        and not name.startswith(".")
+        and name.isprintable()
+    )
+
+
 def weight_files(path: str | os.PathLike, input_name: str = "weights") -> list[str]:
     """The files a checkpoint consists of: ``path`` itself, or every shard of a sharded checkpoint when
     ``path`` is one shard (``...-00001-of-00003.safetensors``) or the shards' ``.safetensors.index.json``.
@@ -54,6 +65,15 @@ def weight_files(path: str | os.PathLike, input_name: str = "weights") -> list[s
             raise CheckpointError(
                 input_name, f"{path} is not a shard index (a JSON object with a 'weight_map'): {_why(exc)}"
             ) from None
+        # The index is read from a file a download (or a shared workflow's folder) supplies: its shard names
+        # must be plain .safetensors file names beside it, never a path that leads out of the model folder.
+        bad = [n for n in names if not isinstance(n, str) or not _plain_shard_name(n)]
+        if bad:
+            raise CheckpointError(
+                input_name,
+                f"{name} names shards that are not plain .safetensors file names in its folder: "
+                f"{', '.join(repr(b) for b in bad[:5])}",
+            )
     elif (m := SHARD_NAME.match(name)) is not None:
         count = int(m["count"])
         names = [f"{m['stem']}-{i:05d}-of-{count:05d}{m['suffix']}" for i in range(1, count + 1)]

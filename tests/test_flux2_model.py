@@ -339,18 +339,7 @@ def test_against_diffusers_flux2_if_installed(name):
         pytest.skip("this diffusers has no Flux2Transformer2DModel")
     p = PRESETS[name]
     torch.manual_seed(4)
-    ref = diffusers.Flux2Transformer2DModel(
-        in_channels=p.in_channels,
-        num_layers=p.depth,
-        num_single_layers=p.depth_single_blocks,
-        attention_head_dim=p.head_dim,
-        num_attention_heads=p.num_heads,
-        joint_attention_dim=p.context_in_dim,
-        mlp_ratio=p.mlp_ratio,
-        axes_dims_rope=p.axes_dim,
-        rope_theta=p.theta,
-        guidance_embeds=p.guidance_embed,
-    ).eval()
+    ref = diffusers.Flux2Transformer2DModel(**flux2_checkpoint.diffusers_config(p)).eval()
     with torch.no_grad():
         for t in ref.parameters():
             t.normal_(0, 0.1) if t.ndim > 1 else t.normal_(1, 0.2)

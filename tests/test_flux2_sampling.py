@@ -38,11 +38,7 @@ def _reference_pair(diffusers, preset: str, seed: int = 4):
     handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
     p = handle.params
     torch.manual_seed(seed)
-    ref = diffusers.Flux2Transformer2DModel(
-        in_channels=p.in_channels, num_layers=p.depth, num_single_layers=p.depth_single_blocks,
-        attention_head_dim=p.head_dim, num_attention_heads=p.num_heads, joint_attention_dim=p.context_in_dim,
-        mlp_ratio=p.mlp_ratio, axes_dims_rope=p.axes_dim, rope_theta=p.theta, guidance_embeds=p.guidance_embed,
-    ).eval()  # fmt: skip
+    ref = diffusers.Flux2Transformer2DModel(**flux2_checkpoint.diffusers_config(p)).eval()
     with torch.no_grad():
         for t in ref.parameters():  # weights of a trained model's scale, so every block changes the result
             t.normal_(0, 0.1) if t.ndim > 1 else t.normal_(1, 0.2)

@@ -489,3 +489,19 @@ def _condition(family, params):
 
     g = torch.Generator().manual_seed(1)
     return TextCondition(torch.randn(1, 5, family.image.context_dim(params), generator=g), None, None)
+
+
+@pytest.mark.parametrize(
+    "shard", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", ".hidden.safetensors"]
+)
+def test_a_shard_index_cannot_point_outside_its_folder(tmp_path, shard):
+    """A hostile index.json (from a download or a shared folder) names a path instead of a shard beside it."""
+    outside = tmp_path.parent / "outside.safetensors"
+    save_file({"x": torch.zeros(1)}, str(outside))
+    index = tmp_path / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"x": shard}}))
+    with pytest.raises(InputError) as exc:
+        load_dit(index, device="cpu")
+    assert exc.value.input_name == "weights"
+    assert "names shards that are not plain .safetensors file names in its folder" in str(exc.value)
+    assert repr(shard) in str(exc.value)

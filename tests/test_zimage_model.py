@@ -299,10 +299,7 @@ def test_against_diffusers_if_installed(tiny):
     diffusers = pytest.importorskip("diffusers", reason="diffusers not installed (optional cross-check)")
     if not hasattr(diffusers, "ZImageTransformer2DModel"):
         pytest.skip(f"diffusers {diffusers.__version__} has no ZImageTransformer2DModel")
-    ref = diffusers.ZImageTransformer2DModel(
-        in_channels=16, dim=64, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
-        cap_feat_dim=2560, axes_dims=[8, 12, 12], axes_lens=[1536, 512, 512],
-    ).eval()  # fmt: skip
+    ref = diffusers.ZImageTransformer2DModel(**zimage_checkpoint.diffusers_config(tiny.params)).eval()
     ref.load_state_dict(tiny.state_dict(), strict=True)  # the diffusers layout is the official one
     x, t, cap = _reference_inputs()
     expected = ref(list(x.unsqueeze(2)), t, list(cap), return_dict=False)[0]

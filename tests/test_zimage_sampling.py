@@ -14,6 +14,7 @@ import torch
 
 from fewstep.engine import FLUX1, InputError, TextCondition, noise_for, open_model, sample_latent
 from fewstep.engine.conditioning import real_tokens_only
+from fewstep.engine.models import zimage_checkpoint
 from fewstep.nodes.conditioning import from_comfy
 
 
@@ -33,11 +34,7 @@ def zimage_pipeline(model):
             f"diffusers {diffusers.__version__} cannot give ZImagePipeline here: {str(err).strip()[:120]}"
         )
     p = model.params
-    ref = diffusers.ZImageTransformer2DModel(
-        in_channels=p.in_channels, dim=p.dim, n_layers=p.n_layers, n_refiner_layers=p.n_refiner_layers,
-        n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, cap_feat_dim=p.cap_feat_dim, axes_dims=list(p.axes_dims),
-        axes_lens=list(p.axes_lens),
-    ).eval()  # fmt: skip
+    ref = diffusers.ZImageTransformer2DModel(**zimage_checkpoint.diffusers_config(p)).eval()
     ref.load_state_dict(model.state_dict(), strict=True)  # the diffusers layout is the official one
     # Z-Image-Turbo's scheduler/scheduler_config.json: FlowMatchEulerDiscreteScheduler, shift 3, no dynamic shift
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)

@@ -108,6 +108,23 @@ def diffusers_to_official(sd: StateDict) -> StateDict:
     return out
 
 
+def diffusers_config(params: Flux2Params) -> dict:
+    """The ``Flux2Transformer2DModel`` keyword arguments of ``params`` (diffusers' names for the same
+    architecture), for building diffusers' model beside ours in cross-checks and benchmarks."""
+    return {
+        "in_channels": params.in_channels,
+        "num_layers": params.depth,
+        "num_single_layers": params.depth_single_blocks,
+        "attention_head_dim": params.head_dim,
+        "num_attention_heads": params.num_heads,
+        "joint_attention_dim": params.context_in_dim,
+        "mlp_ratio": params.mlp_ratio,
+        "axes_dims_rope": params.axes_dim,
+        "rope_theta": params.theta,
+        "guidance_embeds": params.guidance_embed,
+    }
+
+
 def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> Flux2Params:
     """Infer the configuration from tensor names and shapes (official layout)."""
     try:

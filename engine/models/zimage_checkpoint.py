@@ -105,6 +105,22 @@ def default_axes_dims(head_dim: int) -> tuple[int, ...] | None:
     return axes if all(a % 2 == 0 for a in axes) else None
 
 
+def diffusers_config(params: ZImageParams) -> dict:
+    """The ``ZImageTransformer2DModel`` keyword arguments of ``params`` (the official layout is diffusers'), for
+    building diffusers' model beside ours in cross-checks and benchmarks."""
+    return {
+        "in_channels": params.in_channels,
+        "dim": params.dim,
+        "n_layers": params.n_layers,
+        "n_refiner_layers": params.n_refiner_layers,
+        "n_heads": params.n_heads,
+        "n_kv_heads": params.n_kv_heads,
+        "cap_feat_dim": params.cap_feat_dim,
+        "axes_dims": list(params.axes_dims),
+        "axes_lens": list(params.axes_lens),
+    }
+
+
 def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> ZImageParams:
     """Infer the configuration from tensor names and shapes (official layout).
 

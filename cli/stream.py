@@ -132,7 +132,7 @@ def run(args) -> int:
         load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
     )
     handle = with_compile(handle, compiling)
-    # the compile run stands for the model in the session (KV-cache calls stay eager); finish() is its telemetry
+    # the compile run stands for the model in the session (a stream never recompiles); finish() is its telemetry
     compiled = start_compile_run(handle)
     session = VideoSession(
         handle.model if compiled is None else compiled.model, context, args.height, args.width, config,

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fewstep.engine import load_dit
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
+from fewstep.engine.compile import CompileWatch, compile_model
 from fewstep.engine.rope import RopeFreqs
 
 H, W = 32, 48  # px: 2x3 tokens per frame
@@ -108,33 +109,30 @@ def test_to_converts_the_storage_every_view_reads():
 
 
 def test_one_denoising_step_compiles_whole_and_never_recompiles_past_the_window(wan):
+    """12 chunks through a 6-frame window (full from the third chunk on), the step compiled whole with fullgraph=True (a
+    graph break raises): the masked step and the unmasked one are two entry points, compiled once each, counted
+    from dynamo; no recompile, and once the window is full no chunk compiles anything."""
     torch._dynamo.reset()
     config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1)
     session = _session(wan, config)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    step = torch.compile(wan.forward, backend=backend, fullgraph=True)
-    expected = []
+    step = compile_model(wan, "full", backend="eager", fullgraph=True)
+    by_chunk, breaks = [], {}
     with torch.inference_mode():
-        for chunk in range(8):  # the window (6 frames) fills at chunk 3
+        for chunk in range(12):
             start = chunk * 2
             cache = session.cache
-            rope_fn = wan.frame_rope
-            cache.begin(start, 2, session.grid_hw, rope_fn)
+            cache.begin(start, 2, session.grid_hw, wan.frame_rope)
             x = torch.randn(1, 16, 2, 4, 6, generator=torch.Generator().manual_seed(chunk))
             t = torch.full((1, 2), 500.0)
             kwargs = dict(context_embedded=session._context, kv=cache, cross_kv=session.cross)
+            watch = CompileWatch().start()
             out = step(x, t, **kwargs)
-            expected.append(wan(x, t, **kwargs))  # eager, same cache state (the step rewrites the same slots)
-            assert (out - expected[-1]).abs().max() <= 1e-5
-            if chunk == 3:
-                compiled_before_full = len(graphs)
+            watch.stop()
+            expected = wan(x, t, **kwargs)  # eager, same cache state (the step rewrites the same slots)
+            assert (out - expected).abs().max() <= 1e-5
+            by_chunk.append([(f.name, f.recompile_reason) for f in watch.frames])
+            breaks.update(watch.graph_breaks)
             cache.commit()
-    # while the window fills: the step that fills the cross-attention cache, the masked step, then the unmasked
-    # one when the window is full (chunk 3); no chunk after it compiles anything (no graph break either:
-    # fullgraph=True raises on one)
-    assert len(graphs) == compiled_before_full <= 3
+    # chunk 0 compiles the masked step, chunk 2 (frames 4-5: the window full) the unmasked one; nothing else
+    assert by_chunk == [[("causal_step_filling", None)], [], [("causal_step_full", None)]] + [[]] * 9
+    assert breaks == {}

@@ -154,24 +154,35 @@ class QuantizedKV:
 
 
 class _LayerView:
-    """The cache as one layer's self-attention sees it during a forward."""
+    """The cache as one layer's self-attention sees it during a forward: that layer's storage (K/V buffers and
+    quantized parts) and references to the per-chunk tensors every layer shares (slots written, visibility,
+    rotations). It holds no layer index and no cache: a block compiled once traces the ``attend`` of every layer
+    with the same guards (tensors of the same shapes), so regional compilation needs no eager attend."""
 
-    def __init__(self, cache: KVCache, index: int):
-        self.cache, self.index = cache, index
+    def __init__(self, cache: KVCache, keys: torch.Tensor, values: torch.Tensor, quant):
+        self.keys, self.values = keys, values
+        self.quant: tuple[QuantizedKV, QuantizedKV] | None = quant  # None without quantized storage
+        self.write_index, self.mask = cache.write_index, cache.key_mask()
+        self.query_freqs, self.key_freqs = cache.query_rope(), cache.key_rope()
+        self.rope, self.bits = cache.rope, cache.bits
+        self._visible_rows = cache.visible_rows  # read() only (inspection): never called in a forward
+
+    def key_mask(self) -> torch.Tensor | None:
+        """As :meth:`KVCache.key_mask` for this chunk (None: the window is full, unmasked)."""
+        return self.mask
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the chunk's ``k, v [B, C*T, H, D]`` (k unrotated) into its slots and attend to the whole
         window. Every tensor here has the same shape for every chunk: the slots written come from the
         ``write_index`` buffer, the slots hidden (empty, or out of the window) from ``key_visible``."""
-        c = self.cache
-        keys, values = c.layer_kv(self.index)
-        if c.rope == "absolute":
-            k = apply_rope(k, c.query_rope())
-        keys.index_copy_(1, c.write_index, k.to(keys.dtype))
-        values.index_copy_(1, c.write_index, v.to(values.dtype))
-        mask = c.key_mask()
+        keys, values = self.keys, self.values
+        if self.rope == "absolute":
+            k = apply_rope(k, self.query_freqs)
+        keys.index_copy_(1, self.write_index, k.to(keys.dtype))
+        values.index_copy_(1, self.write_index, v.to(values.dtype))
+        mask = self.mask
         # the fused kernel takes no mask; it only runs once every slot is visible (the window is full)
-        if c.quant_ring and mask is None and kernels.uses_fused_quantized_attention(q):
+        if self.quant is not None and mask is None and kernels.uses_fused_quantized_attention(q):
             return self._fused_quantized_attention(q)
         k_read, v_read = self.read_window()
         return attention(q, k_read.to(q.dtype), v_read, mask=mask)
@@ -179,35 +190,33 @@ class _LayerView:
     def read_window(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (rotated as this chunk reads them) and values of every slot, visible or not, in slot order:
         full-precision slots, then the quantized ones dequantized into transient tensors. Fixed shapes."""
-        c = self.cache
-        k_read, v_read = c.layer_kv(self.index)
-        if c.quant_ring:
-            kq, vq = c.layer_quant(self.index)
-            k_read = torch.cat((k_read, kernels.dequantize_kv(*kq.parts(), c.bits, k_read.dtype)), dim=1)
-            v_read = torch.cat((v_read, kernels.dequantize_kv(*vq.parts(), c.bits, v_read.dtype)), dim=1)
-        if c.rope == "cache":
-            k_read = apply_rope(k_read, c.key_rope())
+        k_read, v_read = self.keys, self.values
+        if self.quant is not None:
+            kq, vq = self.quant
+            k_read = torch.cat((k_read, kernels.dequantize_kv(*kq.parts(), self.bits, k_read.dtype)), dim=1)
+            v_read = torch.cat((v_read, kernels.dequantize_kv(*vq.parts(), self.bits, v_read.dtype)), dim=1)
+        if self.rope == "cache":
+            k_read = apply_rope(k_read, self.key_freqs)
         return k_read, v_read
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The visible slots only, in the order of ``KVCache.read_frames`` (for inspection and tests: the forward
         reads :meth:`read_window` under the visibility mask, which needs no shape that changes)."""
         k_read, v_read = self.read_window()
-        rows = self.cache.visible_rows()
+        rows = self._visible_rows()
         return k_read.index_select(1, rows), v_read.index_select(1, rows)
 
     def _fused_quantized_attention(self, q: torch.Tensor) -> torch.Tensor:
         """As ``attention(q, *read_window())``, the quantized slots dequantized (and rotated) in the kernel."""
-        c = self.cache
-        k, v = c.layer_kv(self.index)
-        kq, vq = c.layer_quant(self.index)
+        k, v = self.keys, self.values
+        kq, vq = self.quant
         n = k.shape[1]
         cos = sin = None
-        if c.rope == "cache":
-            freqs = c.key_rope()
+        if self.rope == "cache":
+            freqs = self.key_freqs
             k = apply_rope(k, RopeFreqs(freqs.cos[:, :n], freqs.sin[:, :n]))
             cos, sin = freqs.cos[:, n:], freqs.sin[:, n:]
-        inputs = QuantizedAttentionInputs(q, k.to(q.dtype), v, kq.parts(), vq.parts(), cos, sin, c.bits)
+        inputs = QuantizedAttentionInputs(q, k.to(q.dtype), v, kq.parts(), vq.parts(), cos, sin, self.bits)
         return kernels.quantized_attention(inputs)
 
 
@@ -483,7 +492,16 @@ class KVCache(nn.Module):
         return self._key_freqs
 
     def layer(self, index: int) -> _LayerView:
-        return _LayerView(self, index)
+        return _LayerView(self, *self.layer_kv(index), self.layer_quant(index) if self.quant_ring else None)
+
+    def capture_state(self) -> tuple:
+        """The host state a captured step branches on, hashable: whether the window is full (unmasked) or still
+        filling (masked), and the addresses of every tensor a step reads, which a CUDA graph holds (a moved or
+        rebuilt cache is another key)."""
+        q, k = self.query_rope(), self.key_rope()
+        rope = [t for freqs in (q, k) if freqs is not None for t in (freqs.cos, freqs.sin)]
+        tensors = [*self.buffers(), self.write_index, self.key_visible, *rope]
+        return (self.key_mask() is None, tuple(t.data_ptr() for t in tensors))
 
     def commit(self) -> None:
         """The current chunk's clean K/V are written: the next chunk may begin."""
@@ -508,19 +526,36 @@ def _refill(buffer: RopeFreqs | None, fresh: RopeFreqs) -> RopeFreqs:
 
 
 class CrossAttentionCache:
-    """Per-layer text keys/values for one prompt; :meth:`reset` when the prompt changes."""
+    """Per-layer text keys/values for one prompt, computed when the prompt is set (:meth:`fill`), outside any
+    denoising step: a step only reads them, so it has no host branch on what is filled. :meth:`reset` (or a new
+    :meth:`fill`) when the prompt changes."""
 
     def __init__(self):
-        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
-    def layer(self, index: int, cross_attn, context: torch.Tensor):
-        if index not in self._kv:
-            self._kv[index] = cross_attn.context_kv(context)
+    def fill(self, blocks, context: torch.Tensor) -> CrossAttentionCache:
+        """Every layer's keys/values of ``context`` (the embedded prompt), from each block's ``cross_attn``."""
+        self._kv = tuple(block.cross_attn.context_kv(context) for block in blocks)
+        return self
+
+    def layer(self, index: int, cross_attn=None, context: torch.Tensor | None = None):
+        """Layer ``index``'s keys/values (``cross_attn`` and ``context``: the caller's, unused: the cache is filled
+        before the step)."""
+        if index >= len(self._kv):
+            raise InputError(
+                "cross_kv",
+                f"the cross-attention cache holds {len(self._kv)} layers, not layer {index}: fill() it with the "
+                "prompt before a step (a step never fills it)",
+            )
         return self._kv[index]
 
     def reset(self) -> None:
-        self._kv.clear()
+        self._kv = ()
+
+    def capture_state(self) -> tuple:
+        """The host state a captured step depends on, hashable: the addresses of every layer's keys/values."""
+        return tuple((k.data_ptr(), v.data_ptr()) for k, v in self._kv)
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self._kv.values())
+        return sum(k.nbytes + v.nbytes for k, v in self._kv)

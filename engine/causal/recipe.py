@@ -27,8 +27,8 @@ RemoteOpener = Callable[..., object]
 def open_session(handle, context: torch.Tensor, height: int, width: int, config: CausalConfig, seed: int,
                  tiny_vae=None, where: str | None = None, remote: RemoteOpener | None = None):  # fmt: skip
     """(session, compile run or None): a session in this process, or the one ``remote`` opens. A compile feature
-    on the handle makes the session run the compiled forward (KV-cache calls stay eager, so the growing cache
-    never recompiles); ``finish()`` the run for its telemetry."""
+    on the handle makes the session run the compiled forward (one entry point while the window fills, one once
+    it is full: a stream never recompiles); ``finish()`` the run for its telemetry."""
     if remote is not None:
         return remote(handle, context, height, width, config, seed, tiny_vae, where), None
     step_cache = handle.feature(STEP_CACHE_FEATURE)

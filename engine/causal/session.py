@@ -217,7 +217,9 @@ class VideoSession:
             self._check_alive()
             with torch.inference_mode():
                 self._context = self.model.embed_context(context.to(self.device))
-            self.cross.reset()
+                # every layer's text K/V now, outside the steps (a step only reads them: no host branch on it)
+                self.cross.reset()
+                self.cross.fill(self.model.blocks, self._context)
         finally:
             self._release()
 

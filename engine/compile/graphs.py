@@ -5,7 +5,7 @@
   (a replay overwrites its buffers).
   A causal Wan step is captured whole like a FLUX.1 step: its KV cache keeps every per-chunk value in device
   tensors of fixed shapes rewritten in place, so one graph replays every chunk. The key names each object
-  argument by the host state its forward branches on and the addresses the graph reads (:func:`object_state`:
+  argument by the host state its forward branches on and the addresses the graph reads (its ``capture_state()``:
   a KV cache's "window full, no mask" flag and its buffers), so a graph never holds a cache alive: another
   cache is another key, unless it lies at the same addresses, where the graph reads it correctly.
 * **breakable**: the forward captured as segments between break points (:mod:`.capture`): collectives (a gloo
@@ -48,32 +48,12 @@ log = logging.getLogger(__name__)
 MAX_REMEMBERED = 256  # keys whose sightings or refusals are remembered
 
 
-def _kv_cache_state(cache) -> tuple:
-    # the one host flag its forward branches on (masked while the window fills, unmasked once it is full) and
-    # the addresses of every tensor a step reads, which a graph holds (a moved or rebuilt cache is a new key)
-    q, k = cache.query_rope(), cache.key_rope()
-    rope = [t for freqs in (q, k) if freqs is not None for t in (freqs.cos, freqs.sin)]
-    tensors = [*cache.buffers(), cache.write_index, cache.key_visible, *rope]
-    return (cache.key_mask() is None, tuple(t.data_ptr() for t in tensors))
-
-
-def _cross_cache_state(cache) -> tuple:
-    # the layers filled (a step that fills the cache runs other code than one that reads it) and their addresses
-    return tuple((i, k.data_ptr(), v.data_ptr()) for i, (k, v) in sorted(cache._kv.items()))
-
-
-# The engine's object arguments and their host state, until they declare it themselves (``capture_state()``).
-_ENGINE_STATES = {"KVCache": _kv_cache_state, "CrossAttentionCache": _cross_cache_state}
-
-
 def object_state(value) -> tuple | None:
-    """What a captured forward decided on from an object argument (None: the object declares nothing, so a
-    graph cannot know when it changes): ``value.capture_state()`` if it has one, else the engine's caches."""
+    """What a captured forward decided on from an object argument: its ``capture_state()`` (the engine's caches
+    declare theirs: :meth:`KVCache.capture_state`, :meth:`CrossAttentionCache.capture_state`), or None when it
+    declares nothing, so a graph cannot know when it changes."""
     declared = getattr(value, "capture_state", None)
-    if callable(declared):
-        return tuple(declared())
-    reader = _ENGINE_STATES.get(type(value).__name__)
-    return None if reader is None else reader(value)
+    return tuple(declared()) if callable(declared) else None
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple:

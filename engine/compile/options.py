@@ -188,19 +188,3 @@ __all__ = [
     "parse_buckets",
     "torch_version",
 ]
-
-
-_HIDDEN_FROM_DYNAMO: set = set()
-
-
-def run_outside_dynamo(cls: type, *methods: str) -> None:
-    """Make dynamo run these methods of ``cls`` eagerly (graph breaks), applied once, at first use.
-
-    Not a decorator: ``torch.compiler.disable`` imports dynamo (and triton with it), and importing the engine
-    must stay light for users who never compile.
-    """
-    if cls in _HIDDEN_FROM_DYNAMO:
-        return
-    for name in methods:
-        setattr(cls, name, torch.compiler.disable(getattr(cls, name)))
-    _HIDDEN_FROM_DYNAMO.add(cls)

@@ -10,6 +10,13 @@
   modulation and the head stay eager (they run once per forward).
 * **full**: the whole forward as one compiled callable (longer compile, no Python between blocks).
 
+A causal Wan step (a forward given a KV cache) is traced whole, attend included, in both modes: the cache's
+per-chunk state is device tensors of fixed shapes, and a layer's view holds that layer's tensors (no index, no
+guard per layer). The one host flag a step branches on, the window filling (masked) or full (unmasked), picks
+the entry point (:func:`step_phase`): ``causal_step_filling`` / ``causal_step_full`` in full mode,
+``compiled_<Class>_filling`` / ``_full`` in regional mode, each a code object of its own that compiles once, so
+a stream past its window compiles two frames and recompiles none.
+
 The model object is shared, never written to. Regional compilation works on a *view*: a shallow copy of the
 model's top-level module whose block lists hold small wrappers around the same block objects, so it shares
 every parameter, buffer and submodule with the model; only the block calls differ. A step cache's block runner
@@ -43,7 +50,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..models.registry import FAMILIES, Family
-from .options import COMPILE_BACKENDS, COMPILE_MODES, CompileConfig, run_outside_dynamo
+from .options import COMPILE_BACKENDS, COMPILE_MODES, CompileConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +68,16 @@ def _block_caller(name: str):
     return call
 
 
-class EagerLayerView:
-    """A causal KV cache's per-layer view (``kv.layer(i)``) as a regionally compiled block receives it: its calls
-    run eagerly (one graph break per attend).
-
-    The cache itself is traceable (static shapes, cursors in device tensors: ``full`` mode compiles a causal step
-    as one graph), but its layer view selects that layer's buffers by index (``getattr(cache, f"k{index}")``):
-    traced inside the block graph every block shares, the index would be a guard (a recompile per layer, past
-    dynamo's recompile limit for a 30-block Wan) and, with dynamic shapes, a break at the name it builds. When
-    the view holds its layer's tensors instead, this wrapper goes."""
-
-    def __init__(self, view):
-        self.view = view
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.view.attend(q, k, v)
+def step_phase(kv) -> str | None:
+    """The compiled entry point a forward takes, from its causal KV cache (``kv``: the cache, or one layer's view
+    of it): None without one, ``"filling"`` while the window fills (masked attention), ``"full"`` once every slot
+    is visible (unmasked: the path flash-attn and the fused int8 kernel take). Each phase is a code object of its
+    own (:func:`_block_caller`), so each compiles once and the masked-to-unmasked transition of a stream is a
+    second compiled frame, never a recompile (the host flag the step branches on is a guard of one code object
+    only). The one place the choice is made, for ``full`` and ``regional`` mode alike."""
+    if kv is None:
+        return None
+    return "full" if kv.key_mask() is None else "filling"
 
 
 class CompiledBlock(nn.Module):
@@ -87,7 +89,7 @@ class CompiledBlock(nn.Module):
     def __init__(self, block: nn.Module, call):
         super().__init__()
         self.block = block
-        self._call = call
+        self._call = call  # call(phase) -> the compiled function for that phase (see step_phase)
 
     def __getattr__(self, name: str):
         try:
@@ -96,9 +98,7 @@ class CompiledBlock(nn.Module):
             return getattr(self._modules["block"], name)
 
     def forward(self, *args, **kwargs):
-        if kwargs.get("kv") is not None:
-            kwargs["kv"] = EagerLayerView(kwargs["kv"])
-        return self._call(self.block, *args, **kwargs)
+        return self._call(step_phase(kwargs.get("kv")))(self.block, *args, **kwargs)
 
 
 def repeated_block_lists(model: nn.Module) -> list[str]:
@@ -205,6 +205,7 @@ class CompiledModel:
         dynamic: bool = True,
         buckets=None,
         backend: str = "inductor",
+        fullgraph: bool = False,
     ):
         if mode not in COMPILE_MODES or mode == "off":
             raise ValueError(f"compile mode {mode!r}: expected regional or full")
@@ -214,23 +215,32 @@ class CompiledModel:
         self.mode = mode
         self.dynamic = dynamic
         self.backend = backend
+        self.fullgraph = fullgraph  # a graph break raises (the tests' check that a step is one graph)
         self.family = getattr(type(model), "family", None)
         self.bucket_problem = BucketCheck(model, buckets) if buckets else None
         self._view: nn.Module | None = None
         self._full = None
-        self._callers: dict[tuple[type, str], object] = {}
+        self._callers: dict[str, object] = {}  # compiled functions by code name
         self.notes: list[str] = []
 
     # -- the compiled pieces (built on first use) ------------------------------------------------------------------
     def _torch_compile(self, fn):
-        run_outside_dynamo(EagerLayerView, "attend")
-        return torch.compile(fn, backend=self.backend, dynamic=self.dynamic)
+        return torch.compile(fn, backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph)
+
+    def _caller(self, name: str):
+        """The compiled function named ``name`` (a code object of its own), made once."""
+        if name not in self._callers:
+            self._callers[name] = self._torch_compile(_block_caller(name))
+        return self._callers[name]
 
     def _wrap_block(self, block: nn.Module, stack: str, names: dict) -> CompiledBlock:
-        key = (type(block), stack)
-        if key not in self._callers:
-            self._callers[key] = self._torch_compile(_block_caller(names[key]))
-        return CompiledBlock(block, self._callers[key])
+        base = names[(type(block), stack)]
+
+        def call(phase: str | None):
+            with _compile_lock:
+                return self._caller(base if phase is None else f"{base}_{phase}")
+
+        return CompiledBlock(block, call)
 
     @property
     def view(self) -> nn.Module:
@@ -245,10 +255,17 @@ class CompiledModel:
 
     @property
     def full(self):
+        """The whole forward compiled (a forward without a causal KV cache)."""
         with _compile_lock:
             if self._full is None:
                 self._full = self._torch_compile(self.model)
         return self._full
+
+    def step(self, phase: str):
+        """The whole forward of a causal step in ``phase`` (:func:`step_phase`), compiled as
+        ``causal_step_<phase>``: called as ``step(phase)(model, *args, **kwargs)``."""
+        with _compile_lock:
+            return self._caller(f"causal_step_{phase}")
 
     # -- calls -----------------------------------------------------------------------------------------------------
     def __call__(self, *args, block_runner=None, **kwargs):
@@ -258,7 +275,10 @@ class CompiledModel:
         if self.mode == "regional" or block_runner is not None:
             # a block runner (a step cache) decides between blocks in Python: blocks compiled, the stack not
             return self.view(*args, block_runner=block_runner, **kwargs)
-        return self.full(*args, **kwargs)
+        phase = step_phase(kwargs.get("kv"))
+        if phase is None:
+            return self.full(*args, **kwargs)
+        return self.step(phase)(self.model, *args, **kwargs)
 
     def __getattr__(self, name: str):
         # params, num_blocks... read through to the model (family adapters and the denoiser use them)
@@ -276,24 +296,26 @@ def compile_model(
     dynamic: bool = True,
     buckets=None,
     backend: str = "inductor",
+    fullgraph: bool = False,
 ) -> CompiledModel:
     """The model's forward compiled without changing the model (see the module docstring).
 
     ``buckets``: image sizes (width, height px) expected; see :class:`~.options.CompileConfig`. Raises
-    :class:`~..errors.InputError` for an unknown mode or backend, or a torch too old for regional reuse."""
+    :class:`~..errors.InputError` for an unknown mode or backend, or a torch too old for regional reuse.
+    ``fullgraph``: a graph break raises instead of splitting the graph."""
     CompileConfig(mode=mode, dynamic=dynamic, buckets=buckets, backend=backend)  # the input checks
     if mode == "off":
         raise InputError("compile", "mode 'off' compiles nothing: call the model itself")
-    return CompiledModel(model, mode, dynamic, buckets, backend)
+    return CompiledModel(model, mode, dynamic, buckets, backend, fullgraph)
 
 
 __all__ = [
     "BucketCheck",
     "CompiledBlock",
     "caller_names",
-    "EagerLayerView",
     "CompiledModel",
     "compile_model",
     "model_view",
     "repeated_block_lists",
+    "step_phase",
 ]

@@ -235,19 +235,21 @@ def test_generate_json_carries_the_compile_telemetry(tmp_path):
     torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=1e-4)  # the same ops, traced
 
 
-def test_stream_json_carries_the_compile_telemetry_past_the_window():
-    # 6 chunks of 3 frames through a 9-frame window: the cache fills and rolls; its calls run eagerly, so the
-    # compiled blocks never recompile while it does
-    r = _cli("stream", "--chunks", "6", "--window-frames", "9", "--compile", "regional",
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_stream_json_carries_the_compile_telemetry_past_the_window(mode):
+    # 12 chunks of 3 frames through a 9-frame window (the defaults, 4 chunks in 21 frames, never fill it): the
+    # cache fills, then rolls. The step (full) or the block (regional) compiles once masked, while the window
+    # fills, and once unmasked: two frames, no recompile, no graph break
+    r = _cli("stream", "--chunks", "12", "--window-frames", "9", "--compile", mode,
              "--compile-backend", "aot_eager", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert len(report["chunks"]) == 6
+    assert len(report["chunks"]) == 12
     telemetry = report["compile"]
     assert set(telemetry) == COMPILE_KEYS
-    assert telemetry["frames_compiled"] >= 1 and telemetry["compile_seconds"] > 0
-    assert telemetry["recompiles"] == 0
-    assert telemetry["graph_breaks_total"] == sum(telemetry["graph_breaks"].values())
+    assert telemetry["frames_compiled"] == 2 and telemetry["compile_seconds"] > 0
+    assert telemetry["recompiles"] == 0 and telemetry["recompile_reasons"] == {}
+    assert telemetry["graph_breaks"] == {} and telemetry["graph_breaks_total"] == 0
     assert telemetry["graphs"] is None and telemetry["graph_hits"] == telemetry["graph_misses"] == 0
 
 

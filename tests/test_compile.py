@@ -298,7 +298,8 @@ def test_regional_wan_follows_a_growing_kv_cache_without_recompiling(wan_regiona
     model, compiled = wan_regional["model"], wan_regional["compiled"]
     ref = causal_stream(model, model)
     warm = CompileWatch().start()
-    causal_stream(model, compiled, chunks=3)  # compiles the causal path once per phase (the window fills at 3)
+    # compiles the causal path once per phase (the window fills with the third chunk)
+    causal_stream(model, compiled, chunks=3)
     warm.stop()
     assert [(f.name, f.recompile_reason) for f in warm.frames] == [
         ("compiled_WanAttentionBlock_filling", None), ("compiled_WanAttentionBlock_full", None)

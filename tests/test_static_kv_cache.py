@@ -9,8 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fewstep.engine import load_dit
-from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
+from fewstep.engine.causal import CausalConfig, CrossAttentionCache, KVCache, VideoSession, WindowSpec
 from fewstep.engine.compile import CompileWatch, compile_model
+from fewstep.engine.errors import InputError
 from fewstep.engine.rope import RopeFreqs
 
 H, W = 32, 48  # px: 2x3 tokens per frame
@@ -136,3 +137,21 @@ def test_one_denoising_step_compiles_whole_and_never_recompiles_past_the_window(
     # chunk 0 compiles the masked step, chunk 2 (frames 4-5: the window full) the unmasked one; nothing else
     assert by_chunk == [[("causal_step_filling", None)], [], [("causal_step_full", None)]] + [[]] * 9
     assert breaks == {}
+
+
+def test_the_cross_attention_cache_is_filled_with_the_prompt_never_in_a_step(wan):
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1)
+    session = _session(wan, config)
+    cross = session.cross
+    first = cross.capture_state()
+    assert len(first) == len(wan.blocks) and cross.nbytes > 0  # filled when the session set its prompt
+    session.run(1)
+    assert cross.capture_state() == first  # a step only reads it
+    session.set_prompt(torch.randn(1, 5, 4096, generator=torch.Generator().manual_seed(7)))
+    assert cross.capture_state() != first and len(cross.capture_state()) == len(wan.blocks)
+    empty = CrossAttentionCache()
+    assert empty.nbytes == 0 and empty.capture_state() == ()
+    with pytest.raises(InputError, match=r"input 'cross_kv': .* fill\(\) it with the prompt before a step"):
+        empty.layer(0)
+    cross.reset()
+    assert cross.nbytes == 0

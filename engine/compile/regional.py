@@ -74,10 +74,12 @@ def step_phase(kv) -> str | None:
     is visible (unmasked: the path flash-attn and the fused int8 kernel take). Each phase is a code object of its
     own (:func:`_block_caller`), so each compiles once and the masked-to-unmasked transition of a stream is a
     second compiled frame, never a recompile (the host flag the step branches on is a guard of one code object
-    only). The one place the choice is made, for ``full`` and ``regional`` mode alike."""
+    only). The one place the choice is made, for ``full`` and ``regional`` mode alike. A ``kv`` without
+    ``key_mask()`` (a reference's masked prefix) takes the masked entry."""
     if kv is None:
         return None
-    return "full" if kv.key_mask() is None else "filling"
+    key_mask = getattr(kv, "key_mask", None)
+    return "full" if callable(key_mask) and key_mask() is None else "filling"
 
 
 class CompiledBlock(nn.Module):

@@ -21,7 +21,7 @@ import math
 import torch
 from _common import flux_inputs, header, median, parse_args, parse_px, save, setup_threads, timed
 
-from fewstep.engine import TextCondition, open_model, sample_latent, use_attention_backend
+from fewstep.engine import RunOptions, TextCondition, open_model, sample_latent
 from fewstep.engine.sampling import SAMPLERS
 
 STEPS = 4
@@ -41,9 +41,10 @@ def measure(preset: str, size: str, txt: int, samplers: list[str], rounds: int, 
     latent = torch.zeros(1, handle.params.latent_channels, h // 8, w // 8)
 
     def forwards():
-        with torch.inference_mode(), use_attention_backend(handle.attention_backend):
+        backends = RunOptions().backends_for(handle)  # what the sampler's run hands every forward
+        with torch.inference_mode():
             for _ in range(STEPS):
-                handle.model(**inputs)
+                handle.model(**inputs, backends=backends)
 
     def loop(sampler):
         if sampler == NOISE_FLOOR:

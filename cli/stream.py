@@ -9,10 +9,10 @@ import struct
 
 import torch
 
-from ..engine.causal import ROPE_MODES, CausalConfig, VideoSession
+from ..engine.causal import ROPE_MODES, CausalConfig
 from ..engine.causal.kv_cache import KV_DTYPES
+from ..engine.causal.recipe import open_session
 from ..engine.checks import check_seed
-from ..engine.compile.feature import start_compile_run
 from ..engine.errors import InputError
 from ..engine.handle import open_model
 from ..engine.models.registry import FAMILIES
@@ -132,12 +132,10 @@ def run(args) -> int:
         load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
     )
     handle = with_compile(handle, compiling)
-    # the compile run stands for the model in the session (a stream never recompiles); finish() is its telemetry
-    compiled = start_compile_run(handle)
-    session = VideoSession(
-        handle.model if compiled is None else compiled.model, context, args.height, args.width, config,
-        args.seed, vae, where="stream", base_model=handle.model,
-    )  # fmt: skip
+    # the session's run (engine.run): the compiled forward stands for the model; finish() is its telemetry
+    session, compiled = open_session(
+        handle, context, args.height, args.width, config, args.seed, vae, "stream"
+    )
     # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
     writer = None
     if args.out:

@@ -9,18 +9,21 @@ Public API::
 """
 
 from .attention import BACKENDS as ATTENTION_BACKENDS
-from .attention import attention, use_attention_backend
+from .backends import DEFAULT_BACKENDS, Backends
 from .conditioning import TextCondition
 from .errors import CheckpointError, FewStepError, InputError
 from .handle import ModelHandle, open_model
 from .latent_formats import FLUX1, LatentFormat
 from .loader import DUMMY_PREFIX, load_dit, preset_of
 from .models.registry import FAMILIES, all_presets
+from .run import Run, RunOptions, open_run
 from .text_to_image import SampleReport, SampleRequest, noise_for, sample, sample_latent
 from .vae import TINY_VARIANTS, TinyVAE, load_tiny_vae
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "Backends",
+    "DEFAULT_BACKENDS",
     "CheckpointError",
     "DUMMY_PREFIX",
     "FAMILIES",
@@ -29,19 +32,20 @@ __all__ = [
     "InputError",
     "LatentFormat",
     "ModelHandle",
+    "Run",
+    "RunOptions",
     "SampleReport",
     "SampleRequest",
     "TINY_VARIANTS",
     "TinyVAE",
     "TextCondition",
     "all_presets",
-    "attention",
     "load_dit",
     "load_tiny_vae",
+    "open_run",
     "noise_for",
     "open_model",
     "preset_of",
     "sample",
     "sample_latent",
-    "use_attention_backend",
 ]

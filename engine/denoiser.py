@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .backends import DEFAULT_BACKENDS, Backends
 from .conditioning import TextCondition, for_family
 
 
@@ -40,8 +41,12 @@ class FlowDenoiser:
     full-image conditionings.
     """
 
-    def __init__(self, model, family, positive, negative=None, cfg: float = 1.0, dtype=None, step_cache=None):
+    def __init__(
+        self, model, family, positive, negative=None, cfg: float = 1.0, dtype=None, step_cache=None,
+        backends: Backends = DEFAULT_BACKENDS,
+    ):  # fmt: skip
         self.model = model
+        self.backends = backends
         self.family = family
         self.positive = [for_family(c, family, "positive") for c in positive]
         self.negative = [for_family(c, family, "negative") for c in negative or []]
@@ -61,9 +66,9 @@ class FlowDenoiser:
     def _velocity(self, x, sigma, cond: TextCondition, labels: tuple[str, ...]) -> torch.Tensor:
         run = self.step_cache
         if run is None:
-            v = self.family.velocity(self.model, x, sigma, cond)
+            v = self.family.velocity(self.model, x, sigma, cond, backends=self.backends)
         else:
-            v = run.velocity(self.model, self.family, x, sigma, cond, labels)
+            v = run.velocity(self.model, self.family, x, sigma, cond, labels, self.backends)
             if not run.last_call_full:
                 self.cache_probes += 1
                 return v

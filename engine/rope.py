@@ -50,8 +50,9 @@ def rope_freqs(
     return RopeFreqs(torch.cos(angles), torch.sin(angles))
 
 
-def apply_rope(x: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, freqs: RopeFreqs, mode: str = "auto") -> torch.Tensor:
     """Rotate ``x [B, L, H, D]`` by ``freqs`` (broadcast over heads), in the precision of ``freqs``.
 
-    Through the kernel dispatcher: the Triton kernel on CUDA, ``kernels.rope.apply_rope`` elsewhere."""
-    return kernels.apply_rope(x, freqs.cos, freqs.sin)
+    Through the kernel dispatcher in ``mode`` (a run's ``Backends.apply_rope`` passes its own): the Triton kernel
+    on CUDA, ``kernels.rope.apply_rope`` elsewhere."""
+    return kernels.apply_rope(x, freqs.cos, freqs.sin, mode=mode)

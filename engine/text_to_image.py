@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import use_attention_backend
-from .cache import STEP_CACHE_FEATURE, CacheTelemetry
+from .cache import CacheTelemetry
 from .checks import check_finite, check_finite_number, check_seed
-from .compile.feature import start_compile_run
 from .compile.telemetry import CompileTelemetry
 from .conditioning import TextCondition
 from .denoiser import FlowDenoiser
@@ -27,6 +25,7 @@ from .errors import InputError
 from .handle import ModelHandle
 from .plan.memory import image_activation_bytes
 from .plan.preflight import check_fits
+from .run import RunOptions, open_run
 from .sampling import SAMPLERS, explicit_sigmas, schedule_sigmas
 from .sampling.schedules import trim_for_denoise
 
@@ -259,6 +258,8 @@ class SampleRequest:
     batch_index: Sequence[int] | None = None
     callback: Callable[[dict], None] | None = None
     sampler_options: dict | None = None
+    # the run's own choices (attention backend, kernel mode, compile and step cache on/off: engine.run)
+    options: RunOptions | None = None
 
     def check(self, handle: ModelHandle) -> None:
         """What a run refuses before any work starts."""
@@ -324,15 +325,10 @@ def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, S
     sig_dev = sigmas.to(device)
     x = sig_dev[0] * noise + (1.0 - sig_dev[0]) * x0_in
 
-    gate = handle.feature(STEP_CACHE_FEATURE)
-    run = None
-    if gate is not None:
-        run = gate.start_run(handle.model, sigmas, sampler, uses_cfg=bool(negative) and cfg != 1.0)
-    step_cache = run if run is not None and run.active else None
-    compiled = start_compile_run(handle, step_cache_active=step_cache is not None)
+    run = open_run(handle, request.options, sigmas=sigmas, sampler=sampler, uses_cfg=uses_cfg)
     denoiser = FlowDenoiser(
-        handle.model if compiled is None else compiled.model, handle.family, positive, negative, cfg,
-        dtype=dtype, step_cache=step_cache,
+        run.model, handle.family, positive, negative, cfg, dtype=dtype, step_cache=run.step_cache,
+        backends=run.backends,
     )  # fmt: skip
     notes = []
     if cfg != 1.0 and not negative:
@@ -356,7 +352,7 @@ def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, S
 
     t0 = time.perf_counter()
     try:
-        with torch.inference_mode(), use_attention_backend(handle.attention_backend):
+        with torch.inference_mode():
             out = SAMPLERS[sampler](
                 denoiser,
                 x,
@@ -367,18 +363,13 @@ def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, S
                 **(request.sampler_options or {}),
             )
     except BaseException:
-        if run is not None:
-            run.reset()
-        if compiled is not None:
-            compiled.finish()
+        run.abort()
         raise
     seconds = time.perf_counter() - t0
     if not bool(torch.isfinite(out).all()):
-        if run is not None:
-            run.reset()
-        if compiled is not None:
-            compiled.finish()
+        run.abort()
         raise _non_finite_output(out, int(first_bad_step), sigmas, handle.dtype, cfg if uses_cfg else None)
+    cache_telemetry, compile_telemetry = run.finish()
     report = SampleReport(
         sigmas=sigmas.tolist(),
         sampler=sampler,
@@ -390,8 +381,8 @@ def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, S
         seconds_per_step=step_times,
         notes=notes,
         cache_probes=denoiser.cache_probes,
-        cache=run.finish() if run is not None else None,
-        compile=compiled.finish() if compiled is not None else None,
+        cache=cache_telemetry,
+        compile=compile_telemetry,
     )
     return fmt.process_out(out.float()).cpu(), report
 

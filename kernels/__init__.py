@@ -9,7 +9,8 @@
 | ``apply_rope`` | ``rope`` | ``triton_kernels`` | the engine's multi-axis RoPE tables applied to ``[B, L, H, D]`` |
 
 The functions exported here are the dispatchers (``dispatch``): Triton on CUDA when it is importable, the
-reference elsewhere, ``FEWSTEP_KERNELS=reference`` (or ``use_kernels("reference")``) to force the references.
+reference elsewhere; ``mode="reference"`` (a run's ``Backends(kernels="reference")``, or ``FEWSTEP_KERNELS=reference``
+for runs that name no mode) forces the references.
 Importing this package does not import Triton. Nothing here imports the engine or ComfyUI.
 """
 
@@ -18,39 +19,37 @@ from .dispatch import (
     MODES,
     adaln_modulate,
     apply_rope,
+    check_mode,
     dequantize_kv,
     enable_triton_interpreter,
-    kernel_mode,
     load_triton_kernels,
+    mode_from_environment,
     quantize_kv,
     quantized_attention,
     quantized_attention_supported,
     rms_norm,
-    set_kernel_mode,
     triton_importable,
-    use_kernels,
     uses_fused_quantized_attention,
     uses_triton,
 )
 
 __all__ = [
     "MODES",
+    "check_mode",
     "adaln_modulate",
     "apply_rope",
     "dequantize_kv",
     "enable_triton_interpreter",
-    "kernel_mode",
     "kv_quant",
     "load_triton_kernels",
+    "mode_from_environment",
     "norms",
     "quantize_kv",
     "quantized_attention",
     "quantized_attention_supported",
     "rms_norm",
     "rope",
-    "set_kernel_mode",
     "triton_importable",
-    "use_kernels",
     "uses_fused_quantized_attention",
     "uses_triton",
 ]

@@ -1,7 +1,7 @@
 """The dispatcher: each kernel's Triton version on CUDA, its PyTorch reference elsewhere.
 
-Modes (``FEWSTEP_KERNELS`` in the environment, read at import; :func:`set_kernel_mode`, or scoped with
-``with use_kernels(mode):``):
+Every kernel function takes the mode as an argument (``mode=``): it is a per-run choice the engine's
+``Backends`` object carries (``engine/backends.py``), never a process-wide switch. The modes:
 
 * ``auto`` (default): Triton when the inputs are CUDA tensors, Triton is importable, the kernel handles the
   shapes and autograd is not recording; the reference otherwise. A kernel that raises (a Triton compile error on
@@ -11,13 +11,14 @@ Modes (``FEWSTEP_KERNELS`` in the environment, read at import; :func:`set_kernel
   (:func:`enable_triton_interpreter`, or ``TRITON_INTERPRET=1`` before the kernels are first used); the tests
   run the engine this way.
 
+:func:`mode_from_environment` reads ``FEWSTEP_KERNELS`` (what a run uses when its options name no mode).
+
 The Triton kernels are called through their ``torch.library`` custom ops (``ops``), so ``torch.compile`` keeps
 each one as a single opaque node.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
@@ -33,13 +34,13 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "reference", "triton")
 
 
-def _check_mode(mode: str) -> str:
+def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown kernel mode {mode!r}; expected one of {', '.join(MODES)}")
     return mode
 
 
-def _mode_from_environment() -> str:
+def mode_from_environment() -> str:
     """``FEWSTEP_KERNELS``, tolerantly: a bad value must not stop the pack from importing inside a server. (The
     same rule and log line as ``engine.settings.env_choice``; this package does not import the engine.)"""
     raw = os.environ.get("FEWSTEP_KERNELS", "").strip()
@@ -51,28 +52,9 @@ def _mode_from_environment() -> str:
     return "auto"
 
 
-_mode = _mode_from_environment()
-_failed: set[str] = set()  # kernels that raised in auto mode: the reference from then on
-
-
-def kernel_mode() -> str:
-    return _mode
-
-
-def set_kernel_mode(mode: str) -> None:
-    global _mode
-    _mode = _check_mode(mode)
-
-
-@contextlib.contextmanager
-def use_kernels(mode: str):
-    """Run the enclosed code with ``mode`` (see the module docstring)."""
-    previous = _mode
-    set_kernel_mode(mode)
-    try:
-        yield
-    finally:
-        set_kernel_mode(previous)
+# Kernels that raised in auto mode, for the rest of the process: a memo of what this GPU cannot run (the same
+# for every run), not a setting.
+_failed: set[str] = set()
 
 
 @functools.cache
@@ -104,11 +86,11 @@ def load_ops():
     return ops
 
 
-def uses_triton(kernel: str, *tensors: torch.Tensor | None) -> bool:
-    """Whether ``kernel`` runs as Triton for these inputs (the first tensor decides the device)."""
-    if _mode == "reference":
+def uses_triton(kernel: str, mode: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether ``kernel`` runs as Triton in ``mode`` for these inputs (the first tensor decides the device)."""
+    if mode == "reference":
         return False
-    if _mode == "triton":
+    if mode == "triton":
         return True
     first = tensors[0]
     if not (first.is_cuda and triton_importable()) or kernel in _failed:
@@ -116,9 +98,9 @@ def uses_triton(kernel: str, *tensors: torch.Tensor | None) -> bool:
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
-def _run(kernel: str, reference, *args):
+def _run(kernel: str, mode: str, reference, *args):
     op = getattr(load_ops(), kernel)
-    if _mode == "triton":
+    if mode == "triton":
         return op(*args)
     try:
         return op(*args)
@@ -132,19 +114,27 @@ def _run(kernel: str, reference, *args):
         return reference(*args)
 
 
-# -- the kernels, with their references' signatures ------------------------------------------------------------------
-def quantize_kv(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if uses_triton("quantize_kv", x):
+# -- the kernels: their references' signatures, plus the mode ------------------------------------------------------
+def quantize_kv(
+    x: torch.Tensor, bits: int, *, mode: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if uses_triton("quantize_kv", mode, x):
         kv_quant.check_bits(bits, x.shape[-1])
-        return _run("quantize_kv", kv_quant.quantize_kv, x, bits)
+        return _run("quantize_kv", mode, kv_quant.quantize_kv, x, bits)
     return kv_quant.quantize_kv(x, bits)
 
 
 def dequantize_kv(
-    data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    dtype: torch.dtype,
+    *,
+    mode: str = "auto",
 ) -> torch.Tensor:
-    if uses_triton("dequantize_kv", data):
-        return _run("dequantize_kv", kv_quant.dequantize_kv, data, scale, zero, bits, dtype)
+    if uses_triton("dequantize_kv", mode, data):
+        return _run("dequantize_kv", mode, kv_quant.dequantize_kv, data, scale, zero, bits, dtype)
     return kv_quant.dequantize_kv(data, scale, zero, bits, dtype)
 
 
@@ -153,13 +143,15 @@ def quantized_attention_supported(q: torch.Tensor) -> bool:
     return q.shape[-1] % 2 == 0 and q.shape[-1] >= 32
 
 
-def uses_fused_quantized_attention(q: torch.Tensor) -> bool:
-    return uses_triton("quantized_attention", q) and (_mode == "triton" or quantized_attention_supported(q))
+def uses_fused_quantized_attention(q: torch.Tensor, mode: str = "auto") -> bool:
+    return uses_triton("quantized_attention", mode, q) and (
+        mode == "triton" or quantized_attention_supported(q)
+    )
 
 
-def quantized_attention(inputs: kv_quant.QuantizedAttentionInputs) -> torch.Tensor:
-    if uses_fused_quantized_attention(inputs.q):
-        return _run("quantized_attention", _quantized_attention_reference, *inputs.flat())
+def quantized_attention(inputs: kv_quant.QuantizedAttentionInputs, *, mode: str = "auto") -> torch.Tensor:
+    if uses_fused_quantized_attention(inputs.q, mode):
+        return _run("quantized_attention", mode, _quantized_attention_reference, *inputs.flat())
     return kv_quant.quantized_attention(inputs)
 
 
@@ -168,19 +160,21 @@ def _quantized_attention_reference(*flat) -> torch.Tensor:
     return kv_quant.quantized_attention(kv_quant.QuantizedAttentionInputs.from_flat(*flat))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if uses_triton("rms_norm", x, weight):
-        return _run("rms_norm", norms.rms_norm, x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, mode: str = "auto") -> torch.Tensor:
+    if uses_triton("rms_norm", mode, x, weight):
+        return _run("rms_norm", mode, norms.rms_norm, x, weight, eps)
     return norms.rms_norm(x, weight, eps)
 
 
-def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    if uses_triton("adaln_modulate", x, shift, scale):
-        return _run("adaln_modulate", norms.adaln_modulate, x, shift, scale, eps)
+def adaln_modulate(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, *, mode: str = "auto"
+) -> torch.Tensor:
+    if uses_triton("adaln_modulate", mode, x, shift, scale):
+        return _run("adaln_modulate", mode, norms.adaln_modulate, x, shift, scale, eps)
     return norms.adaln_modulate(x, shift, scale, eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    if uses_triton("apply_rope", x) and x.shape[-1] % 2 == 0:
-        return _run("apply_rope", rope.apply_rope, x, cos, sin)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, mode: str = "auto") -> torch.Tensor:
+    if uses_triton("apply_rope", mode, x) and x.shape[-1] % 2 == 0:
+        return _run("apply_rope", mode, rope.apply_rope, x, cos, sin)
     return rope.apply_rope(x, cos, sin)

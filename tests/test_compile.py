@@ -17,6 +17,7 @@ from compile_doubles import EMULATED
 from conftest import make_cond
 
 from fewstep.engine import open_model, sample_latent
+from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
 from fewstep.engine.causal.kv_cache import CrossAttentionCache, KVCache, WindowSpec
 from fewstep.engine.compile import (
@@ -275,7 +276,9 @@ def causal_stream(model, forward, chunks: int = 5, window: WindowSpec = ROLLING,
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         ctx = model.embed_context(torch.randn(1, 8, p.text_dim, generator=g).to(device))
-        cross = CrossAttentionCache().fill(model.blocks, ctx)  # filled with the prompt, outside the steps
+        cross = CrossAttentionCache().fill(
+            model.blocks, ctx, DEFAULT_BACKENDS
+        )  # filled with the prompt, outside the steps
         outs = []
         for _ in range(chunks):
             cache.begin(cache.frames_committed, window.chunk_frames, (4, 4), model.frame_rope)
@@ -548,7 +551,7 @@ def test_planner_keeps_a_causal_wan_forward_whole():
     cache.begin(0, 2, (4, 4), model.frame_rope)
     with torch.inference_mode():
         ctx = model.embed_context(torch.randn(1, 8, p.text_dim))
-        cross = CrossAttentionCache().fill(model.blocks, ctx)
+        cross = CrossAttentionCache().fill(model.blocks, ctx, DEFAULT_BACKENDS)
         inputs = (torch.randn(1, 16, 2, 8, 8), torch.full((1, 2), 500.0))
         plan = plan_breaks(model, *inputs, context_embedded=ctx, kv=cache, cross_kv=cross)
         assert len(plan.segments) == 1 and plan.breaks == ()

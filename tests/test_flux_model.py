@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fewstep.engine import load_dit
+from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.models.flux import (
     PRESETS,
     default_axes_dim,
@@ -143,7 +144,7 @@ def test_double_block_matches_written_out_math(tiny):
     ids = torch.cat((text_ids(2, 5), image_ids(2, 6, 8)), 1)
     freqs = rope_freqs(ids, tiny.params.axes_dim, tiny.params.theta)
     block = tiny.double_blocks[0]
-    got = block(img, txt, vec, freqs)
+    got = block(img, txt, vec, freqs, backends=DEFAULT_BACKENDS)
     ref = _reference_double_block(block, img, txt, vec, freqs)
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from fewstep import kernels  # noqa: E402
+from fewstep.engine.backends import Backends  # noqa: E402
 from fewstep.kernels import dispatch, kv_quant, norms, rope  # noqa: E402
 
 pytest.importorskip(
@@ -179,8 +180,10 @@ def test_torch_compile_keeps_each_kernel_as_one_opaque_call(tk):
         return gm.forward
 
     def block(x, weight, shift, scale, cos, sin):
-        h = kernels.adaln_modulate(x.flatten(2), shift, scale, 1e-6).unflatten(2, (3, 32))
-        return kernels.apply_rope(kernels.rms_norm(h, weight, 1e-6), cos, sin) * 2
+        h = kernels.adaln_modulate(x.flatten(2), shift, scale, 1e-6, mode="triton").unflatten(2, (3, 32))
+        return (
+            kernels.apply_rope(kernels.rms_norm(h, weight, 1e-6, mode="triton"), cos, sin, mode="triton") * 2
+        )
 
     x = _rand(2, 5, 3, 32, seed=30)
     angles = _rand(1, 5, 1, 16, seed=31)
@@ -192,10 +195,9 @@ def test_torch_compile_keeps_each_kernel_as_one_opaque_call(tk):
         angles.cos(),
         angles.sin(),
     )
-    with kernels.use_kernels("triton"):
-        eager = block(*args)
-        torch._dynamo.reset()
-        compiled = torch.compile(block, backend=backend, fullgraph=True)(*args)
+    eager = block(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend, fullgraph=True)(*args)
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert [t.removesuffix(".default") for t in targets if t.startswith("fewstep.")] == [
@@ -211,44 +213,40 @@ def test_cpu_uses_the_references_and_importing_does_not_import_triton():
     code = (
         "import sys, torch; import fewstep.kernels as k; "
         "x = torch.randn(2, 4, 8); w = torch.ones(8); "
-        "print(k.kernel_mode(), k.uses_triton('rms_norm', x), torch.equal(k.rms_norm(x, w, 1e-6), "
+        "print(k.mode_from_environment(), k.uses_triton('rms_norm', 'auto', x), torch.equal(k.rms_norm(x, w, 1e-6), "
         "k.norms.rms_norm(x, w, 1e-6)), 'triton' in sys.modules)"
     )
     env = {**os.environ, "FEWSTEP_KERNELS": "reference"}
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["reference", "False", "True", "False"]
-    with kernels.use_kernels("auto"):
-        assert not kernels.uses_triton("rms_norm", torch.zeros(1))  # auto: Triton only on CUDA
+    assert not kernels.uses_triton("rms_norm", "auto", torch.zeros(1))  # auto: Triton only on CUDA
 
 
 def test_modes_and_a_failing_kernel_falling_back_to_its_reference(monkeypatch, caplog):
     with pytest.raises(ValueError, match="unknown kernel mode 'fast'"):
-        kernels.set_kernel_mode("fast")
-    with kernels.use_kernels("triton"):
-        assert kernels.uses_triton("rms_norm", torch.zeros(1))
-        with kernels.use_kernels("reference"):
-            assert not kernels.uses_triton("rms_norm", torch.zeros(1))
+        kernels.check_mode("fast")
+    assert kernels.uses_triton("rms_norm", "triton", torch.zeros(1))
+    assert not kernels.uses_triton("rms_norm", "reference", torch.zeros(1))
 
     class Broken:
         def rms_norm(self, *args):
             raise RuntimeError("no kernel image for this GPU")
 
-    monkeypatch.setattr(dispatch, "_mode", "auto")
     monkeypatch.setattr(dispatch, "_failed", set())
     monkeypatch.setattr(dispatch, "load_ops", Broken)
     # as on a GPU: auto mode picks Triton until the kernel failed, triton mode always does
     monkeypatch.setattr(
         dispatch,
         "uses_triton",
-        lambda kernel, *t: dispatch._mode == "triton" or kernel not in dispatch._failed,
+        lambda kernel, mode, *t: mode == "triton" or kernel not in dispatch._failed,
     )
     x, w = _rand(2, 8, seed=40), _rand(8, seed=41)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), norms.rms_norm(x, w, 1e-6))
     assert dispatch._failed == {"rms_norm"}
     assert "Triton kernel rms_norm failed (RuntimeError: no kernel image for this GPU)" in caplog.text
-    with kernels.use_kernels("triton"), pytest.raises(RuntimeError, match="no kernel image"):
-        kernels.rms_norm(x, w, 1e-6)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        kernels.rms_norm(x, w, 1e-6, mode="triton")
 
 
 # -- the engine through the dispatcher -----------------------------------------------------------------------------
@@ -292,9 +290,8 @@ def test_models_with_triton_kernels_equal_the_references(tk):
     wan = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
     x, t = _rand(1, 16, 2, 4, 6, seed=60), torch.full((1,), 700.0)
     ctx = _rand(1, 5, 4096, seed=61)
-    with kernels.use_kernels("triton"):
-        fast = wan(x, t, ctx)
-    assert (fast - wan(x, t, ctx)).abs().max() <= 1e-5
+    fast = wan(x, t, ctx, backends=Backends(kernel_mode="triton"))
+    assert (fast - wan(x, t, ctx, backends=Backends(kernel_mode="reference"))).abs().max() <= 1e-5
 
 
 def test_causal_stream_with_triton_kernels_equals_the_references(tk):
@@ -307,12 +304,11 @@ def test_causal_stream_with_triton_kernels_equals_the_references(tk):
     ctx = _rand(1, 5, 4096, seed=62)
     config = CausalConfig(chunk_frames=1, window_frames=3, steps=2, kv_dtype="int8", keep_recent_chunks=0)
 
-    def stream():
-        session = VideoSession(wan, ctx, 32, 48, config, seed=3)
+    def stream(mode: str):
+        session = VideoSession(wan, ctx, 32, 48, config, seed=3, backends=Backends(kernel_mode=mode))
         return torch.cat([c.latents for c in session.run(3)], dim=2), session
 
-    reference, _ = stream()
-    with kernels.use_kernels("triton"):
-        fast, session = stream()
+    reference, _ = stream("reference")
+    fast, session = stream("triton")
     assert session.cache.frames_quantized == 2  # frames 0 and 1, read quantized by chunks 1 and 2
     assert (fast - reference).abs().max() <= 1e-5

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fewstep.engine import InputError, load_dit
+from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
 from fewstep.engine.causal.kv_cache import check_kv_storage
 from fewstep.engine.causal.reference import recompute_video
@@ -121,7 +122,7 @@ def test_cache_reads_recent_frames_exactly_and_older_ones_dequantized(chunk, win
         cache.begin(start, chunk, (1, t), _identity_rope)
         kv = [_frame_kv(f, t) for f in range(start, start + chunk)]
         k, v = (torch.cat(parts, dim=1) for parts in zip(*kv))
-        cache.layer(0).attend(torch.zeros(1, chunk * t, 2, 8), k, v)
+        cache.layer(0).attend(torch.zeros(1, chunk * t, 2, 8), k, v, DEFAULT_BACKENDS)
         frames = cache.read_frames()
         assert sorted(frames) == [f for f in range(start + chunk) if spec.visible(start, f)]
         keys, values = cache.layer(0).read()

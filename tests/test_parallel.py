@@ -19,7 +19,7 @@ import torch.distributed as dist
 from conftest import ROOT, fake_comfy_memory_manager, load_pack_as_comfyui, make_cond
 
 from fewstep.engine import InputError, open_model, sample_latent
-from fewstep.engine.attention import attention, current_parallel_plan, use_parallel_attention
+from fewstep.engine.backends import DEFAULT_BACKENDS, Backends
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.parallel import (
     ParallelConfig,
@@ -31,6 +31,7 @@ from fewstep.engine.parallel import (
 )
 from fewstep.engine.parallel.mesh import shard
 from fewstep.engine.parallel.worker import connect
+from fewstep.engine.run import RunOptions
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
@@ -94,8 +95,9 @@ def _parallel_attention(pool, q, k, v, text, degrees):
 # -- the attention entry point ------------------------------------------------------------------------------------
 def test_single_process_attention_ignores_the_parallel_arguments():
     q, k, v = _qkv(3, 6)
+    attention = DEFAULT_BACKENDS.attention
     plain = attention(q, k, v)
-    assert current_parallel_plan() is None
+    assert DEFAULT_BACKENDS.parallel is None
     assert torch.equal(attention(q, k, v, replicated_prefix=3), plain)
     assert torch.equal(attention(q, k, v, replicated_kv=True), plain)
 
@@ -109,11 +111,11 @@ def test_a_parallel_plan_receives_the_calls_except_replicated_kv():
             return local(q, k, v, mask=mask)
 
     q, k, v = _qkv(3, 6)
-    plain = attention(q, k, v)
-    with use_parallel_attention(Plan()):
-        assert torch.equal(attention(q, k, v, replicated_prefix=3), plain)
-        assert torch.equal(attention(q, k, v, replicated_kv=True), plain)
-    assert current_parallel_plan() is None
+    plain = DEFAULT_BACKENDS.attention(q, k, v)
+    planned = Backends().with_parallel(Plan())
+    assert torch.equal(planned.attention(q, k, v, replicated_prefix=3), plain)
+    assert torch.equal(planned.attention(q, k, v, replicated_kv=True), plain)
+    assert DEFAULT_BACKENDS.parallel is None  # the plan lives in the run's value, nowhere else
     assert calls == [3]  # the replicated-kv call ran locally, without the plan
 
 
@@ -123,7 +125,7 @@ def test_sequence_parallel_attention_equals_single_process(pool, degrees, text):
     q, k, v = _qkv(text, 12)
     out = _parallel_attention(pool, q, k, v, text, degrees)
     assert out["out"].shape == q.shape
-    assert (out["out"] - attention(q, k, v)).abs().max() <= TOL
+    assert (out["out"] - DEFAULT_BACKENDS.attention(q, k, v)).abs().max() <= TOL
     assert out["text_spread"] <= TOL  # every rank holds the same text rows
     # bytes this rank sent, against the formulas (fp32; shard S = 12 / 2 tokens, B 2, H 4, D 8)
     shard_bytes = 2 * 6 * 4 * 8 * 4
@@ -143,7 +145,7 @@ def test_usp_on_four_ranks_equals_single_process():
     pool4 = WorkerPool(_config(ulysses_degree=2, ring_degree=2)).start()
     try:
         q, k, v = _qkv(5, 16, heads=4)
-        reference = attention(q, k, v)
+        reference = DEFAULT_BACKENDS.attention(q, k, v)
         for degrees in ((2, 2), (4, 1), (1, 4)):
             out = _parallel_attention(pool4, q, k, v, 5, degrees)
             assert (out["out"] - reference).abs().max() <= TOL, degrees
@@ -546,8 +548,13 @@ def test_shard_helpers_keep_frames_whole():
 def test_plain_single_process_flux_is_bit_identical_under_an_inactive_plan(flux):
     cond = make_cond(flux.params, tokens=5)
     a, _ = sample_latent(flux, [cond], torch.zeros(1, 16, 8, 8), steps=2)
-    with use_parallel_attention(None):
-        b, _ = sample_latent(flux, [cond], torch.zeros(1, 16, 8, 8), steps=2)
+    b, _ = sample_latent(
+        flux,
+        [cond],
+        torch.zeros(1, 16, 8, 8),
+        steps=2,
+        options=RunOptions(parallel=None, attention_backend="sdpa"),
+    )
     assert torch.equal(a, b)
 
 

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fewstep.engine import load_dit
+from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.causal import CausalConfig, CrossAttentionCache, KVCache, VideoSession, WindowSpec
 from fewstep.engine.compile import CompileWatch, compile_model
 from fewstep.engine.errors import InputError
@@ -46,7 +47,7 @@ def test_every_chunk_reads_the_same_tensors_before_and_after_the_window_fills(ro
         cache.begin(start, 2, (2, 3), _identity_rope)
         view = cache.layer(0)
         view.attend(_rand(1, 2 * t, 2, 8, seed=start), _rand(1, 2 * t, 2, 8, seed=start + 1),
-                    _rand(1, 2 * t, 2, 8, seed=start + 2))  # fmt: skip
+                    _rand(1, 2 * t, 2, 8, seed=start + 2), DEFAULT_BACKENDS)  # fmt: skip
         layouts.append(_layouts(cache))
         reads.append(tuple(view.read_window()[0].shape))
         masked.append(cache.key_mask() is not None)
@@ -104,7 +105,7 @@ def test_to_converts_the_storage_every_view_reads():
     assert cache.k_quant[0].data is cache.kq0 and cache.k_quant[0].data.dtype == torch.uint8
     cache.begin(0, 2, (2, 3), _identity_rope)
     k = _rand(1, 12, 2, 8, seed=4).double()
-    cache.layer(1).attend(torch.zeros(1, 12, 2, 8, dtype=torch.float64), k, k)
+    cache.layer(1).attend(torch.zeros(1, 12, 2, 8, dtype=torch.float64), k, k, DEFAULT_BACKENDS)
     assert torch.equal(cache.layer(1).read()[0], k)  # written into, and read from, the converted buffer
     assert cache.write_index.dtype == torch.long  # bookkeeping keeps its integer dtype
 

@@ -4,7 +4,7 @@
 Each check takes the run's :class:`~.runner.Context` and returns its results (a ``"summary"`` list of
 ``{"metric", "value", "goal", "met"}`` rows among them); it raises :class:`~.runner.Skip` when it cannot run here,
 :class:`~.runner.Failed` when a comparison is outside its tolerance. The engine features are used the way the
-nodes use them: ``attach_compile`` (FewStepCompile) on a handle, ``start_compile_run`` for a video session.
+nodes use them: ``attach_compile`` (FewStepCompile) on a handle, ``open_session`` (the session's run) for a video session.
 """
 
 from __future__ import annotations
@@ -411,13 +411,11 @@ def wan_context(handle, setup: Setup) -> torch.Tensor:
 def stream(handle, setup: Setup, config, chunks: int) -> tuple[list[torch.Tensor], list[float], object]:
     """Latents and synchronised seconds of ``chunks`` chunks of a video session of ``handle`` (with its compile
     feature, as the nodes run it), and the compile run's telemetry (None without the feature)."""
-    from fewstep.engine.causal import VideoSession
-    from fewstep.engine.compile import start_compile_run
+    from fewstep.engine.causal.recipe import open_session
 
-    run = start_compile_run(handle)
-    model = handle.model if run is None else run.model
-    session = VideoSession(model, wan_context(handle, setup), *setup.video_hw, config, 0, None,
-                           where="device_check", base_model=handle.model)  # fmt: skip
+    session, run = open_session(
+        handle, wan_context(handle, setup), *setup.video_hw, config, 0, None, "device_check"
+    )
     latents, seconds = [], []
     try:
         chunk_iter = session.chunks(chunks)

@@ -63,7 +63,9 @@ def _flux2_probe(model, h, rows: int) -> torch.Tensor:
     from ..models.flux_layers import norm_modulate
 
     shift, scale, _gate = h.mod_img[0]
-    return norm_modulate(model.double_blocks[0].img_norm1, h.img[:rows], shift[:rows], scale[:rows])
+    return norm_modulate(
+        model.double_blocks[0].img_norm1, h.img[:rows], shift[:rows], scale[:rows], h.backends
+    )
 
 
 def _zimage_probe(model, h, rows: int) -> torch.Tensor:
@@ -76,7 +78,7 @@ def _zimage_probe(model, h, rows: int) -> torch.Tensor:
     layer = model.layers[0]
     scale_msa = layer.adaLN_modulation[0](h.vec[:rows]).unsqueeze(1).chunk(4, dim=2)[0]
     image = h.stream[:rows, : h.img_tokens]
-    return layer.attention_norm1(image) * (1.0 + scale_msa)
+    return layer.attention_norm1(image, h.backends) * (1.0 + scale_msa)
 
 
 def _wan_probe(model, h, rows: int) -> torch.Tensor:
@@ -253,11 +255,10 @@ class _Run:
 class BlockCacheRun(_Run):
     """Step cache over the engine's models' block stack (see the module docstring)."""
 
-    def velocity(self, model, family, x, sigma, cond, labels: Sequence[str]) -> torch.Tensor:
+    def velocity(self, model, family, x, sigma, cond, labels: Sequence[str], backends) -> torch.Tensor:
         """The family adapter's velocity for ``x`` (rows: ``len(labels)`` groups of equal size) through the cache."""
-        return family.velocity(
-            model, x, sigma, cond, block_runner=self.block_runner(labels, x.shape[0] // len(labels))
-        )
+        runner = self.block_runner(labels, x.shape[0] // len(labels))
+        return family.velocity(model, x, sigma, cond, block_runner=runner, backends=backends)
 
     def block_runner(self, labels: Sequence[str] = (PRIMARY,), rows: int | None = None):
         """The ``block_runner`` hook for one forward (``model(..., block_runner=...)``) whose batch holds the row

@@ -56,9 +56,9 @@ from torch import nn
 
 from ... import kernels
 from ...kernels.kv_quant import QuantizedAttentionInputs, group_bytes, packed_dim
-from ..attention import attention
+from ..backends import DEFAULT_BACKENDS, Backends
 from ..errors import InputError
-from ..rope import RopeFreqs, apply_rope
+from ..rope import RopeFreqs
 
 ROPE_MODES = ("cache", "absolute")
 KV_DTYPES = ("bf16", "int8", "int4")
@@ -171,32 +171,32 @@ class _LayerView:
         """As :meth:`KVCache.key_mask` for this chunk (None: the window is full, unmasked)."""
         return self.mask
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backends: Backends) -> torch.Tensor:
         """Write the chunk's ``k, v [B, C*T, H, D]`` (k unrotated) into its slots and attend to the whole
-        window. Every tensor here has the same shape for every chunk: the slots written come from the
+        window, computed with the run's ``backends``. Every tensor here has the same shape for every chunk: the slots written come from the
         ``write_index`` buffer, the slots hidden (empty, or out of the window) from ``key_visible``."""
         keys, values = self.keys, self.values
         if self.rope == "absolute":
-            k = apply_rope(k, self.query_freqs)
+            k = backends.apply_rope(k, self.query_freqs)
         keys.index_copy_(1, self.write_index, k.to(keys.dtype))
         values.index_copy_(1, self.write_index, v.to(values.dtype))
         mask = self.mask
         # the fused kernel takes no mask; it only runs once every slot is visible (the window is full)
-        if self.quant is not None and mask is None and kernels.uses_fused_quantized_attention(q):
-            return self._fused_quantized_attention(q)
-        k_read, v_read = self.read_window()
-        return attention(q, k_read.to(q.dtype), v_read, mask=mask)
+        if self.quant is not None and mask is None and backends.uses_fused_quantized_attention(q):
+            return self._fused_quantized_attention(q, backends)
+        k_read, v_read = self.read_window(backends)
+        return backends.attention(q, k_read.to(q.dtype), v_read, mask=mask)
 
-    def read_window(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_window(self, backends: Backends = DEFAULT_BACKENDS) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (rotated as this chunk reads them) and values of every slot, visible or not, in slot order:
         full-precision slots, then the quantized ones dequantized into transient tensors. Fixed shapes."""
         k_read, v_read = self.keys, self.values
         if self.quant is not None:
             kq, vq = self.quant
-            k_read = torch.cat((k_read, kernels.dequantize_kv(*kq.parts(), self.bits, k_read.dtype)), dim=1)
-            v_read = torch.cat((v_read, kernels.dequantize_kv(*vq.parts(), self.bits, v_read.dtype)), dim=1)
+            k_read = torch.cat((k_read, backends.dequantize_kv(*kq.parts(), self.bits, k_read.dtype)), dim=1)
+            v_read = torch.cat((v_read, backends.dequantize_kv(*vq.parts(), self.bits, v_read.dtype)), dim=1)
         if self.rope == "cache":
-            k_read = apply_rope(k_read, self.key_freqs)
+            k_read = backends.apply_rope(k_read, self.key_freqs)
         return k_read, v_read
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +206,7 @@ class _LayerView:
         rows = self._visible_rows()
         return k_read.index_select(1, rows), v_read.index_select(1, rows)
 
-    def _fused_quantized_attention(self, q: torch.Tensor) -> torch.Tensor:
+    def _fused_quantized_attention(self, q: torch.Tensor, backends: Backends) -> torch.Tensor:
         """As ``attention(q, *read_window())``, the quantized slots dequantized (and rotated) in the kernel."""
         k, v = self.keys, self.values
         kq, vq = self.quant
@@ -214,10 +214,10 @@ class _LayerView:
         cos = sin = None
         if self.rope == "cache":
             freqs = self.key_freqs
-            k = apply_rope(k, RopeFreqs(freqs.cos[:, :n], freqs.sin[:, :n]))
+            k = backends.apply_rope(k, RopeFreqs(freqs.cos[:, :n], freqs.sin[:, :n]))
             cos, sin = freqs.cos[:, n:], freqs.sin[:, n:]
         inputs = QuantizedAttentionInputs(q, k.to(q.dtype), v, kq.parts(), vq.parts(), cos, sin, self.bits)
-        return kernels.quantized_attention(inputs)
+        return backends.quantized_attention(inputs)
 
 
 class KVCache(nn.Module):
@@ -236,13 +236,17 @@ class KVCache(nn.Module):
         rope: str = "cache",
         kv_dtype: str = "bf16",
         keep_recent_chunks: int = 1,
+        kernel_mode: str = "auto",
     ):
+        """``kernel_mode``: the run's kernel mode (``Backends.kernel_mode``), for the quantization of frames that
+        age out of the full-precision ring (in :meth:`begin`, outside any forward)."""
         super().__init__()
         if rope not in ROPE_MODES:
             raise InputError("rope", f"unknown RoPE mode {rope!r}; expected one of {', '.join(ROPE_MODES)}")
         self.window = window.check()
         self.bits = check_kv_storage(kv_dtype, keep_recent_chunks, window, head_dim)
         self.kv_dtype, self.keep_recent_chunks = kv_dtype, keep_recent_chunks
+        self.kernel_mode = kernels.check_mode(kernel_mode)
         self.tokens_per_frame = tokens_per_frame
         self.layers = layers
         self.rope = rope
@@ -464,7 +468,9 @@ class KVCache(nn.Module):
             dst = slice(quant_slot * t, (quant_slot + n) * t)
             for i in range(self.layers):
                 for full, quant in zip(self.layer_kv(i), self.layer_quant(i)):
-                    for buffer, part in zip(quant.parts(), kernels.quantize_kv(full[:, src], self.bits)):
+                    for buffer, part in zip(
+                        quant.parts(), kernels.quantize_kv(full[:, src], self.bits, mode=self.kernel_mode)
+                    ):
                         buffer[:, dst].copy_(part)
             self.frames_quantized += n
 
@@ -533,14 +539,14 @@ class CrossAttentionCache:
     def __init__(self):
         self._kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
-    def fill(self, blocks, context: torch.Tensor) -> CrossAttentionCache:
-        """Every layer's keys/values of ``context`` (the embedded prompt), from each block's ``cross_attn``."""
-        self._kv = tuple(block.cross_attn.context_kv(context) for block in blocks)
+    def fill(self, blocks, context: torch.Tensor, backends: Backends) -> CrossAttentionCache:
+        """Every layer's keys/values of ``context`` (the embedded prompt), from each block's ``cross_attn``,
+        computed with the run's ``backends``."""
+        self._kv = tuple(block.cross_attn.context_kv(context, backends) for block in blocks)
         return self
 
-    def layer(self, index: int, cross_attn=None, context: torch.Tensor | None = None):
-        """Layer ``index``'s keys/values (``cross_attn`` and ``context``: the caller's, unused: the cache is filled
-        before the step)."""
+    def layer(self, index: int):
+        """Layer ``index``'s keys/values (filled before the step)."""
         if index >= len(self._kv):
             raise InputError(
                 "cross_kv",

@@ -1,8 +1,7 @@
 """How a causal video session is built from its settings, and rebuilt to a position later.
 
-:func:`open_session` is the one place a session's speed features are composed: the handle's step cache
-(``step_cache`` feature) and compiled forward (``compile`` feature), or a worker pool that computes the session
-instead of this process. :class:`SessionRecipe` keeps what a deterministic rebuild needs (settings, seed, the
+:func:`open_session` opens the session's run (``engine.run.open_run``: its backends, the handle's step cache and
+compiled forward), or hands the session to a worker pool that computes it instead of this process. :class:`SessionRecipe` keeps what a deterministic rebuild needs (settings, seed, the
 prompts and the frames they were switched at), so a caller holding an old reference to a session that has since
 moved on gets the same video again.
 """
@@ -15,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import STEP_CACHE_FEATURE
-from ..compile.feature import start_compile_run
 from ..errors import InputError
+from ..run import RunOptions, open_run
 from .session import CausalConfig, ForwardHook, VideoSession
 
 # (handle, context, height, width, config, seed, tiny_vae, where) -> a session computed elsewhere (a worker pool)
@@ -25,17 +23,18 @@ RemoteOpener = Callable[..., object]
 
 
 def open_session(handle, context: torch.Tensor, height: int, width: int, config: CausalConfig, seed: int,
-                 tiny_vae=None, where: str | None = None, remote: RemoteOpener | None = None):  # fmt: skip
-    """(session, compile run or None): a session in this process, or the one ``remote`` opens. A compile feature
-    on the handle makes the session run the compiled forward (one entry point while the window fills, one once
-    it is full: a stream never recompiles); ``finish()`` the run for its telemetry."""
+                 tiny_vae=None, where: str | None = None, remote: RemoteOpener | None = None,
+                 options: RunOptions | None = None):  # fmt: skip
+    """(session, compile run or None): a session in this process, run as :func:`engine.run.open_run` composes it
+    (``options``: the run's own choices), or the one ``remote`` opens. A compile feature on the handle makes the
+    session run the compiled forward (one entry point while the window fills, one once it is full: a stream never
+    recompiles); ``finish()`` the compile run for its telemetry."""
     if remote is not None:
         return remote(handle, context, height, width, config, seed, tiny_vae, where), None
-    step_cache = handle.feature(STEP_CACHE_FEATURE)
-    compiled = start_compile_run(handle, step_cache_active=step_cache is not None)
-    session = VideoSession(handle.model if compiled is None else compiled.model, context, height, width, config,
-                           seed, tiny_vae, where=where, step_cache=step_cache, base_model=handle.model)  # fmt: skip
-    return session, compiled
+    run = open_run(handle, options)
+    session = VideoSession(run.model, context, height, width, config, seed, tiny_vae, where=where,
+                           step_cache=run.gate, base_model=run.base_model, backends=run.backends)  # fmt: skip
+    return session, run.compiled
 
 
 def _same_prompt(a: torch.Tensor, b: torch.Tensor) -> bool:

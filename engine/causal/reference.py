@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attention
-from ..rope import apply_rope
 from ..sampling import sample_dmd, schedule_sigmas
 from .kv_cache import WindowSpec
 from .session import CausalConfig
@@ -30,8 +28,8 @@ class MaskedPrefix:
     def layer(self, index: int):
         return self
 
-    def attend(self, q, k, v):
-        return attention(q, apply_rope(k, self.freqs).type_as(q), v, mask=self.mask)
+    def attend(self, q, k, v, backends):
+        return backends.attention(q, backends.apply_rope(k, self.freqs).type_as(q), v, mask=self.mask)
 
 
 def frame_mask(window: WindowSpec, frames: int, tokens_per_frame: int, device=None) -> torch.Tensor:

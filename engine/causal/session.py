@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends import DEFAULT_BACKENDS, Backends
 from ..cache import causal_chunk_decision
 from ..checks import check_finite, check_finite_number, check_image_size, check_seed
 from ..errors import InputError
@@ -135,14 +136,16 @@ class VideoSession:
         step_cache=None,
         parallel=None,
         base_model=None,
+        backends: Backends = DEFAULT_BACKENDS,
     ):
-        """``parallel``: a sequence-parallel layout (``engine.parallel.CausalSharding``) when this session is one
+        """``backends``: how the session's forwards compute attention, norms, RoPE and KV quantization (the run's
+        ``engine.backends.Backends``). ``parallel``: a sequence-parallel layout (``engine.parallel.CausalSharding``) when this session is one
         rank of a worker pool; its cache then holds this rank's share of each frame's tokens and of the heads.
         ``base_model``: the engine model ``model`` stands for when it is a wrapper (a compiled run), so a host can
         free the sessions of a model it unloads; ``model`` itself by default."""
         p = model.params
         config = config or CausalConfig()
-        self.model, self.config, self.where = model, config, where
+        self.model, self.config, self.where, self.backends = model, config, where, backends
         self.base_model = model if base_model is None else base_model
         config.window.check(where)
         check_kv_storage(config.kv_dtype, config.keep_recent_chunks, config.window, p.head_dim, where)
@@ -180,6 +183,7 @@ class VideoSession:
             layers=p.num_layers, batch=self.batch, tokens_per_frame=tokens_per_frame,
             heads=heads, head_dim=p.head_dim, window=config.window, dtype=self.dtype, device=device,
             rope=config.rope, kv_dtype=config.kv_dtype, keep_recent_chunks=config.keep_recent_chunks,
+            kernel_mode=backends.kernel_mode,
         )  # fmt: skip
         self.cross = CrossAttentionCache()
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -219,7 +223,7 @@ class VideoSession:
                 self._context = self.model.embed_context(context.to(self.device))
                 # every layer's text K/V now, outside the steps (a step only reads them: no host branch on it)
                 self.cross.reset()
-                self.cross.fill(self.model.blocks, self._context)
+                self.cross.fill(self.model.blocks, self._context, self.backends)
         finally:
             self._release()
 
@@ -283,6 +287,7 @@ class VideoSession:
             kv=self.cache,
             cross_kv=self.cross,
             block_runner=block_runner,
+            backends=self.backends,
         )
 
     def _commit(self, chunk_index: int, before_forward: ForwardHook | None) -> float:

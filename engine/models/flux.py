@@ -8,6 +8,8 @@ in the joint attention.
 
 The forward is three stages, ``finish(run_blocks(embed(...)))`` on a :class:`FluxHidden` state, so code outside
 the model (a step cache) can run part of the block stack and decide about the rest; the model imports none of it.
+``backends=`` (``engine.backends``) is how this run computes attention, norms and RoPE; the hidden state carries it
+to every block.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import rope_freqs
 from .flux_layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
@@ -118,6 +121,7 @@ class Flux(nn.Module):
         timesteps: torch.Tensor,
         y: torch.Tensor,
         guidance: torch.Tensor | None = None,
+        backends: Backends = DEFAULT_BACKENDS,
     ) -> FluxHidden:
         """Inputs -> the residual stream before block 0 (token embeddings, conditioning vector, rotations)."""
         if img.ndim != 3 or txt.ndim != 3:
@@ -132,7 +136,7 @@ class Flux(nn.Module):
         vec = vec + self.vector_in(y.to(dtype))
         txt = self.txt_in(txt.to(dtype))
         freqs = rope_freqs(torch.cat((txt_ids, img_ids), dim=1), self.params.axes_dim, self.params.theta)
-        return FluxHidden(img=img, txt=txt, vec=vec, freqs=freqs)
+        return FluxHidden(img=img, txt=txt, vec=vec, freqs=freqs, backends=backends)
 
     def run_blocks(self, h: FluxHidden, start: int = 0, stop: int | None = None) -> FluxHidden:
         """Blocks ``start`` to ``stop - 1`` of the stack (double-stream blocks first, then single-stream)."""
@@ -140,7 +144,7 @@ class Flux(nn.Module):
 
     def finish(self, h: FluxHidden) -> torch.Tensor:
         """The final layer on the image tokens: velocity ``[B, L_img, out_channels]``."""
-        return self.final_layer(h.stream, h.vec)
+        return self.final_layer(h.stream, h.vec, h.backends)
 
     def forward(
         self,
@@ -152,10 +156,11 @@ class Flux(nn.Module):
         y: torch.Tensor,
         guidance: torch.Tensor | None = None,
         block_runner=None,
+        backends: Backends = DEFAULT_BACKENDS,
     ) -> torch.Tensor:
         """``block_runner(model, hidden) -> hidden``, when given, runs the block stack in place of
         ``run_blocks`` (a step cache's hook); without one this is the reference forward."""
-        h = self.embed(img, img_ids, txt, txt_ids, timesteps, y, guidance)
+        h = self.embed(img, img_ids, txt, txt_ids, timesteps, y, guidance, backends)
         h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
         return self.finish(h)
 
@@ -173,6 +178,7 @@ class FluxHidden:
     vec: torch.Tensor
     freqs: object
     joint: torch.Tensor | None = None
+    backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
 
     @property
     def double_mod(self) -> tuple:
@@ -205,11 +211,13 @@ def run_stream_blocks(model: nn.Module, h: FluxHidden, start: int = 0, stop: int
     img, txt, joint = h.img, h.txt, h.joint
     for i in range(start, stop):
         if i < n_double:
-            img, txt = model.double_blocks[i](img, txt, *h.double_mod, h.freqs)
+            img, txt = model.double_blocks[i](img, txt, *h.double_mod, h.freqs, backends=h.backends)
         else:
             if joint is None:
                 joint = torch.cat((txt, img), dim=1)
-            joint = model.single_blocks[i - n_double](joint, h.single_mod, h.freqs, txt.shape[1])
+            joint = model.single_blocks[i - n_double](
+                joint, h.single_mod, h.freqs, txt.shape[1], backends=h.backends
+            )
     return dataclasses.replace(h, img=img, txt=txt, joint=joint)
 
 
@@ -264,7 +272,14 @@ def with_overrides(params: FluxParams, **changes) -> FluxParams:
 DEFAULT_GUIDANCE = 3.5  # what ComfyUI's Flux model uses when the conditioning carries no "guidance"
 
 
-def flux_velocity(model: Flux, x: torch.Tensor, sigma: torch.Tensor, cond, block_runner=None) -> torch.Tensor:
+def flux_velocity(
+    model: Flux,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    cond,
+    block_runner=None,
+    backends: Backends = DEFAULT_BACKENDS,
+) -> torch.Tensor:
     """Velocity ``dx/dsigma`` for a latent ``x [B, 16, H, W]`` (model space) at noise level ``sigma [B]``.
 
     ``block_runner``: see :meth:`Flux.forward`."""
@@ -282,5 +297,6 @@ def flux_velocity(model: Flux, x: torch.Tensor, sigma: torch.Tensor, cond, block
         y=cond.pooled,
         guidance=guidance,
         block_runner=block_runner,
+        backends=backends,
     )
     return unpack_latent(out, h, w)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import rope_freqs
 from .flux import FluxHidden, run_stream_blocks
@@ -156,6 +157,7 @@ class Flux2(nn.Module):
         ctx: torch.Tensor,
         ctx_ids: torch.Tensor,
         guidance: torch.Tensor | None = None,
+        backends: Backends = DEFAULT_BACKENDS,
     ) -> Flux2Hidden:
         """Inputs -> the residual stream before block 0 (tokens, conditioning vector, shared modulation, rotations)."""
         if x.ndim != 3 or ctx.ndim != 3:
@@ -175,6 +177,7 @@ class Flux2(nn.Module):
             mod_img=self.double_stream_modulation_img(vec),
             mod_txt=self.double_stream_modulation_txt(vec),
             mod_single=self.single_stream_modulation(vec)[0],
+            backends=backends,
         )
 
     def run_blocks(self, h: Flux2Hidden, start: int = 0, stop: int | None = None) -> Flux2Hidden:
@@ -183,7 +186,7 @@ class Flux2(nn.Module):
 
     def finish(self, h: Flux2Hidden) -> torch.Tensor:
         """The final layer on the image tokens: velocity ``[B, L_img, 128]``."""
-        return self.final_layer(h.stream, h.vec)
+        return self.final_layer(h.stream, h.vec, h.backends)
 
     def forward(
         self,
@@ -194,10 +197,11 @@ class Flux2(nn.Module):
         ctx_ids: torch.Tensor,
         guidance: torch.Tensor | None = None,
         block_runner=None,
+        backends: Backends = DEFAULT_BACKENDS,
     ) -> torch.Tensor:
         """``block_runner(model, hidden) -> hidden``, when given, runs the block stack in place of
         ``run_blocks`` (a step cache's hook); without one this is the reference forward."""
-        h = self.embed(x, x_ids, timesteps, ctx, ctx_ids, guidance)
+        h = self.embed(x, x_ids, timesteps, ctx, ctx_ids, guidance, backends)
         h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
         return self.finish(h)
 
@@ -292,7 +296,12 @@ DEFAULT_GUIDANCE = 4.0
 
 
 def flux2_velocity(
-    model: Flux2, x: torch.Tensor, sigma: torch.Tensor, cond, block_runner=None
+    model: Flux2,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    cond,
+    block_runner=None,
+    backends: Backends = DEFAULT_BACKENDS,
 ) -> torch.Tensor:
     """Velocity ``dx/dsigma`` for a model-space latent ``x [B, 128, H/16, W/16]`` at noise level ``sigma [B]``.
 
@@ -317,5 +326,6 @@ def flux2_velocity(
         ctx_ids=text_ids(b, cond.context.shape[1], device=x.device),
         guidance=guidance,
         block_runner=block_runner,
+        backends=backends,
     )
     return unpack_latent(out, h, w)

@@ -6,7 +6,8 @@ scale, gate) triples once per forward from the conditioning vector and every blo
 
 Attribute names are the official checkpoint's key names (``img_attn.qkv``, ``norm.query_norm.scale``,
 ``img_mlp.0``, ``linear1``...), so a BFL ``flux2-*.safetensors`` file loads with no renaming.
-Tensors are ``[batch, tokens, heads, head_dim]`` around attention (see ``engine.attention``).
+Tensors are ``[batch, tokens, heads, head_dim]`` around attention; attention, norms and RoPE run through the
+forward's ``backends`` (``engine.backends``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends import Backends
 from ..ops import Linear
 from ..rope import RopeFreqs
 from .flux_layers import MLPEmbedder, QKNorm, double_stream, norm_modulate, rope_attention, timestep_embedding
@@ -63,9 +65,9 @@ class SelfAttention(nn.Module):
         self.norm = QKNorm(dim // num_heads)
         self.proj = Linear(dim, dim, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, backends: Backends) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
-        q, k = self.norm(q, k)
+        q, k = self.norm(q, k, backends)
         return q, k, v
 
 
@@ -95,9 +97,10 @@ class DoubleStreamBlock(nn.Module):
         self.txt_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.txt_mlp = _mlp(hidden_size, mlp_hidden_dim)
 
-    def forward(self, img, txt, mod_img, mod_txt, freqs: RopeFreqs):
+    def forward(self, img, txt, mod_img, mod_txt, freqs: RopeFreqs, *, backends: Backends):
         """``mod_img`` / ``mod_txt``: the two (shift, scale, gate) triples of each stream (shared)."""
-        return double_stream(self, img, txt, (*mod_img[0], *mod_img[1]), (*mod_txt[0], *mod_txt[1]), freqs)
+        mods = (*mod_img[0], *mod_img[1]), (*mod_txt[0], *mod_txt[1])
+        return double_stream(self, img, txt, *mods, freqs, backends)
 
 
 class SingleStreamBlock(nn.Module):
@@ -114,17 +117,17 @@ class SingleStreamBlock(nn.Module):
         self.pre_norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp_act = SiLUGate()
 
-    def forward(self, x, mod: ModTriple, freqs: RopeFreqs, txt_tokens: int = 0):
+    def forward(self, x, mod: ModTriple, freqs: RopeFreqs, txt_tokens: int = 0, *, backends: Backends):
         """``x [B, txt_tokens + L_img, C]``: the text tokens first, then the image tokens."""
         shift, scale, gate = mod
         qkv, mlp = torch.split(
-            self.linear1(norm_modulate(self.pre_norm, x, shift, scale)),
+            self.linear1(norm_modulate(self.pre_norm, x, shift, scale, backends)),
             [3 * self.hidden_size, 2 * self.mlp_hidden_dim],
             -1,
         )
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(2)
-        q, k = self.norm(q, k)
-        attn = rope_attention(q, k, v, freqs, txt_tokens)
+        q, k = self.norm(q, k, backends)
+        attn = rope_attention(q, k, v, freqs, txt_tokens, backends)
         return x + gate * self.linear2(torch.cat((attn, self.mlp_act(mlp)), dim=2))
 
 
@@ -135,6 +138,6 @@ class LastLayer(nn.Module):
         self.linear = Linear(hidden_size, out_channels, bias=False)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden_size, 2 * hidden_size, bias=False))
 
-    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, backends: Backends) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)
-        return self.linear(norm_modulate(self.norm_final, x, shift[:, None, :], scale[:, None, :]))
+        return self.linear(norm_modulate(self.norm_final, x, shift[:, None, :], scale[:, None, :], backends))

@@ -2,7 +2,9 @@
 
 Attribute names are the official checkpoint's key names (``img_attn.qkv``, ``norm.query_norm.scale``,
 ``adaLN_modulation.1``...), so a BFL ``flux1-*.safetensors`` file loads with no renaming.
-Tensors are ``[batch, tokens, heads, head_dim]`` around attention (see ``engine.attention``).
+Tensors are ``[batch, tokens, heads, head_dim]`` around attention. Attention, the norms and RoPE run through the
+``backends`` every forward is handed (``engine.backends``: the run's attention backend, kernel mode and
+sequence-parallel plan).
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import kernels
-from ..attention import attention
+from ..backends import Backends
 from ..ops import Linear
-from ..rope import RopeFreqs, apply_rope
+from ..rope import RopeFreqs
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000, time_factor: float = 1000.0):
@@ -49,8 +50,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.scale, 1e-6)
+    def forward(self, x: torch.Tensor, backends: Backends) -> torch.Tensor:
+        return backends.rms_norm(x, self.scale, 1e-6)
 
 
 class QKNorm(nn.Module):
@@ -59,8 +60,10 @@ class QKNorm(nn.Module):
         self.query_norm = RMSNorm(dim)
         self.key_norm = RMSNorm(dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.query_norm(q), self.key_norm(k)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, backends: Backends
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query_norm(q, backends), self.key_norm(k, backends)
 
 
 class SelfAttention(nn.Module):
@@ -73,9 +76,9 @@ class SelfAttention(nn.Module):
         self.norm = QKNorm(dim // num_heads)
         self.proj = Linear(dim, dim)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, backends: Backends) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).unbind(2)
-        q, k = self.norm(q, k)
+        q, k = self.norm(q, k, backends)
         return q, k, v
 
 
@@ -96,10 +99,10 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def norm_modulate(
-    norm: nn.LayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+    norm: nn.LayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, backends: Backends
 ) -> torch.Tensor:
     """``modulate(norm(x), shift, scale)`` for ``shift, scale [B, 1, C]``, one fused kernel (adaLN)."""
-    return kernels.adaln_modulate(x, shift, scale, norm.eps)
+    return backends.adaln_modulate(x, shift, scale, norm.eps)
 
 
 def _mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
@@ -110,13 +113,13 @@ def _mlp(hidden_size: int, mlp_hidden_dim: int) -> nn.Sequential:
     )
 
 
-def rope_attention(q, k, v, freqs: RopeFreqs, txt_tokens: int = 0) -> torch.Tensor:
+def rope_attention(q, k, v, freqs: RopeFreqs, txt_tokens: int, backends: Backends) -> torch.Tensor:
     """RoPE on q and k, attention, heads merged: ``[B, L, H, D]`` -> ``[B, L, H * D]``.
 
     ``txt_tokens``: the text tokens in front of the image tokens, whole on every rank under sequence
-    parallelism (the image tokens may be a shard; see ``engine.attention``)."""
-    q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-    return attention(q, k, v, replicated_prefix=txt_tokens).flatten(2)
+    parallelism (the image tokens may be a shard; see ``engine.backends``)."""
+    q, k = backends.apply_rope(q, freqs), backends.apply_rope(k, freqs)
+    return backends.attention(q, k, v, replicated_prefix=txt_tokens).flatten(2)
 
 
 class DoubleStreamBlock(nn.Module):
@@ -139,30 +142,34 @@ class DoubleStreamBlock(nn.Module):
         self.txt_norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.txt_mlp = _mlp(hidden_size, mlp_hidden_dim)
 
-    def forward(self, img, txt, vec, freqs: RopeFreqs):
-        return double_stream(self, img, txt, self.img_mod(vec), self.txt_mod(vec), freqs)
+    def forward(self, img, txt, vec, freqs: RopeFreqs, *, backends: Backends):
+        return double_stream(self, img, txt, self.img_mod(vec), self.txt_mod(vec), freqs, backends)
 
 
-def double_stream(block: nn.Module, img, txt, mod_img, mod_txt, freqs: RopeFreqs):
+def double_stream(block: nn.Module, img, txt, mod_img, mod_txt, freqs: RopeFreqs, backends: Backends):
     """The double-stream update of FLUX.1 and FLUX.2 (they differ in where the modulation comes from and in the
     MLP): ``mod_img`` / ``mod_txt`` are each stream's (shift, scale, gate) x 2 for attention and MLP; ``block``
     holds ``img_norm1/2``, ``img_attn``, ``img_mlp`` and the same for ``txt``."""
     i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = mod_img
     t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = mod_txt
 
-    img_q, img_k, img_v = block.img_attn.project(norm_modulate(block.img_norm1, img, i_shift1, i_scale1))
-    txt_q, txt_k, txt_v = block.txt_attn.project(norm_modulate(block.txt_norm1, txt, t_shift1, t_scale1))
+    img_q, img_k, img_v = block.img_attn.project(
+        norm_modulate(block.img_norm1, img, i_shift1, i_scale1, backends), backends
+    )
+    txt_q, txt_k, txt_v = block.txt_attn.project(
+        norm_modulate(block.txt_norm1, txt, t_shift1, t_scale1, backends), backends
+    )
 
     q = torch.cat((txt_q, img_q), dim=1)
     k = torch.cat((txt_k, img_k), dim=1)
     v = torch.cat((txt_v, img_v), dim=1)
-    attn = rope_attention(q, k, v, freqs, txt.shape[1])
+    attn = rope_attention(q, k, v, freqs, txt.shape[1], backends)
     txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 
     img = img + i_gate1 * block.img_attn.proj(img_attn)
-    img = img + i_gate2 * block.img_mlp(norm_modulate(block.img_norm2, img, i_shift2, i_scale2))
+    img = img + i_gate2 * block.img_mlp(norm_modulate(block.img_norm2, img, i_shift2, i_scale2, backends))
     txt = txt + t_gate1 * block.txt_attn.proj(txt_attn)
-    txt = txt + t_gate2 * block.txt_mlp(norm_modulate(block.txt_norm2, txt, t_shift2, t_scale2))
+    txt = txt + t_gate2 * block.txt_mlp(norm_modulate(block.txt_norm2, txt, t_shift2, t_scale2, backends))
     return img, txt
 
 
@@ -181,17 +188,17 @@ class SingleStreamBlock(nn.Module):
         self.mlp_act = nn.GELU(approximate="tanh")
         self.modulation = Modulation(hidden_size, double=False)
 
-    def forward(self, x, vec, freqs: RopeFreqs, txt_tokens: int = 0):
+    def forward(self, x, vec, freqs: RopeFreqs, txt_tokens: int = 0, *, backends: Backends):
         """``x [B, txt_tokens + L_img, C]``: the text tokens first, then the image tokens."""
         shift, scale, gate = self.modulation(vec)
         qkv, mlp = torch.split(
-            self.linear1(norm_modulate(self.pre_norm, x, shift, scale)),
+            self.linear1(norm_modulate(self.pre_norm, x, shift, scale, backends)),
             [3 * self.hidden_size, self.mlp_hidden_dim],
             -1,
         )
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(2)
-        q, k = self.norm(q, k)
-        attn = rope_attention(q, k, v, freqs, txt_tokens)
+        q, k = self.norm(q, k, backends)
+        attn = rope_attention(q, k, v, freqs, txt_tokens, backends)
         return x + gate * self.linear2(torch.cat((attn, self.mlp_act(mlp)), dim=2))
 
 
@@ -202,6 +209,6 @@ class LastLayer(nn.Module):
         self.linear = Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden_size, 2 * hidden_size, bias=True))
 
-    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, backends: Backends) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)
-        return self.linear(norm_modulate(self.norm_final, x, shift[:, None, :], scale[:, None, :]))
+        return self.linear(norm_modulate(self.norm_final, x, shift[:, None, :], scale[:, None, :], backends))

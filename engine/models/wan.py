@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import RopeFreqs, rope_freqs
 from .wan_layers import Head, WanAttentionBlock
@@ -165,6 +166,7 @@ class Wan(nn.Module):
         kv=None,
         cross_kv=None,
         freqs: RopeFreqs | None = None,
+        backends: Backends = DEFAULT_BACKENDS,
     ) -> WanHidden:
         """Inputs (as :meth:`forward`) -> the residual stream before block 0."""
         dtype = self.patch_embedding.weight.dtype
@@ -175,7 +177,7 @@ class Wan(nn.Module):
         ctx = context_embedded if context_embedded is not None else self.embed_context(context)
         if freqs is None:
             freqs = self.rope(grid, start_frame, x.device) if kv is None else kv.query_rope()
-        return WanHidden(tokens, e, e0, freqs, ctx, grid, kv, cross_kv)
+        return WanHidden(tokens, e, e0, freqs, ctx, grid, kv, cross_kv, backends)
 
     def run_blocks(self, h: WanHidden, start: int = 0, stop: int | None = None) -> WanHidden:
         """Blocks ``start`` to ``stop - 1``."""
@@ -186,13 +188,14 @@ class Wan(nn.Module):
             tokens = block(
                 tokens, h.e0, h.freqs, h.ctx, h.grid[0],
                 kv=None if h.kv is None else h.kv.layer(i),
-                cross_kv=None if h.cross_kv is None else h.cross_kv.layer(i, block.cross_attn, h.ctx),
+                cross_kv=None if h.cross_kv is None else h.cross_kv.layer(i),
+                backends=h.backends,
             )  # fmt: skip
         return dataclasses.replace(h, tokens=tokens)
 
     def finish(self, h: WanHidden) -> torch.Tensor:
         """The head and unpatchify: velocity ``[B, C, F, H, W]`` in float32."""
-        return self.unpatchify(self.head(h.tokens, h.e, h.grid[0]), h.grid).float()
+        return self.unpatchify(self.head(h.tokens, h.e, h.grid[0], h.backends), h.grid).float()
 
     def forward(
         self,
@@ -206,6 +209,7 @@ class Wan(nn.Module):
         cross_kv=None,
         freqs: RopeFreqs | None = None,
         block_runner=None,
+        backends: Backends = DEFAULT_BACKENDS,
     ) -> torch.Tensor:
         """Velocity for ``x [B, C, F, H, W]``; see the module docstring.
 
@@ -213,11 +217,12 @@ class Wan(nn.Module):
         ``kv.layer(i).attend(q, k, v)`` runs layer ``i``'s attention); ``cross_kv``: a per-prompt cache of the
         text keys/values. ``freqs`` overrides the query rotations. ``context_embedded`` skips the text embedding
         when the caller already holds it. ``block_runner(model, hidden) -> hidden``, when given, runs the block
-        stack in place of ``run_blocks`` (a step cache's hook).
+        stack in place of ``run_blocks`` (a step cache's hook). ``backends``: how this run computes attention,
+        norms and RoPE (``engine.backends``).
         """
         h = self.embed(
             x, timestep, context, context_embedded=context_embedded, start_frame=start_frame, kv=kv,
-            cross_kv=cross_kv, freqs=freqs,
+            cross_kv=cross_kv, freqs=freqs, backends=backends,
         )  # fmt: skip
         h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
         return self.finish(h)
@@ -235,6 +240,7 @@ class WanHidden:
     grid: tuple[int, int, int]
     kv: object = None
     cross_kv: object = None
+    backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
 
     @property
     def stream(self) -> torch.Tensor:
@@ -249,9 +255,16 @@ def tokens_per_frame(params: WanParams, height: int, width: int) -> int:
     return (height // params.patch_size[1]) * (width // params.patch_size[2])
 
 
-def wan_velocity(model: Wan, x: torch.Tensor, sigma: torch.Tensor, cond, block_runner=None) -> torch.Tensor:
+def wan_velocity(
+    model: Wan,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    cond,
+    block_runner=None,
+    backends: Backends = DEFAULT_BACKENDS,
+) -> torch.Tensor:
     """Family adapter: velocity at noise level ``sigma [B]`` (flow, timestep = 1000 * sigma)."""
-    return model(x, sigma * 1000.0, cond.context, block_runner=block_runner)
+    return model(x, sigma * 1000.0, cond.context, block_runner=block_runner, backends=backends)
 
 
 __all__ = ["PRESETS", "Wan", "WanHidden", "WanParams", "tokens_per_frame", "wan_velocity"]

@@ -1,8 +1,10 @@
 """Building blocks of the Wan 2.1 video DiT. Attribute names are the official checkpoint keys
 (``blocks.N.self_attn.q``, ``blocks.N.cross_attn.norm_k``, ``blocks.N.modulation``, ``head.head``...).
 
-Self-attention takes an optional ``kv`` view of a causal KV cache (``engine.causal``): without one it is the
-bidirectional attention of the reference; with one, ``kv.attend(q, k, v)`` writes the current chunk's keys and
+Attention, norms and RoPE run through the forward's ``backends`` (``engine.backends``: the run's attention backend,
+kernel mode and sequence-parallel plan). Self-attention takes an optional ``kv`` view of a causal KV cache
+(``engine.causal``): without one it is the bidirectional attention of the reference; with one,
+``kv.attend(q, k, v, backends)`` writes the current chunk's keys and
 values into the cache and attends to everything the cache makes visible. Cross-attention likewise takes an
 optional per-prompt cache of the text keys and values.
 """
@@ -13,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import kernels
-from ..attention import attention
+from ..backends import Backends
 from ..ops import Linear
-from ..rope import RopeFreqs, apply_rope
+from ..rope import RopeFreqs
 
 
 class WanRMSNorm(nn.Module):
@@ -27,8 +28,8 @@ class WanRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, backends: Backends) -> torch.Tensor:
+        return backends.rms_norm(x, self.weight, self.eps)
 
 
 class WanLayerNorm(nn.LayerNorm):
@@ -54,16 +55,16 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps)
         self.norm_k = WanRMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, freqs: RopeFreqs, kv=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs: RopeFreqs, kv, backends: Backends) -> torch.Tensor:
         b, s = x.shape[:2]
-        q = self.norm_q(self.q(x)).view(b, s, self.num_heads, -1)
-        k = self.norm_k(self.k(x)).view(b, s, self.num_heads, -1)
+        q = self.norm_q(self.q(x), backends).view(b, s, self.num_heads, -1)
+        k = self.norm_k(self.k(x), backends).view(b, s, self.num_heads, -1)
         v = self.v(x).view(b, s, self.num_heads, -1)
-        q = apply_rope(q, freqs).type_as(x)
+        q = backends.apply_rope(q, freqs).type_as(x)
         if kv is None:
-            out = attention(q, apply_rope(k, freqs).type_as(x), v)
+            out = backends.attention(q, backends.apply_rope(k, freqs).type_as(x), v)
         else:  # a KV cache (or a masked reference): it stores, rotates and attends to the keys it makes visible
-            out = kv.attend(q, k, v)
+            out = kv.attend(q, k, v, backends)
         return self.o(out.flatten(2))
 
 
@@ -71,18 +72,22 @@ class WanCrossAttention(WanSelfAttention):
     """Text cross-attention (the t2v variant): the same projections and q/k norms as self-attention, no RoPE.
     Keys/values depend only on the prompt, so a cache may hold them."""
 
-    def context_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(self, context: torch.Tensor, backends: Backends) -> tuple[torch.Tensor, torch.Tensor]:
         b = context.shape[0]
-        k = self.norm_k(self.k(context)).view(b, -1, self.num_heads, context.shape[-1] // self.num_heads)
+        k = self.norm_k(self.k(context), backends).view(
+            b, -1, self.num_heads, context.shape[-1] // self.num_heads
+        )
         v = self.v(context).view(b, -1, self.num_heads, context.shape[-1] // self.num_heads)
         return k, v
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, kv: tuple | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, context: torch.Tensor, kv: tuple | None, backends: Backends
+    ) -> torch.Tensor:
         b = x.shape[0]
-        q = self.norm_q(self.q(x)).view(b, -1, self.num_heads, x.shape[-1] // self.num_heads)
-        k, v = self.context_kv(context) if kv is None else kv
+        q = self.norm_q(self.q(x), backends).view(b, -1, self.num_heads, x.shape[-1] // self.num_heads)
+        k, v = self.context_kv(context, backends) if kv is None else kv
         # every rank holds the whole prompt: under sequence parallelism this needs no communication
-        return self.o(attention(q, k, v, replicated_kv=True).flatten(2))
+        return self.o(backends.attention(q, k, v, replicated_kv=True).flatten(2))
 
 
 def modulate_frames(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, frames: int) -> torch.Tensor:
@@ -92,11 +97,11 @@ def modulate_frames(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, f
 
 
 def norm_modulate_frames(
-    norm: WanLayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+    norm: WanLayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, backends: Backends
 ) -> torch.Tensor:
     """``modulate_frames(norm(x), shift, scale, F)`` for ``shift, scale [B, F, 1, C]`` (``norm`` without affine
     weights, ``x`` float32), one fused kernel (adaLN)."""
-    return kernels.adaln_modulate(x, shift.squeeze(2), scale.squeeze(2), norm.eps)
+    return backends.adaln_modulate(x, shift.squeeze(2), scale.squeeze(2), norm.eps)
 
 
 def gate_frames(y: torch.Tensor, gate: torch.Tensor, frames: int) -> torch.Tensor:
@@ -114,7 +119,9 @@ class WanAttentionBlock(nn.Module):
         self.ffn = nn.Sequential(Linear(dim, ffn_dim), nn.GELU(approximate="tanh"), Linear(ffn_dim, dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def forward(self, x, e, freqs: RopeFreqs, context, frames: int, kv=None, cross_kv=None):
+    def forward(
+        self, x, e, freqs: RopeFreqs, context, frames: int, kv=None, cross_kv=None, *, backends: Backends
+    ):
         """``x [B, F*T, C]`` the float32 residual stream (as in the reference, where the first gated residual
         promotes it to float32); ``e [B, F, 6, C]`` per-frame modulation (float32); ``context`` in the compute
         dtype, which is the dtype every linear layer runs in."""
@@ -122,10 +129,12 @@ class WanAttentionBlock(nn.Module):
             6, dim=2
         )
         dtype = context.dtype
-        y = self.self_attn(norm_modulate_frames(self.norm1, x, shift1, scale1).to(dtype), freqs, kv)
+        y = self.self_attn(
+            norm_modulate_frames(self.norm1, x, shift1, scale1, backends).to(dtype), freqs, kv, backends
+        )
         x = x + gate_frames(y, gate1, frames)
-        x = x + self.cross_attn(self.norm3(x).to(dtype), context, cross_kv).float()
-        y = self.ffn(norm_modulate_frames(self.norm2, x, shift2, scale2).to(dtype))
+        x = x + self.cross_attn(self.norm3(x).to(dtype), context, cross_kv, backends).float()
+        y = self.ffn(norm_modulate_frames(self.norm2, x, shift2, scale2, backends).to(dtype))
         return x + gate_frames(y, gate2, frames)
 
 
@@ -136,8 +145,8 @@ class Head(nn.Module):
         self.head = Linear(dim, out_dim * patch_size[0] * patch_size[1] * patch_size[2])
         self.modulation = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
 
-    def forward(self, x: torch.Tensor, e: torch.Tensor, frames: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, e: torch.Tensor, frames: int, backends: Backends) -> torch.Tensor:
         """``e [B, F, C]``: the per-frame time embedding (before the 6-way projection). Runs in float32, as the
         reference does (its head sits under a float32 autocast)."""
         shift, scale = (self.modulation.float().unsqueeze(1) + e.unsqueeze(2)).chunk(2, dim=2)
-        return self.head(norm_modulate_frames(self.norm, x, shift, scale))
+        return self.head(norm_modulate_frames(self.norm, x, shift, scale, backends))

@@ -30,6 +30,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import RopeFreqs, axis_angles
 from .zimage_layers import (
@@ -153,6 +154,7 @@ class ZImageHidden:
     img_tokens: int  # real image tokens (before the image padding)
     height: int  # latent height and width, for unpatchify
     width: int
+    backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
 
     @property
     def stream(self) -> torch.Tensor:
@@ -207,7 +209,9 @@ class ZImage(nn.Module):
         """Blocks of the residual stack a step cache sees: the single-stream ``layers``."""
         return len(self.layers)
 
-    def embed(self, x: torch.Tensor, t: torch.Tensor, cap_feats: torch.Tensor) -> ZImageHidden:
+    def embed(
+        self, x: torch.Tensor, t: torch.Tensor, cap_feats: torch.Tensor, backends: Backends = DEFAULT_BACKENDS
+    ) -> ZImageHidden:
         """Inputs -> the joint sequence before ``layers[0]`` (both refiners included)."""
         p = self.params
         if x.ndim != 4 or x.shape[1] != p.in_channels:
@@ -227,7 +231,8 @@ class ZImage(nn.Module):
 
         cap_len = cap_feats.shape[1]
         txt_tokens = padded_length(cap_len, p.seq_multiple)
-        cap = self.cap_embedder(cap_feats.to(dtype))
+        cap_norm, cap_linear = self.cap_embedder
+        cap = cap_linear(cap_norm(cap_feats.to(dtype), backends))
         if txt_tokens > cap_len:
             cap = torch.cat((cap, self.cap_pad_token.to(dtype).expand(b, txt_tokens - cap_len, -1)), dim=1)
 
@@ -243,9 +248,9 @@ class ZImage(nn.Module):
             image_ids(b, rows, cols, txt_tokens + 1, img_padded, dev), p.axes_dims, p.rope_theta
         )
         for layer in self.noise_refiner:
-            img = layer(img, img_freqs, vec)
+            img = layer(img, img_freqs, vec, backends=backends)
         for layer in self.context_refiner:
-            cap = layer(cap, cap_freqs, replicated=True)
+            cap = layer(cap, cap_freqs, replicated=True, backends=backends)
         freqs = RopeFreqs(
             torch.cat((cap_freqs.cos, img_freqs.cos), dim=1), torch.cat((cap_freqs.sin, img_freqs.sin), dim=1)
         )
@@ -257,6 +262,7 @@ class ZImage(nn.Module):
             img_tokens=img_tokens,
             height=h,
             width=w,
+            backends=backends,
         )
 
     def run_blocks(self, h: ZImageHidden, start: int = 0, stop: int | None = None) -> ZImageHidden:
@@ -264,21 +270,27 @@ class ZImage(nn.Module):
         stop = self.num_blocks if stop is None else stop
         joint = h.joint
         for i in range(start, stop):
-            joint = self.layers[i](joint, h.freqs, h.vec, replicated_prefix=h.txt_tokens)
+            joint = self.layers[i](joint, h.freqs, h.vec, replicated_prefix=h.txt_tokens, backends=h.backends)
         return dataclasses.replace(h, joint=joint)
 
     def finish(self, h: ZImageHidden) -> torch.Tensor:
         """The final layer on the real image tokens -> the reference output ``[B, C, H, W]``."""
         img = h.stream[:, : h.img_tokens]
-        out = self.all_final_layer[self.params.patch_key](img, h.vec)
+        out = self.all_final_layer[self.params.patch_key](img, h.vec, h.backends)
         return unpatchify(out, h.height, h.width, self.params.patch_size)
 
     def forward(
-        self, x: torch.Tensor, t: torch.Tensor, cap_feats: torch.Tensor, block_runner=None
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cap_feats: torch.Tensor,
+        block_runner=None,
+        backends: Backends = DEFAULT_BACKENDS,
     ) -> torch.Tensor:
         """``block_runner(model, hidden) -> hidden``, when given, runs the single-stream stack in place of
-        ``run_blocks`` (a step cache's hook); without one this is the reference forward."""
-        h = self.embed(x, t, cap_feats)
+        ``run_blocks`` (a step cache's hook); without one this is the reference forward. ``backends``: how this
+        run computes attention, norms and RoPE (``engine.backends``)."""
+        h = self.embed(x, t, cap_feats, backends)
         h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
         return self.finish(h)
 
@@ -296,7 +308,12 @@ def random_inputs(
 
 
 def zimage_velocity(
-    model: ZImage, x: torch.Tensor, sigma: torch.Tensor, cond, block_runner=None
+    model: ZImage,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    cond,
+    block_runner=None,
+    backends: Backends = DEFAULT_BACKENDS,
 ) -> torch.Tensor:
     """Velocity ``dx/dsigma`` for a latent ``x [B, 16, H, W]`` (model space: the FLUX.1 AE latent after its
     shift and scale) at noise level ``sigma [B]``; ``cond.context [B, L, 2560]`` the Qwen3 caption features.
@@ -305,4 +322,4 @@ def zimage_velocity(
     (``latents = step(-out)``, an Euler step of ``dx/dsigma``), so the velocity is ``-model(x, 1 - sigma)``.
     """
     t = 1.0 - sigma.to(torch.float32)
-    return -model(x, t, cond.context, block_runner=block_runner)
+    return -model(x, t, cond.context, block_runner=block_runner, backends=backends)

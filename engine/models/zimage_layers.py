@@ -3,7 +3,8 @@
 Attribute names are the official checkpoint's key names (``attention.to_q``, ``attention.norm_q.weight``,
 ``feed_forward.w1``, ``adaLN_modulation.0``, ``all_final_layer.2-1.adaLN_modulation.1``...), so a
 Tongyi-MAI ``transformer/diffusion_pytorch_model*.safetensors`` file loads with no renaming.
-Tensors are ``[batch, tokens, heads, head_dim]`` around attention (see ``engine.attention``).
+Tensors are ``[batch, tokens, heads, head_dim]`` around attention; attention, norms and RoPE run through the
+forward's ``backends`` (``engine.backends``).
 
 Semantics (Tongyi-MAI/Z-Image ``src/zimage/transformer.py``): RMSNorm everywhere (eps 1e-5) except the final
 layer's LayerNorm; a "sandwich" block, ``x + gate * norm2(attn(norm1(x) * (1 + scale)))`` and the same for the
@@ -17,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import kernels
-from ..attention import attention
+from ..backends import Backends
 from ..ops import Linear
-from ..rope import RopeFreqs, apply_rope
+from ..rope import RopeFreqs
 from .flux_layers import timestep_embedding
 
 ADALN_EMBED_DIM = 256  # src/config/model.py ADALN_EMBED_DIM: the modulation input is min(dim, 256) wide
@@ -38,8 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, backends: Backends) -> torch.Tensor:
+        return backends.rms_norm(x, self.weight, self.eps)
 
 
 class TimestepEmbedder(nn.Module):
@@ -101,7 +101,7 @@ class ZImageAttention(nn.Module):
         self.norm_k = RMSNorm(self.head_dim, eps=eps) if qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, freqs: RopeFreqs, replicated_prefix: int = 0, replicated: bool = False
+        self, x: torch.Tensor, freqs: RopeFreqs, replicated_prefix: int, replicated: bool, backends: Backends
     ) -> torch.Tensor:
         """``replicated_prefix``: leading tokens every rank holds whole under sequence parallelism (the
         caption in the single-stream layers); ``replicated``: all tokens are whole on every rank (the context
@@ -110,11 +110,11 @@ class ZImageAttention(nn.Module):
         k = self.to_k(x).unflatten(-1, (self.n_kv_heads, -1))
         v = self.to_v(x).unflatten(-1, (self.n_kv_heads, -1))
         if self.norm_q is not None:
-            q = self.norm_q(q)
+            q = self.norm_q(q, backends)
         if self.norm_k is not None:
-            k = self.norm_k(k)
-        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
-        out = attention(q, k, v, replicated_prefix=replicated_prefix, replicated_kv=replicated)
+            k = self.norm_k(k, backends)
+        q, k = backends.apply_rope(q, freqs), backends.apply_rope(k, freqs)
+        out = backends.attention(q, k, v, replicated_prefix=replicated_prefix, replicated_kv=replicated)
         return self.to_out[0](out.flatten(2))
 
 
@@ -143,7 +143,10 @@ class ZImageTransformerBlock(nn.Module):
         adaln_input: torch.Tensor | None = None,
         replicated_prefix: int = 0,
         replicated: bool = False,
+        *,
+        backends: Backends,
     ) -> torch.Tensor:
+        b = backends
         if self.modulation:
             if adaln_input is None:
                 raise ValueError("a modulated Z-Image block needs the timestep embedding")
@@ -152,14 +155,14 @@ class ZImageTransformerBlock(nn.Module):
             )
             gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
             attn = self.attention(
-                self.attention_norm1(x) * (1.0 + scale_msa), freqs, replicated_prefix, replicated
+                self.attention_norm1(x, b) * (1.0 + scale_msa), freqs, replicated_prefix, replicated, b
             )
-            x = x + gate_msa * self.attention_norm2(attn)
-            ffn = self.feed_forward(self.ffn_norm1(x) * (1.0 + scale_mlp))
-            return x + gate_mlp * self.ffn_norm2(ffn)
-        attn = self.attention(self.attention_norm1(x), freqs, replicated_prefix, replicated)
-        x = x + self.attention_norm2(attn)
-        return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
+            x = x + gate_msa * self.attention_norm2(attn, b)
+            ffn = self.feed_forward(self.ffn_norm1(x, b) * (1.0 + scale_mlp))
+            return x + gate_mlp * self.ffn_norm2(ffn, b)
+        attn = self.attention(self.attention_norm1(x, b), freqs, replicated_prefix, replicated, b)
+        x = x + self.attention_norm2(attn, b)
+        return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x, b)), b)
 
 
 class FinalLayer(nn.Module):
@@ -173,6 +176,6 @@ class FinalLayer(nn.Module):
             nn.SiLU(), Linear(adaln_dim(hidden_size), hidden_size, bias=True)
         )
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, backends: Backends) -> torch.Tensor:
         scale = self.adaLN_modulation(c)[:, None, :]
-        return self.linear(kernels.adaln_modulate(x, torch.zeros_like(scale), scale, self.norm_final.eps))
+        return self.linear(backends.adaln_modulate(x, torch.zeros_like(scale), scale, self.norm_final.eps))

@@ -27,6 +27,7 @@ from ..causal import CausalConfig, VideoSession
 from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle, open_model
+from ..run import RunOptions, open_run
 from ..text_to_image import SampleRequest, sample
 from . import transport
 from .config import ParallelConfig
@@ -357,9 +358,10 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
         old = ctx.sessions.pop(key, None)
         if old is not None:
             old.dispose()
+        run = open_run(handle, RunOptions(compile=False, step_cache=False))  # the run's backends, this rank's
         session = VideoSession(
-            handle.model, job["context"].to(ctx.device), job["height"], job["width"],
-            CausalConfig(**job["config"]), job["seed"], parallel=CausalSharding(mesh),
+            run.model, job["context"].to(ctx.device), job["height"], job["width"],
+            CausalConfig(**job["config"]), job["seed"], parallel=CausalSharding(mesh), backends=run.backends,
         )  # fmt: skip
         ctx.sessions[key] = session
         while len(ctx.sessions) > MAX_SESSIONS:

@@ -124,7 +124,7 @@ def sequence_parallel_attention(
 
 
 class SequenceParallelPlan:
-    """What ``engine.attention.use_parallel_attention`` takes: attention over the mesh's sharded sequence."""
+    """What ``Backends(parallel=...)`` holds (``engine.backends``): attention over the mesh's sharded sequence."""
 
     def __init__(self, mesh: SequenceMesh, ulysses: bool = True):
         self.mesh, self.ulysses = mesh, ulysses

@@ -3,7 +3,7 @@
 The models know nothing of parallelism. Their forward is ``finish(run_blocks(embed(...)))`` and takes a
 ``block_runner`` hook; the runners here take the embedded stream (every rank embeds the whole, identical input),
 keep this rank's image / video tokens and their RoPE rotations, run the blocks with attention going through the
-mesh (``engine.attention.use_parallel_attention``), then all-gather the stream so the head runs on every token
+mesh (the hidden state's ``backends`` with the plan: ``Backends.with_parallel``), then all-gather the stream so the head runs on every token
 and every rank returns the same velocity. The sampler loop around the forward is therefore replicated exactly.
 
 * FLUX.1 and FLUX.2: the image tokens are split into ``world`` contiguous parts; the text stream stays whole
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention import use_parallel_attention
+from ..backends import DEFAULT_BACKENDS
 from ..handle import ModelHandle
 from ..models.registry import FAMILIES
 from ..models.zimage import padded_length
@@ -60,10 +60,12 @@ def flux_block_runner(mesh: SequenceMesh, inner=None):
             h,
             img=mesh.shard(h.img, dim=1),
             freqs=shard_freqs(h.freqs, mesh.rank, mesh.world, prefix=txt_tokens),
+            backends=h.backends.with_parallel(SequenceParallelPlan(mesh)),
         )
-        with use_parallel_attention(SequenceParallelPlan(mesh)):
-            out = model.run_blocks(local) if inner is None else inner(model, local)
-        return dataclasses.replace(out, img=mesh.gather(out.stream, dim=1), joint=None, freqs=h.freqs)
+        out = model.run_blocks(local) if inner is None else inner(model, local)
+        return dataclasses.replace(
+            out, img=mesh.gather(out.stream, dim=1), joint=None, freqs=h.freqs, backends=h.backends
+        )
 
     return run
 
@@ -77,11 +79,11 @@ def zimage_block_runner(mesh: SequenceMesh, inner=None):
             h,
             joint=torch.cat((h.joint[:, :prefix], mesh.shard(h.stream, dim=1)), dim=1),
             freqs=shard_freqs(h.freqs, mesh.rank, mesh.world, prefix=prefix),
+            backends=h.backends.with_parallel(SequenceParallelPlan(mesh)),
         )
-        with use_parallel_attention(SequenceParallelPlan(mesh)):
-            out = model.run_blocks(local) if inner is None else inner(model, local)
+        out = model.run_blocks(local) if inner is None else inner(model, local)
         joint = torch.cat((out.joint[:, :prefix], mesh.gather(out.stream, dim=1)), dim=1)
-        return dataclasses.replace(out, joint=joint, freqs=h.freqs)
+        return dataclasses.replace(out, joint=joint, freqs=h.freqs, backends=h.backends)
 
     return run
 
@@ -97,11 +99,14 @@ def wan_block_runner(mesh: SequenceMesh, inner=None):
             freqs = kv.query_rope()
         else:
             kv, freqs = None, shard_freqs(h.freqs, mesh.rank, mesh.world, frames=frames)
-        local = dataclasses.replace(h, tokens=mesh.shard(h.tokens, dim=1, frames=frames), freqs=freqs, kv=kv)
-        with use_parallel_attention(SequenceParallelPlan(mesh)):
-            out = model.run_blocks(local) if inner is None else inner(model, local)
+        plan = SequenceParallelPlan(mesh)
+        local = dataclasses.replace(
+            h, tokens=mesh.shard(h.tokens, dim=1, frames=frames), freqs=freqs, kv=kv,
+            backends=h.backends.with_parallel(plan),
+        )  # fmt: skip
+        out = model.run_blocks(local) if inner is None else inner(model, local)
         tokens = mesh.gather(out.tokens, dim=1, frames=frames)
-        return dataclasses.replace(out, tokens=tokens, freqs=h.freqs, kv=h.kv)
+        return dataclasses.replace(out, tokens=tokens, freqs=h.freqs, kv=h.kv, backends=h.backends)
 
     return run
 
@@ -125,12 +130,13 @@ class _ShardedLayer:
     def __init__(self, kv: ShardedKV, index: int):
         self.kv, self.index = kv, index
 
-    def attend(self, q, k, v):
-        """``q, k, v [B, F * T / world, H, D]`` (q rotated, k not) -> attention output of the same shape."""
+    def attend(self, q, k, v, backends):
+        """``q, k, v [B, F * T / world, H, D]`` (q rotated, k not) -> attention output of the same shape:
+        the Ulysses exchange here, the ring part of the plan inside the per-rank cache's attention."""
         mesh, frames = self.kv.mesh, self.kv.frames
         q, k, v = mesh.sequence_to_heads([q, k, v], frames=frames)  # [B, F * T / ring, H / ulysses, D]
-        with use_parallel_attention(SequenceParallelPlan(mesh).ring_only()):
-            out = self.kv.cache.layer(self.index).attend(q, k, v)
+        ring = backends.with_parallel(SequenceParallelPlan(mesh).ring_only())
+        out = self.kv.cache.layer(self.index).attend(q, k, v, ring)
         return mesh.heads_to_sequence(out, frames=frames)
 
 
@@ -217,7 +223,7 @@ class ShardedHandle(ModelHandle):
         velocity, mesh = family.velocity, self.mesh
         runner = image_sharding(family.name).block_runner
 
-        def sharded_velocity(model, x, sigma, cond, block_runner=None):
-            return velocity(model, x, sigma, cond, block_runner=runner(mesh, block_runner))
+        def sharded_velocity(model, x, sigma, cond, block_runner=None, backends=DEFAULT_BACKENDS):
+            return velocity(model, x, sigma, cond, block_runner=runner(mesh, block_runner), backends=backends)
 
         return dataclasses.replace(family, velocity=sharded_velocity)

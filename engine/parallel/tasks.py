@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..attention import attention, use_parallel_attention
+from ..backends import Backends
 from .sequence import SequenceParallelPlan
 from .sharding import wan_block_runner
 
@@ -35,14 +35,13 @@ def sleep(ctx, seconds: float) -> dict:
 
 
 def sequence_attention(ctx, q, k, v, replicated_prefix: int = 0, degrees=None) -> dict | None:
-    """``engine.attention.attention`` on this rank's shard of ``q, k, v [B, T + N, H, D]`` (the first
+    """``Backends.attention`` on this rank's shard of ``q, k, v [B, T + N, H, D]`` (the first
     ``replicated_prefix`` tokens whole on every rank) under a (ulysses, ring) plan; rank 0 returns the whole
     output (its text rows, every rank's image rows) and how far the ranks' text rows differ."""
     mesh = ctx.mesh(degrees)
     t = replicated_prefix
     local = [torch.cat((x[:, :t], mesh.shard(x[:, t:])), dim=1).to(ctx.device) for x in (q, k, v)]
-    with use_parallel_attention(SequenceParallelPlan(mesh)):
-        out = attention(*local, replicated_prefix=t)
+    out = Backends(parallel=SequenceParallelPlan(mesh)).attention(*local, replicated_prefix=t)
     comm = mesh.stats.snapshot()
     image = mesh.gather(out[:, t:].contiguous())
     text = out[:, :t].contiguous()

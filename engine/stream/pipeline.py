@@ -67,12 +67,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import use_attention_backend
-from ..compile.feature import start_compile_run
 from ..conditioning import TextCondition, for_family
 from ..denoiser import concat_conditions
 from ..errors import InputError
 from ..handle import ModelHandle
+from ..run import RunOptions, open_run
 from ..text_to_image import check_condition
 from ..vae.tiny import variants_for
 from .config import StreamConfig
@@ -282,6 +281,7 @@ class StreamBatch:
         config: StreamConfig | None = None,
         negative: TextCondition | None = None,
         seed: int = 0,
+        options: RunOptions | None = None,
     ):
         config = config or StreamConfig()
         config.check()
@@ -291,11 +291,12 @@ class StreamBatch:
         self.geometry = frame_geometry(handle, tiny_vae)
         check_frame_size(height, width, geometry=self.geometry)
         self.handle, self.vae, self.config, self.seed = handle, tiny_vae, config, int(seed)
-        # a compile feature on the handle (engine.compile) is used as the sampler uses it: its run object stands
-        # for the model; its telemetry joins the summary
-        self.compile_run = start_compile_run(handle)
+        # the stream's run (engine.run): its backends, and the handle's compile feature used as the sampler uses
+        # it (its telemetry joins the summary); a step cache has nothing to reuse across the stream's rows
+        run = open_run(handle, options or RunOptions(step_cache=False))
+        self.compile_run = run.compiled
         self._compile_telemetry = None
-        self.model = handle.model if self.compile_run is None else self.compile_run.model
+        self.model, self.backends = run.model, run.backends
         self.family = handle.family
         self.device, self.dtype = handle.device, handle.dtype
         self.size = (height, width)
@@ -385,7 +386,9 @@ class StreamBatch:
     # -- the model -------------------------------------------------------------------------------------------------
     def _velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: TextCondition) -> torch.Tensor:
         self.stats.add_forward(x.shape[0])
-        v = self.family.velocity(self.model, x.to(self.dtype), sigma.reshape(-1).float(), cond)
+        v = self.family.velocity(
+            self.model, x.to(self.dtype), sigma.reshape(-1).float(), cond, backends=self.backends
+        )
         return v.float()
 
     def model_velocities(
@@ -451,7 +454,7 @@ class StreamBatch:
         lo, hi = occupied[0], occupied[-1] + 1
         assert occupied == list(range(lo, hi)), groups  # groups enter at step 0 and leave at T - 1, in order
         t0 = time.perf_counter()
-        with torch.inference_mode(), use_attention_backend(self.handle.attention_backend):
+        with torch.inference_mode():
             s0 = self._row_sigma[:fb]
             if not new:  # flushing: the step-0 rows are empty and stay outside the forward
                 latents = torch.zeros_like(self._pending_x[:fb])

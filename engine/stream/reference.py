@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from ..attention import use_attention_backend
 from .guidance import advance
 from .pipeline import StreamBatch, check_frames
 
@@ -23,7 +22,7 @@ def denoise_sequential(stream: StreamBatch, latents: torch.Tensor) -> torch.Tens
     fb = c.frame_buffer_size
     sig = stream.sigmas.to(stream.device)
     latents = latents.to(stream.device, torch.float32)
-    with torch.inference_mode(), use_attention_backend(stream.handle.attention_backend):
+    with torch.inference_mode():
         x = (1 - sig[0]) * latents + sig[0] * stream.noise[0]
         ref = latents.clone()
         x0 = x

@@ -1,0 +1,104 @@
+"""One run of a model: the single place where a run's choices are composed.
+
+A *run* is one sampling job (``text_to_image.sample``), one causal video session (``causal.recipe.open_session``)
+or one stream batch (``stream.pipeline.StreamBatch``). Each opens a :class:`Run` with :func:`open_run`; nothing
+else decides how the model computes:
+
+* ``backends`` (``engine.backends.Backends``): the attention backend (the options', else the handle's), the kernel
+  mode (the options', else ``FEWSTEP_KERNELS``, else ``auto``) and the sequence-parallel plan (a worker's mesh);
+  handed to every forward, so the models read no process-global or thread-local switch;
+* ``model``: what to call, the plain model, or the compiled one with its CUDA graphs when the handle carries a
+  compile feature (``engine.compile``; ``compile=False`` in the options leaves it out);
+* ``step_cache``: the handle's step-cache gate (``engine.cache``), started for this run's schedule when the run
+  has one (image sampling) and passed on as the gate otherwise (a video session decides per chunk);
+* the KV storage of a causal session (bf16 / int8 / int4, recent chunks kept in full precision) is the session's
+  ``CausalConfig``, which the session builds its cache from; the run gives the cache its kernel mode.
+
+Nodes only build options: they put features on the handle (``with_feature``, as ComfyUI patches a model) and the
+engine composes them here, each switchable off on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import kernels
+from .attention import check_backend
+from .backends import Backends
+from .cache import STEP_CACHE_FEATURE
+from .compile.feature import start_compile_run
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """A run's own choices; None means "what the handle (or the environment) says"."""
+
+    attention_backend: str | None = None  # None: handle.attention_backend
+    kernel_mode: str | None = None  # None: FEWSTEP_KERNELS, else auto
+    parallel: object = None  # a sequence-parallel plan for every attention of the run (None: one process)
+    compile: bool = True  # run the handle's compile feature, if it has one
+    step_cache: bool = True  # run the handle's step-cache gate, if it has one
+
+    def backends_for(self, handle) -> Backends:
+        attention = self.attention_backend or getattr(handle, "attention_backend", "auto")
+        mode = self.kernel_mode or kernels.mode_from_environment()
+        return Backends(check_backend(attention, "attention"), kernels.check_mode(mode), self.parallel)
+
+
+@dataclass
+class Run:
+    """What one run uses; :meth:`finish` it (or :meth:`abort` it on an error) exactly once."""
+
+    handle: object = field(repr=False)
+    backends: Backends
+    model: object = field(repr=False)  # the forward to call (plain, or compiled / graphed)
+    compiled: object = None  # the compile feature's CompileRun (telemetry), or None
+    gate: object = None  # the handle's step-cache gate, or None
+    step_cache: object = None  # the gate's run for this run's schedule, when it is active
+    _cache_run: object = field(default=None, repr=False)  # started, active or not (its telemetry says why)
+
+    @property
+    def base_model(self):
+        """The engine model itself (what ``model`` stands for when it is a compiled wrapper)."""
+        return self.handle.model
+
+    def finish(self) -> tuple[object, object]:
+        """(step-cache telemetry or None, compile telemetry or None)."""
+        cache = self._cache_run.finish() if self._cache_run is not None else None
+        compiled = self.compiled.finish() if self.compiled is not None else None
+        return cache, compiled
+
+    def abort(self) -> None:
+        """After an error: drop what the step cache kept and close the compile run."""
+        if self._cache_run is not None:
+            self._cache_run.reset()
+        if self.compiled is not None:
+            self.compiled.finish()
+
+
+def open_run(
+    handle,
+    options: RunOptions | None = None,
+    *,
+    sigmas: torch.Tensor | None = None,
+    sampler: str | None = None,
+    uses_cfg: bool = False,
+) -> Run:
+    """The run of ``handle`` with ``options``. ``sigmas`` / ``sampler`` / ``uses_cfg``: the schedule of an image
+    sampling run, for the step-cache gate to decide on (without them the gate is passed on unstarted)."""
+    options = options or RunOptions()
+    backends = options.backends_for(handle)
+    gate = handle.feature(STEP_CACHE_FEATURE) if options.step_cache else None
+    cache_run = None
+    if gate is not None and sigmas is not None:
+        cache_run = gate.start_run(handle.model, sigmas, sampler, uses_cfg=uses_cfg)
+    step_cache = cache_run if cache_run is not None and cache_run.active else None
+    step_cache_on = step_cache is not None if sigmas is not None else gate is not None
+    compiled = start_compile_run(handle, step_cache_active=step_cache_on) if options.compile else None
+    model = handle.model if compiled is None else compiled.model
+    return Run(handle, backends, model, compiled, gate, step_cache, cache_run)
+
+
+__all__ = ["Run", "RunOptions", "open_run"]

@@ -43,10 +43,13 @@ class FlowDenoiser:
 
     def __init__(
         self, model, family, positive, negative=None, cfg: float = 1.0, dtype=None, step_cache=None,
-        backends: Backends = DEFAULT_BACKENDS,
+        backends: Backends = DEFAULT_BACKENDS, blocks=None,
     ):  # fmt: skip
+        """``backends``: how the run computes (``engine.backends``); ``blocks(inner) -> block_runner``: the run's
+        block runner around a step cache's (``Run.blocks``: a worker's sharding), or None."""
         self.model = model
         self.backends = backends
+        self.blocks = blocks or (lambda inner: inner)
         self.family = family
         self.positive = [for_family(c, family, "positive") for c in positive]
         self.negative = [for_family(c, family, "negative") for c in negative or []]
@@ -66,9 +69,10 @@ class FlowDenoiser:
     def _velocity(self, x, sigma, cond: TextCondition, labels: tuple[str, ...]) -> torch.Tensor:
         run = self.step_cache
         if run is None:
-            v = self.family.velocity(self.model, x, sigma, cond, backends=self.backends)
+            runner = self.blocks(None)
+            v = self.family.velocity(self.model, x, sigma, cond, block_runner=runner, backends=self.backends)
         else:
-            v = run.velocity(self.model, self.family, x, sigma, cond, labels, self.backends)
+            v = run.velocity(self.model, self.family, x, sigma, cond, labels, self.backends, self.blocks)
             if not run.last_call_full:
                 self.cache_probes += 1
                 return v

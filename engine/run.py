@@ -4,9 +4,12 @@ A *run* is one sampling job (``text_to_image.sample``), one causal video session
 or one stream batch (``stream.pipeline.StreamBatch``). Each opens a :class:`Run` with :func:`open_run`; nothing
 else decides how the model computes:
 
-* ``backends`` (``engine.backends.Backends``): the attention backend (the options', else the handle's), the kernel
-  mode (the options', else ``FEWSTEP_KERNELS``, else ``auto``) and the sequence-parallel plan (a worker's mesh);
-  handed to every forward, so the models read no process-global or thread-local switch;
+* ``backends`` (``engine.backends.Backends``): the attention backend (the options', else the handle's) and the
+  kernel mode (the options', else ``FEWSTEP_KERNELS``, else ``auto``); handed to every forward, so the models read
+  no process-global or thread-local switch;
+* ``sharding``: this rank's sequence-parallel layout in a worker pool (``engine.parallel.sharding``): its block
+  runner shards the tokens and puts the mesh's plan into the blocks' backends (``Backends.with_parallel``), around
+  the run's own block runner (a step cache's); :meth:`Run.blocks` composes them;
 * ``model``: what to call, the plain model, or the compiled one with its CUDA graphs when the handle carries a
   compile feature (``engine.compile``; ``compile=False`` in the options leaves it out);
 * ``step_cache``: the handle's step-cache gate (``engine.cache``), started for this run's schedule when the run
@@ -37,14 +40,15 @@ class RunOptions:
 
     attention_backend: str | None = None  # None: handle.attention_backend
     kernel_mode: str | None = None  # None: FEWSTEP_KERNELS, else auto
-    parallel: object = None  # a sequence-parallel plan for every attention of the run (None: one process)
+    # this rank's sequence-parallel layout (a worker pool's ImageSequenceSharding / CausalSharding; None: one process)
+    sharding: object = None
     compile: bool = True  # run the handle's compile feature, if it has one
     step_cache: bool = True  # run the handle's step-cache gate, if it has one
 
     def backends_for(self, handle) -> Backends:
         attention = self.attention_backend or getattr(handle, "attention_backend", "auto")
         mode = self.kernel_mode or kernels.mode_from_environment()
-        return Backends(check_backend(attention, "attention"), kernels.check_mode(mode), self.parallel)
+        return Backends(check_backend(attention, "attention"), kernels.check_mode(mode))
 
 
 @dataclass
@@ -57,12 +61,17 @@ class Run:
     compiled: object = None  # the compile feature's CompileRun (telemetry), or None
     gate: object = None  # the handle's step-cache gate, or None
     step_cache: object = None  # the gate's run for this run's schedule, when it is active
+    sharding: object = None  # this rank's sequence-parallel layout, or None
     _cache_run: object = field(default=None, repr=False)  # started, active or not (its telemetry says why)
 
     @property
     def base_model(self):
         """The engine model itself (what ``model`` stands for when it is a compiled wrapper)."""
         return self.handle.model
+
+    def blocks(self, inner=None):
+        """The ``block_runner`` a forward takes: the sharding's around ``inner`` (a step cache's, or None)."""
+        return inner if self.sharding is None else self.sharding.block_runner(inner)
 
     def finish(self) -> tuple[object, object]:
         """(step-cache telemetry or None, compile telemetry or None)."""
@@ -98,7 +107,7 @@ def open_run(
     step_cache_on = step_cache is not None if sigmas is not None else gate is not None
     compiled = start_compile_run(handle, step_cache_active=step_cache_on) if options.compile else None
     model = handle.model if compiled is None else compiled.model
-    return Run(handle, backends, model, compiled, gate, step_cache, cache_run)
+    return Run(handle, backends, model, compiled, gate, step_cache, options.sharding, cache_run)
 
 
 __all__ = ["Run", "RunOptions", "open_run"]

@@ -328,7 +328,7 @@ def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, S
     run = open_run(handle, request.options, sigmas=sigmas, sampler=sampler, uses_cfg=uses_cfg)
     denoiser = FlowDenoiser(
         run.model, handle.family, positive, negative, cfg, dtype=dtype, step_cache=run.step_cache,
-        backends=run.backends,
+        backends=run.backends, blocks=run.blocks,
     )  # fmt: skip
     notes = []
     if cfg != 1.0 and not negative:

@@ -553,7 +553,7 @@ def test_plain_single_process_flux_is_bit_identical_under_an_inactive_plan(flux)
         [cond],
         torch.zeros(1, 16, 8, 8),
         steps=2,
-        options=RunOptions(parallel=None, attention_backend="sdpa"),
+        options=RunOptions(sharding=None, attention_backend="sdpa"),
     )
     assert torch.equal(a, b)
 

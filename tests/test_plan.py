@@ -142,15 +142,15 @@ def test_flux2_ae_decode_flops_equal_diffusers_autoencoder():
 )
 def test_flux_forward_flops_equal_the_plain_flop_counter_on_cuda():
     """On CUDA, FlopCounterMode counts the flash / efficient attention ops itself: no registration needed."""
-    from fewstep.engine import use_attention_backend
+    from fewstep.engine import Backends
 
     model = load_dit("dummy:flux-tiny", dtype=torch.bfloat16, device="cuda")
     inputs = {k: v.to("cuda") for k, v in random_inputs(model.params, 96, 64, 7, 2).items()}
     inputs |= {
         k: inputs[k].to(torch.bfloat16) for k in ("img", "txt", "y")
     }  # positions and timesteps as given
-    with use_attention_backend("sdpa"), torch.no_grad(), FlopCounterMode(display=False) as plain:
-        model(**inputs)
+    with torch.no_grad(), FlopCounterMode(display=False) as plain:
+        model(**inputs, backends=Backends("sdpa"))
     assert plain.get_total_flops() == flux_forward_flops(model.params, inputs["img"].shape[1], 7, 2).total
 
 

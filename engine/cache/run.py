@@ -255,9 +255,13 @@ class _Run:
 class BlockCacheRun(_Run):
     """Step cache over the engine's models' block stack (see the module docstring)."""
 
-    def velocity(self, model, family, x, sigma, cond, labels: Sequence[str], backends) -> torch.Tensor:
-        """The family adapter's velocity for ``x`` (rows: ``len(labels)`` groups of equal size) through the cache."""
+    def velocity(
+        self, model, family, x, sigma, cond, labels: Sequence[str], backends, wrap=None
+    ) -> torch.Tensor:
+        """The family adapter's velocity for ``x`` (rows: ``len(labels)`` groups of equal size) through the cache;
+        ``wrap(runner)``: the run's block runner around the cache's (a worker's sharding), if any."""
         runner = self.block_runner(labels, x.shape[0] // len(labels))
+        runner = runner if wrap is None else wrap(runner)
         return family.velocity(model, x, sigma, cond, block_runner=runner, backends=backends)
 
     def block_runner(self, labels: Sequence[str] = (PRIMARY,), rows: int | None = None):

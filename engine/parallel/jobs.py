@@ -33,7 +33,7 @@ from . import transport
 from .config import ParallelConfig
 from .mesh import SequenceMesh
 from .rank import JobCancelledError, available_memory, error_record
-from .sharding import CausalSharding, ShardedHandle
+from .sharding import CausalSharding, ImageSequenceSharding
 
 log = logging.getLogger(__name__)
 
@@ -265,11 +265,9 @@ def run_sample(ctx: WorkerContext, job: dict) -> dict | None:
         if mesh.agree(ctx.cancel_requested()):
             raise JobCancelledError
 
-    sharded = ShardedHandle(
-        model=handle.model, source=handle.source, dtype=handle.dtype, attention_backend=handle.attention_backend,
-        mesh=mesh,
-    )  # fmt: skip
-    latent, report = sample(sharded, dataclasses.replace(request, callback=on_step))
+    # this rank's share of every step: the run composes the family's sharded block runner (engine.run)
+    options = RunOptions(sharding=ImageSequenceSharding(handle.family.name, mesh))
+    latent, report = sample(handle, dataclasses.replace(request, callback=on_step, options=options))
     if ctx.rank != 0:
         return None
     return {"latent": latent, "report": _report_dict(report), "comm": mesh.stats.snapshot()}
@@ -358,10 +356,11 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
         old = ctx.sessions.pop(key, None)
         if old is not None:
             old.dispose()
-        run = open_run(handle, RunOptions(compile=False, step_cache=False))  # the run's backends, this rank's
+        # this rank's share of the session: its backends and sharding (engine.run); workers run eagerly
+        run = open_run(handle, RunOptions(compile=False, step_cache=False, sharding=CausalSharding(mesh)))
         session = VideoSession(
             run.model, job["context"].to(ctx.device), job["height"], job["width"],
-            CausalConfig(**job["config"]), job["seed"], parallel=CausalSharding(mesh), backends=run.backends,
+            CausalConfig(**job["config"]), job["seed"], parallel=run.sharding, backends=run.backends,
         )  # fmt: skip
         ctx.sessions[key] = session
         while len(ctx.sessions) > MAX_SESSIONS:

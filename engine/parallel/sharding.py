@@ -28,8 +28,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..backends import DEFAULT_BACKENDS
-from ..handle import ModelHandle
 from ..models.registry import FAMILIES
 from ..models.zimage import padded_length
 from ..rope import RopeFreqs
@@ -211,19 +209,12 @@ def image_sharding(family: str) -> ImageSharding:
     return IMAGE_SHARDING[family]
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardedHandle(ModelHandle):
-    """A handle whose family velocity runs the block stack sharded over ``mesh`` (image sampling in a worker)."""
+class ImageSequenceSharding:
+    """What ``RunOptions(sharding=...)`` takes for image sampling in a worker: the family's block runner on
+    ``mesh`` (this rank's image tokens, attention over the mesh) around the run's own runner (a step cache's)."""
 
-    mesh: SequenceMesh | None = dataclasses.field(default=None, compare=False, repr=False)
+    def __init__(self, family: str, mesh: SequenceMesh):
+        self.runner, self.mesh = image_sharding(family).block_runner, mesh
 
-    @property
-    def family(self):
-        family = super().family
-        velocity, mesh = family.velocity, self.mesh
-        runner = image_sharding(family.name).block_runner
-
-        def sharded_velocity(model, x, sigma, cond, block_runner=None, backends=DEFAULT_BACKENDS):
-            return velocity(model, x, sigma, cond, block_runner=runner(mesh, block_runner), backends=backends)
-
-        return dataclasses.replace(family, velocity=sharded_velocity)
+    def block_runner(self, inner=None):
+        return self.runner(self.mesh, inner)

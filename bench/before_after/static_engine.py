@@ -1,8 +1,8 @@
 """Issue 17 before / after: causal Wan chunk time (bf16 and int8 KV) and FLUX.1 step time on the CPU, one JSON line.
 
-    python bench/static_engine.py                  # the defaults below, about 35 s on one core
-    python bench/static_engine.py --rounds 3 --threads 4   # a machine of your own
-    PYTHONPATH=/tmp/old-path python bench/static_engine.py   # another checkout: /tmp/old-path/fewstep -> it
+    python bench/before_after/static_engine.py                  # the defaults below, about 35 s on one core
+    python bench/before_after/static_engine.py --rounds 3 --threads 4   # a machine of your own
+    PYTHONPATH=/tmp/old-path python bench/before_after/static_engine.py   # another checkout: /tmp/old-path/fewstep -> it
 
 Written against the entry points that exist both before the static-engine redesign (1931ae9) and after it:
 ``load_dit("dummy:<preset>")``, ``CausalConfig`` / ``VideoSession(...).chunks(n)`` and its ``ChunkResult.seconds``,

@@ -46,10 +46,14 @@ def mode_from_environment() -> str:
     raw = os.environ.get("FEWSTEP_KERNELS", "").strip()
     if raw in MODES:
         return raw
-    if raw:
+    if raw and raw not in _warned:  # read at every run: say it once per bad value, not once per run
+        _warned.add(raw)
         expected = ", ".join(MODES)
         log.warning("fewstep: ignoring FEWSTEP_KERNELS=%r (expected one of %s); using 'auto'", raw, expected)
     return "auto"
+
+
+_warned: set[str] = set()
 
 
 # Kernels that raised in auto mode, for the rest of the process: a memo of what this GPU cannot run (the same

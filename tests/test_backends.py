@@ -156,3 +156,14 @@ def test_the_runs_kernel_mode_reaches_every_forward(monkeypatch):
     seen.clear()
     sample_latent(handle, [cond], latent, steps=1, options=RunOptions(kernel_mode="reference"))
     assert {n for n, _ in seen} == kernels_called and {m for _, m in seen} == {"reference"}
+
+
+def test_a_bad_kernel_mode_in_the_environment_is_said_once(monkeypatch, caplog):
+    from fewstep.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setenv("FEWSTEP_KERNELS", "fastest")
+    handle = open_model("dummy:flux-tiny")
+    modes = [open_run(handle).backends.kernel_mode for _ in range(3)]
+    assert modes == ["auto"] * 3
+    assert caplog.text.count("ignoring FEWSTEP_KERNELS='fastest'") == 1

@@ -22,6 +22,7 @@ import time
 import urllib.parse
 
 from ..engine.settings import env_float
+from .files import umask_mode
 
 MAX_JSON_BYTES = 64 << 20  # an HTTP JSON answer (/object_info of a server with many packs is a few MB)
 MAX_MESSAGE_BYTES = 64 << 20  # one event-stream message (binary previews are at most a few MB)
@@ -364,6 +365,7 @@ class ComfyClient:
         try:
             with os.fdopen(fd, "wb") as f:
                 self._request(f"/view?{query}", sink=write)
+            os.chmod(partial, umask_mode())  # mkstemp makes it 0600; outputs get what open() would give
             os.replace(partial, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -11,7 +11,6 @@ import os
 import time
 
 import torch
-from safetensors.torch import save_file
 
 from ..engine.causal import CausalConfig, VideoSession
 from ..engine.handle import open_model
@@ -20,7 +19,14 @@ from ..engine.ops import weight_bytes
 from ..engine.text_to_image import sample_latent
 from ..engine.vae import load_tiny_vae
 from ..engine.vae.flux_ae import load_flux_ae
-from .common import default_schedule, default_tiny_vae, latent_shape, synthetic_condition, write_json
+from .common import (
+    default_schedule,
+    default_tiny_vae,
+    latent_shape,
+    synthetic_condition,
+    write_json,
+)
+from .files import save_tensors
 from .images import save_png
 
 HELP = "run the showcase on dummy weights (CPU, ~1 minute) and write outputs + report"
@@ -48,7 +54,7 @@ class Report:
             print(f"  {k}: {v}")
 
     def save_latent(self, name: str, latent: torch.Tensor) -> None:
-        save_file({"latent": latent.contiguous()}, os.path.join(self.out_dir, f"{name}.safetensors"))
+        save_tensors({"latent": latent.contiguous()}, os.path.join(self.out_dir, f"{name}.safetensors"))
 
     def write(self) -> None:
         lines = ["# fewstep demo report", ""]
@@ -208,7 +214,7 @@ def run(args) -> int:
     config = CausalConfig(chunk_frames=3, window_frames=9, sink_frames=3)
     session = VideoSession(wan, context, 64, 96, config, seed=0, tiny_vae=load_tiny_vae("dummy:taew2_1"))
     chunks = session.run(5)
-    save_file(
+    save_tensors(
         {"latent": torch.cat([c.raw for c in chunks], dim=2).contiguous(),
          "frames": torch.cat([c.frames for c in chunks], dim=1).contiguous()},
         os.path.join(args.out, "stream.safetensors"),

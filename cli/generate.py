@@ -7,7 +7,6 @@ import os
 import time
 
 import torch
-from safetensors.torch import save_file
 
 from ..engine.checks import check_finite_number, check_seed
 from ..engine.errors import InputError
@@ -37,6 +36,7 @@ from .common import (
     with_compile,
     write_json,
 )
+from .files import save_tensors
 from .images import decode_raw, save_png
 
 HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage timings"
@@ -132,7 +132,7 @@ def run(args) -> int:
     timings["per_step_s"] = report.seconds_per_step
 
     t = time.perf_counter()
-    save_file({"latent": out.contiguous()}, os.path.join(args.out, "latent.safetensors"))
+    save_tensors({"latent": out.contiguous()}, os.path.join(args.out, "latent.safetensors"))
     timings["save_s"] = time.perf_counter() - t
     images = []
     if args.decode != "none":

@@ -45,6 +45,9 @@ def test_generate_writes_latent_and_timings(tmp_path):
     assert info["dit_forwards"] == 3 and info["sigmas"][-1] == 0.0
     assert set(info["timings"]) == {"load_s", "prepare_s", "sampling_s", "per_step_s", "save_s"}
     assert len(info["timings"]["per_step_s"]) == 3
+    # every output file gets the mode open() gives (safetensors used to be 0600 beside a 0644 JSON)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert len(set(modes.values())) == 1 and "latent.safetensors" in modes and "timings.json" in modes, modes
     # same seed, same latent
     r2 = _cli(
         "generate",

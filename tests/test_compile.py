@@ -729,3 +729,37 @@ def test_engine_api_takes_the_node_text_forms():
         InputError, match=r"input 'buckets': 10x10 px: width and height must be positive multiples"
     ):
         CompileConfig(buckets="10x10")
+
+
+def test_telemetry_counts_frames_when_the_pack_is_a_symlink(tmp_path):
+    """README allows installing the pack as a symlink in custom_nodes; dynamo then records the link's paths,
+    which the frame filter resolves before comparing them with the package root (it read 0 frames before)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fewstep.engine.compile.telemetry import package_relative
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "custom_nodes").mkdir()
+    os.symlink(root, tmp_path / "custom_nodes" / "fewstep")
+    code = (
+        "import torch, fewstep; from fewstep.engine import open_model; "
+        "from fewstep.engine.compile import CompileWatch; "
+        "from fewstep.engine.models.flux import random_inputs; "
+        "h = open_model('dummy:flux-tiny'); step = torch.compile(h.model, backend='eager'); "
+        "w = CompileWatch().start(); step(**random_inputs(h.params, 64, 64, 8)); w.stop(); "
+        "print(fewstep.__file__, len(w.frames), w.frames[0].file if w.frames else '-')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "custom_nodes")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    where, frames, first = out.stdout.split()
+    assert where.startswith(str(tmp_path)), where  # imported through the link
+    assert int(frames) >= 1 and first == "engine/models/flux.py"
+    linked = str(tmp_path / "custom_nodes" / "fewstep" / "engine" / "models" / "flux.py")
+    assert package_relative(linked, str(root)) == "engine/models/flux.py"
+    assert package_relative("/usr/lib/python3/os.py", str(root)) is None

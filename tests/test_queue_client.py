@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import socket
 import struct
 import subprocess
@@ -363,6 +364,9 @@ def test_success_prints_progress_and_downloads_outputs(fake_server, tmp_path, ca
     assert captured.err == "node 9 SaveLatent: 2/2\n"  # the other prompt's progress is not shown
     assert captured.out == f"node 9 latents: {out / 'out_00001_.latent'}\nnode 10 text:\nhello\n"
     assert (out / "out_00001_.latent").read_bytes() == b"LATENT"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / "out_00001_.latent").stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
     [posted] = fake_server.posted
     assert posted["prompt"]["4"]["inputs"]["width"] == 128 and posted["client_id"]
 

@@ -91,6 +91,14 @@ def test_ui_workflow_matches_its_api_twin(path, specs):
 def test_ui_workflow_explains_itself_in_a_note(path):
     notes = [n for n in json.loads(path.read_text())["nodes"] if n["type"] == "Note"]
     assert len(notes) == 1 and len(notes[0]["widgets_values"][0]) > 100
+    # no hard line break inside a sentence (the Note wraps to its width; a source break renders ragged): a single
+    # break only starts a list item or follows a line ending in ":"
+    text = notes[0]["widgets_values"][0]
+    for paragraph in text.split("\n\n"):
+        lines = paragraph.split("\n")
+        for before, after in zip(lines, lines[1:]):
+            assert after.startswith("- ") or before.endswith(":"), (path.name, before, after)
+    assert notes[0]["size"][1] >= 20 * len(text) // 52
 
 
 def test_files_match_their_definitions():

@@ -9,6 +9,7 @@ this package, so a run reports only its own compilations.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -50,6 +51,18 @@ def _graph_break_counts() -> Counter:
     return Counter(dict(counters["graph_break"]))
 
 
+def package_relative(filename: str, root: str) -> str | None:
+    """``filename`` relative to the package ``root`` (resolved), or None outside it. Dynamo records the path a module
+    was imported from, unresolved: with the pack installed as a symlink in custom_nodes (which README allows) that
+    path is the link's, so it is resolved before the comparison."""
+    for candidate in (filename, os.path.realpath(filename)):
+        try:
+            return str(Path(candidate).relative_to(root))
+        except ValueError:
+            continue
+    return None
+
+
 class CompileWatch:
     """Collects dynamo's records of the compilations between ``start()`` and ``stop()`` (this package only)."""
 
@@ -73,13 +86,13 @@ class CompileWatch:
         for m in _dynamo_records():
             if id(m) in seen:
                 continue
-            filename = str(getattr(m, "co_filename", "") or "")
-            if not filename.startswith(self.root):
+            relative = package_relative(str(getattr(m, "co_filename", "") or ""), self.root)
+            if relative is None:
                 continue
             frames.append(
                 CompiledFrame(
                     name=str(getattr(m, "co_name", "?")),
-                    file=str(Path(filename).relative_to(self.root)),
+                    file=relative,
                     line=int(getattr(m, "co_firstlineno", 0) or 0),
                     seconds=float(getattr(m, "entire_frame_compile_time_s", 0.0) or 0.0),
                     recompile_reason=_short(m.recompile_reason)

@@ -149,6 +149,32 @@ def execution_order(graph: Graph) -> dict[int, int]:
     return order
 
 
+def reflow(text: str) -> str:
+    """A note's text with no hard line breaks inside a paragraph or a list item: the Note widget wraps lines to its
+    width itself, and a source line break inside a sentence renders as a ragged short line. Paragraphs stay
+    apart (a blank line); each ``- `` item starts a line of its own, its indented continuation joined to it."""
+    paragraphs = []
+    for paragraph in text.strip().split("\n\n"):
+        lines: list[str] = []
+        for raw in paragraph.splitlines():
+            line = raw.strip()
+            if not lines or line.startswith("- ") or lines[-1].endswith(":"):
+                lines.append(line)
+            else:
+                lines[-1] += " " + line
+        paragraphs.append("\n".join(lines))
+    return "\n\n".join(paragraphs)
+
+
+NOTE_CHARS_PER_LINE = 52  # what fits a NODE_WIDTH-wide Note at the frontend's default font
+
+
+def note_height(text: str) -> int:
+    """The Note's height for ``text`` wrapped at :data:`NOTE_CHARS_PER_LINE` (20 px a line, 60 px of frame)."""
+    rows = sum(max(1, -(-len(line) // NOTE_CHARS_PER_LINE)) for line in text.split("\n"))
+    return 20 * rows + 60
+
+
 def models_of(node: Node) -> list[dict]:
     names = [v for v in node.values.values() if isinstance(v, str) and v in MODELS]
     return [{"name": n, "url": MODELS[n][1], "directory": MODELS[n][0]} for n in names]
@@ -209,12 +235,13 @@ def to_ui(graph: Graph) -> dict:
             }
         )
     note_id = len(graph.nodes) + 1
+    note = reflow(graph.note)
     nodes.append(
         {
             "id": note_id,
             "type": "Note",
             "pos": [-COL_WIDTH, 0],
-            "size": [NODE_WIDTH, 20 * graph.note.strip().count("\n") + 60],
+            "size": [NODE_WIDTH, note_height(note)],
             "flags": {},
             "order": len(graph.nodes),
             "mode": 0,
@@ -222,7 +249,7 @@ def to_ui(graph: Graph) -> dict:
             "inputs": [],
             "outputs": [],
             "properties": {},
-            "widgets_values": [graph.note.strip()],
+            "widgets_values": [note],
             "color": "#432",
             "bgcolor": "#653",
         }

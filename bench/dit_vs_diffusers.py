@@ -53,15 +53,7 @@ def flux2_pair(preset: str, seed: int):
     ours.load_state_dict(flux2_checkpoint.diffusers_to_official(ref.state_dict()), strict=True)
 
     def call_ref(inputs):
-        return ref(
-            hidden_states=inputs["x"],
-            encoder_hidden_states=inputs["ctx"],
-            timestep=inputs["timesteps"],
-            img_ids=inputs["x_ids"],
-            txt_ids=inputs["ctx_ids"],
-            guidance=inputs.get("guidance"),
-            return_dict=False,
-        )[0]
+        return ref(**flux2_checkpoint.diffusers_forward_kwargs(inputs))[0]
 
     return ours, ref, call_ref
 

@@ -32,6 +32,13 @@ from .attention import check_backend
 from .backends import Backends
 from .cache import STEP_CACHE_FEATURE
 from .compile.feature import start_compile_run
+from .settings import env_choice
+
+
+def environment_kernel_mode() -> str:
+    """``FEWSTEP_KERNELS``, tolerantly (a bad value is logged once and ``auto`` used): the kernel mode of a run
+    whose options name none."""
+    return env_choice("FEWSTEP_KERNELS", "auto", kernels.MODES)
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,8 @@ class RunOptions:
     step_cache: bool = True  # run the handle's step-cache gate, if it has one
 
     def backends_for(self, handle) -> Backends:
-        attention = self.attention_backend or getattr(handle, "attention_backend", "auto")
-        mode = self.kernel_mode or kernels.mode_from_environment()
+        attention = self.attention_backend or handle.attention_backend
+        mode = self.kernel_mode or environment_kernel_mode()
         return Backends(check_backend(attention, "attention"), kernels.check_mode(mode))
 
 
@@ -110,4 +117,4 @@ def open_run(
     return Run(handle, backends, model, compiled, gate, step_cache, options.sharding, cache_run)
 
 
-__all__ = ["Run", "RunOptions", "open_run"]
+__all__ = ["Run", "RunOptions", "environment_kernel_mode", "open_run"]

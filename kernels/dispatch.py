@@ -11,7 +11,7 @@ Every kernel function takes the mode as an argument (``mode=``): it is a per-run
   (:func:`enable_triton_interpreter`, or ``TRITON_INTERPRET=1`` before the kernels are first used); the tests
   run the engine this way.
 
-:func:`mode_from_environment` reads ``FEWSTEP_KERNELS`` (what a run uses when its options name no mode).
+``FEWSTEP_KERNELS`` (what a run uses when its options name no mode) is read by the engine's ``open_run``.
 
 The Triton kernels are called through their ``torch.library`` custom ops (``ops``), so ``torch.compile`` keeps
 each one as a single opaque node.
@@ -38,22 +38,6 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown kernel mode {mode!r}; expected one of {', '.join(MODES)}")
     return mode
-
-
-def mode_from_environment() -> str:
-    """``FEWSTEP_KERNELS``, tolerantly: a bad value must not stop the pack from importing inside a server. (The
-    same rule and log line as ``engine.settings.env_choice``; this package does not import the engine.)"""
-    raw = os.environ.get("FEWSTEP_KERNELS", "").strip()
-    if raw in MODES:
-        return raw
-    if raw and raw not in _warned:  # read at every run: say it once per bad value, not once per run
-        _warned.add(raw)
-        expected = ", ".join(MODES)
-        log.warning("fewstep: ignoring FEWSTEP_KERNELS=%r (expected one of %s); using 'auto'", raw, expected)
-    return "auto"
-
-
-_warned: set[str] = set()
 
 
 # Kernels that raised in auto mode, for the rest of the process: a memo of what this GPU cannot run (the same

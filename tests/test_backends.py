@@ -159,9 +159,9 @@ def test_the_runs_kernel_mode_reaches_every_forward(monkeypatch):
 
 
 def test_a_bad_kernel_mode_in_the_environment_is_said_once(monkeypatch, caplog):
-    from fewstep.kernels import dispatch
+    from fewstep.engine import settings
 
-    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(settings, "_warned", set())
     monkeypatch.setenv("FEWSTEP_KERNELS", "fastest")
     handle = open_model("dummy:flux-tiny")
     modes = [open_run(handle).backends.kernel_mode for _ in range(3)]

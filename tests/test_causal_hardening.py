@@ -331,8 +331,8 @@ def test_the_session_store_has_a_default_byte_bound_from_device_memory(wan, monk
 def test_bad_settings_do_not_stop_the_pack_from_importing():
     env = {"FEWSTEP_MAX_SESSIONS": "abc", "FEWSTEP_SESSION_GB": "x", "FEWSTEP_KERNELS": "bogus", "PATH": ""}
     code = (
-        "import fewstep.nodes.video as v, fewstep.kernels as k; "
-        "print(v.SESSIONS.max_sessions, v.SESSIONS.explicit_max_bytes, k.mode_from_environment())"
+        "import fewstep.nodes.video as v; from fewstep.engine.run import environment_kernel_mode; "
+        "print(v.SESSIONS.max_sessions, v.SESSIONS.explicit_max_bytes, environment_kernel_mode())"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, env=env)
     assert r.returncode == 0, r.stderr

@@ -353,15 +353,7 @@ def test_against_diffusers_flux2_if_installed(name):
     inputs["timesteps"] = torch.tensor([0.6])
     with torch.no_grad():
         got = ours(**inputs)
-        want = ref(
-            hidden_states=inputs["x"],
-            encoder_hidden_states=inputs["ctx"],
-            timestep=inputs["timesteps"],
-            img_ids=inputs["x_ids"],
-            txt_ids=inputs["ctx_ids"],
-            guidance=inputs.get("guidance"),
-            return_dict=False,
-        )[0]
+        want = ref(**flux2_checkpoint.diffusers_forward_kwargs(inputs))[0]
     diff = (got - want).abs().max().item()
     print(f"{name}: max abs diff vs diffusers Flux2Transformer2DModel = {diff:.3e}")
     assert diff <= 1e-4

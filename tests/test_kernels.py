@@ -211,9 +211,9 @@ def test_torch_compile_keeps_each_kernel_as_one_opaque_call(tk):
 # -- the dispatcher ------------------------------------------------------------------------------------------------
 def test_cpu_uses_the_references_and_importing_does_not_import_triton():
     code = (
-        "import sys, torch; import fewstep.kernels as k; "
+        "import sys, torch; import fewstep.kernels as k; from fewstep.engine.run import environment_kernel_mode; "
         "x = torch.randn(2, 4, 8); w = torch.ones(8); "
-        "print(k.mode_from_environment(), k.uses_triton('rms_norm', 'auto', x), torch.equal(k.rms_norm(x, w, 1e-6), "
+        "print(environment_kernel_mode(), k.uses_triton('rms_norm', 'auto', x), torch.equal(k.rms_norm(x, w, 1e-6), "
         "k.norms.rms_norm(x, w, 1e-6)), 'triton' in sys.modules)"
     )
     env = {**os.environ, "FEWSTEP_KERNELS": "reference"}

@@ -230,17 +230,21 @@ class CompiledModel:
         return torch.compile(fn, backend=self.backend, dynamic=self.dynamic, fullgraph=self.fullgraph)
 
     def _caller(self, name: str):
-        """The compiled function named ``name`` (a code object of its own), made once."""
-        if name not in self._callers:
-            self._callers[name] = self._torch_compile(_block_caller(name))
-        return self._callers[name]
+        """The compiled function named ``name`` (a code object of its own), made once. Called for every block of
+        every forward: the lock is taken only to make a missing one."""
+        fn = self._callers.get(name)
+        if fn is None:
+            with _compile_lock:
+                fn = self._callers.get(name)
+                if fn is None:
+                    fn = self._callers[name] = self._torch_compile(_block_caller(name))
+        return fn
 
     def _wrap_block(self, block: nn.Module, stack: str, names: dict) -> CompiledBlock:
         base = names[(type(block), stack)]
 
         def call(phase: str | None):
-            with _compile_lock:
-                return self._caller(base if phase is None else f"{base}_{phase}")
+            return self._caller(base if phase is None else f"{base}_{phase}")
 
         return CompiledBlock(block, call)
 
@@ -266,8 +270,7 @@ class CompiledModel:
     def step(self, phase: str):
         """The whole forward of a causal step in ``phase`` (:func:`step_phase`), compiled as
         ``causal_step_<phase>``: called as ``step(phase)(model, *args, **kwargs)``."""
-        with _compile_lock:
-            return self._caller(f"causal_step_{phase}")
+        return self._caller(f"causal_step_{phase}")
 
     # -- calls -----------------------------------------------------------------------------------------------------
     def __call__(self, *args, block_runner=None, **kwargs):

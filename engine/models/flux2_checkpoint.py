@@ -125,6 +125,20 @@ def diffusers_config(params: Flux2Params) -> dict:
     }
 
 
+def diffusers_forward_kwargs(inputs: dict) -> dict:
+    """``Flux2.forward``'s keyword inputs under the names ``Flux2Transformer2DModel.forward`` takes (the same
+    tensors; ``return_dict=False``), for calling diffusers' model beside ours in cross-checks and benchmarks."""
+    return {
+        "hidden_states": inputs["x"],
+        "encoder_hidden_states": inputs["ctx"],
+        "timestep": inputs["timesteps"],
+        "img_ids": inputs["x_ids"],
+        "txt_ids": inputs["ctx_ids"],
+        "guidance": inputs.get("guidance"),
+        "return_dict": False,
+    }
+
+
 def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> Flux2Params:
     """Infer the configuration from tensor names and shapes (official layout)."""
     try:

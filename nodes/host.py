@@ -125,3 +125,26 @@ def preview_payload(image: torch.Tensor):
     max_size = getattr(args, "preview_size", 512)
     array = (image.clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
     return ("JPEG", Image.fromarray(array), max_size)
+
+
+def executing_node() -> tuple[str, str] | None:
+    """(prompt id, node id) of the node ComfyUI is executing in this thread, or None outside a ComfyUI run."""
+    utils = comfy_module("comfy_execution.utils")
+    context = utils.get_executing_context() if utils is not None else None
+    return None if context is None else (str(context.prompt_id), str(context.node_id))
+
+
+def temp_directory() -> str | None:
+    """ComfyUI's temp folder (served by /view?type=temp, emptied when the server starts), or None outside it."""
+    fp = comfy_module("folder_paths")
+    return None if fp is None else fp.get_temp_directory()
+
+
+def send_to_client(event: str, data: dict) -> bool:
+    """Send a websocket event to the client that queued the running prompt; False when there is no server."""
+    server = comfy_module("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None:
+        return False
+    instance.send_sync(event, data, instance.client_id)
+    return True

@@ -6,12 +6,17 @@ ComfyUI unloads their model (its "free memory" endpoint, or another model needin
 model included) and when they fall out of the LRU; continuing a freed session is an error that says so, and the
 sampler that made it runs again on the next queue.
 
-ComfyUI caches node outputs, while a session is a live object that FewStepCausalContinue moves forward. Each
-reference therefore records the frame position it was made at and how to rebuild the session (prompts, seed,
-settings): when a Continue re-runs on a reference whose session has since moved on (its num_chunks changed, say),
-the session is rebuilt up to that position first, so a graph always produces the same video. The prompts a
-reference keeps for that are bounded (``FEWSTEP_MAX_PROMPTS`` different prompts, default 8; a prompt used again
-is kept once): past the bound a stale reference cannot be rebuilt, and says so.
+ComfyUI caches node outputs like any other node's (the same inputs run once), while a session is a live object
+that FewStepCausalContinue moves forward. Each reference therefore records the frame position it was made at and
+how to rebuild the session (prompts, seed, settings): when a Continue runs on a reference whose session has since
+moved on (a re-run with another num_chunks or prompt, or two Continues on one sampler) or was freed (LRU, memory
+released), the session is rebuilt up to that position first, so a graph always produces the same video as a
+fresh run and a cached sampler output never hands on a dead session. The prompts a reference keeps for that are
+bounded (``FEWSTEP_MAX_PROMPTS`` different prompts, default 8; a prompt used again is kept once): past the bound a
+stale reference cannot be rebuilt, and says so.
+
+Each finished chunk is also streamed to the client that queued the prompt (nodes/chunk_stream.py: a WebP clip
+in the temp folder and a ``fewstep.chunk`` websocket event).
 
 Cancel is checked before every DiT forward (each denoising step and each clean-context pass), and the progress
 bar advances per denoising step; each chunk's last frame is the preview.
@@ -20,6 +25,7 @@ bar advances per denoising step; each chunk's last frame is the preview.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +39,14 @@ from ..engine.plan.preflight import check_fits
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import env_float, env_int
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
+from .chunk_stream import ChunkStream
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
 from .parallel import FEWSTEP_PARALLEL, open_parallel_session
 from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
+log = logging.getLogger(__name__)
 
 _SESSION_GB = env_float("FEWSTEP_SESSION_GB", None, default_text="half of the device's memory")
 SESSIONS = SessionStore(
@@ -81,9 +89,6 @@ def _free_sessions_on_unload(handle) -> None:
     patcher.add_callback_with_key(ext.CallbacksMP.ON_DETACH, "fewstep-sessions", on_detach)
 
 
-_SESSION_OF: dict[str, str] = {}  # sampler node id -> the session it made
-
-
 def _prompt(conditioning, input_name: str) -> torch.Tensor:
     """The video session's prompt: the context tokens of the single entry (Wan has no pooled vector)."""
     refusal = "the video sampler takes one prompt (use ConditioningConcat or encode a single prompt)"
@@ -112,6 +117,7 @@ def _run(session: VideoSession, chunks: int, node: str):
     steps = len(session.sigmas) - 1
     progress = Progress(chunks * steps if per_step else chunks, desc=node)
     first_index = session.stats.chunks_generated
+    stream = ChunkStream(chunks, session.config.chunk_frames)
 
     def before_forward(chunk: int, step: int | None) -> None:
         check_interrupt()
@@ -124,6 +130,8 @@ def _run(session: VideoSession, chunks: int, node: str):
             check_interrupt()
             parts.append(chunk.raw)
             timings.append(ChunkTiming.of(chunk))
+            decoded = 0 if chunk.frames is None else chunk.frames.shape[1]
+            stream.publish(chunk, session.stats.frames_decoded - decoded)
             preview = None
             if chunk.frames is not None and chunk.frames.shape[1]:
                 frames.append(chunk.frames)
@@ -293,20 +301,12 @@ class FewStepCausalVideoSampler:
                     },
                 ),
             },
-            "hidden": {"unique_id": "UNIQUE_ID"},
         }
-
-    @classmethod
-    def IS_CHANGED(cls, unique_id=None, **_):
-        """Run again once the session this node made was freed (LRU, or ComfyUI freeing memory); otherwise
-        ComfyUI's cached output would hand FewStepCausalContinue a dead session."""
-        key = _SESSION_OF.get(unique_id)
-        return key if key is not None and SESSIONS.alive(key) else float("nan")
 
     @reports_input_errors("FewStepCausalVideoSampler", {"context": "positive", "chunks": "num_chunks"})
     def generate(self, model, positive, width, height, num_chunks, chunk_frames, window_frames, sink_frames,
                  schedule, steps, seed, tiny_vae=None, context_noise=0.0, rope="cache", kv_dtype="bf16",
-                 keep_recent_chunks=1, parallel=None, unique_id=None):  # fmt: skip
+                 keep_recent_chunks=1, parallel=None):  # fmt: skip
         _check_wan(model, "FewStepCausalVideoSampler")
         config = CausalConfig(chunk_frames=chunk_frames, window_frames=window_frames, sink_frames=sink_frames,
                               schedule=schedule, steps=steps, context_noise=context_noise, rope=rope,
@@ -320,7 +320,6 @@ class FewStepCausalVideoSampler:
         recipe = _recipe(model, width, height, config, seed, tiny_vae, context.cpu(), parallel)
         session, compiled = recipe.open(context, "FewStepCausalVideoSampler")
         key = SESSIONS.add(session)
-        _SESSION_OF[unique_id] = key
         _free_sessions_on_unload(model)
         try:
             latent, images, report = _run(session, num_chunks, "FewStepCausalVideoSampler")
@@ -365,10 +364,14 @@ class FewStepCausalContinue:
         if not isinstance(session, SessionRef):
             raise InputError("session", "expected a FEWSTEP_SESSION from FewStepCausalVideoSampler")
         where = "FewStepCausalContinue"
-        live, key, recipe = SESSIONS.get(session.key, where), session.key, session.recipe
+        key, recipe = session.key, session.recipe
         if recipe.remote is None:  # with a pool the workers hold the model
             load_for_run(recipe.model)
-        if live.frames_generated != session.position:  # moved on since this reference was made: rebuild
+        live = SESSIONS.get(key, where) if SESSIONS.alive(key) else None
+        if live is None or live.frames_generated != session.position:
+            # freed, or moved on since this reference was made (ComfyUI re-ran this node on a cached output)
+            log.info("fewstep: %s rebuilds the session to latent frame %d (%s)", where, session.position,
+                     "it was freed" if live is None else "it has moved on")  # fmt: skip
             live = recipe.rebuild(session.position, where, before_forward=_cancel_hook)
             key = SESSIONS.add(live)
         live.where = where

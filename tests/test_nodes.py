@@ -358,7 +358,7 @@ def test_continue_from_a_stale_reference_rebuilds_the_same_video(pack):
     m, wan, cond = _video_nodes(pack)
     (other,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, seed=5)
     sampler = _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, num_chunks=2,
-                   chunk_frames=2, window_frames=4, sink_frames=1, unique_id="s1")  # fmt: skip
+                   chunk_frames=2, window_frames=4, sink_frames=1)  # fmt: skip
     first = _run(m["FewStepCausalContinue"], session=sampler[2], num_chunks=2, positive=other)
     again = _run(
         m["FewStepCausalContinue"], session=sampler[2], num_chunks=3, positive=other
@@ -371,28 +371,28 @@ def test_continue_from_a_stale_reference_rebuilds_the_same_video(pack):
     assert torch.allclose(longer[0]["samples"], replayed[0]["samples"], atol=1e-6)
 
 
-def test_freed_sessions_error_and_the_sampler_runs_again(pack, monkeypatch):
+def test_the_sampler_caches_like_any_node_and_a_freed_session_is_rebuilt(pack):
+    """No IS_CHANGED: ComfyUI caches the sampler on its inputs, and a Continue on a cached reference whose
+    session was freed (LRU, memory released) rebuilds it: the same frames as continuing the live session."""
     m, wan, cond = _video_nodes(pack)
     video_nodes = sys.modules[f"{pack.__name__}.nodes.video"]
     sampler_cls = m["FewStepCausalVideoSampler"]
-    out = _run(sampler_cls, model=wan, positive=cond, width=48, height=32, num_chunks=1, chunk_frames=2,
-               window_frames=4, unique_id="s2")  # fmt: skip
-    key = sampler_cls.IS_CHANGED(unique_id="s2")
-    assert key == out[2].key and sampler_cls.IS_CHANGED(unique_id="s2") == key  # cached while alive
+    assert not hasattr(sampler_cls, "IS_CHANGED")
+    args = dict(model=wan, positive=cond, width=48, height=32, num_chunks=1, chunk_frames=2, window_frames=4)
+    live = _run(m["FewStepCausalContinue"], session=_run(sampler_cls, **args)[2], num_chunks=2)
+    out = _run(sampler_cls, **args)
     video_nodes.SESSIONS.dispose(out[2].key)
-    changed = sampler_cls.IS_CHANGED(unique_id="s2")
-    assert changed != changed  # NaN: ComfyUI re-runs the sampler on the next queue
-    with pytest.raises(
-        ValueError, match=r"^FewStepCausalContinue: input 'session': session-\d+ is no longer available"
-    ):
-        _run(m["FewStepCausalContinue"], session=out[2], num_chunks=1)
+    rebuilt = _run(m["FewStepCausalContinue"], session=out[2], num_chunks=2)
+    assert torch.equal(rebuilt[0]["samples"], live[0]["samples"])
+    assert rebuilt[2].key != out[2].key and video_nodes.SESSIONS.alive(rebuilt[2].key)
+    assert rebuilt[2].position == out[2].position + 4
 
 
 def test_sessions_are_freed_when_comfyui_unloads_the_model(pack, monkeypatch):
     callbacks = fake_comfy_memory_manager(monkeypatch)
     m, wan, cond = _video_nodes(pack)
     out = _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, num_chunks=1,
-               chunk_frames=2, window_frames=4, unique_id="s3")  # fmt: skip
+               chunk_frames=2, window_frames=4)  # fmt: skip
     (on_detach,) = callbacks[("on_detach_after", "fewstep-sessions")]
     store = sys.modules[f"{pack.__name__}.nodes.video"].SESSIONS
     on_detach(wan.host, False)  # ComfyUI re-loading an already loaded model: keep the sessions

@@ -106,6 +106,7 @@ class SessionStats:
     """Bounded statistics: counts and totals, and the timings of the last ``RECENT_CHUNKS`` chunks."""
 
     chunks_generated: int = 0
+    frames_decoded: int = 0  # video frames the tiny VAE has produced (0 without one)
     seconds_total: float = 0.0
     first_chunk_seconds: float | None = None
     recent: deque[ChunkTiming] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))
@@ -115,6 +116,7 @@ class SessionStats:
         if self.first_chunk_seconds is None:
             self.first_chunk_seconds = chunk.seconds
         self.chunks_generated += 1
+        self.frames_decoded += 0 if chunk.frames is None else chunk.frames.shape[1]
         self.seconds_total += chunk.seconds
         self.recent.append(timing)
         return timing

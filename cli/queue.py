@@ -335,7 +335,7 @@ class ChunkStream:
               f"KV {binary_size(event.kv_bytes)}{where}", flush=True)  # fmt: skip
 
     def label(self, event: ChunkEvent) -> str:
-        """ "chunk 3/7 (node 12)": the place of the chunk in this node run. The event's index counts across the
+        """The chunk's place in this node run, as "chunk 3/7 (node 12)": the event's index counts across the
         session (a FewStepCausalContinue goes on from the sampler's), its ``chunks`` only this node run."""
         first = self.first_index.setdefault(event.node, event.chunk)
         return f"chunk {event.chunk - first + 1}/{event.chunks} (node {event.node})"

@@ -523,7 +523,7 @@ def test_stream_dir_saves_each_chunk_as_it_arrives_with_one_line_per_chunk(fake_
     fake_server.events = [
         {"type": "execution_start", "data": {"prompt_id": PROMPT_ID}},
         {"type": "progress", "data": {"node": "12", "value": 4, "max": 12, "prompt_id": PROMPT_ID}},
-        _chunk_event(0, [0, 8], [_clip(0)]),
+        _chunk_event(0, [0, 8], [{**_clip(0), "format": "image/webp"}]),  # a field it does not know: ignored
         _chunk_event(0, [0, 8], [_clip(7)], prompt_id="someone-else"),  # not ours: not even looked at
         b"\x00\x00\x00\x01preview",
         _chunk_event(1, [9, 20], [], kv_bytes=512),  # a node that decodes no frames lists no file
@@ -546,7 +546,7 @@ def test_stream_dir_saves_each_chunk_as_it_arrives_with_one_line_per_chunk(fake_
     ]
     for i in (0, 2):  # byte-identical to what the server holds
         assert (stream / "fewstep" / _clip(i)["filename"]).read_bytes() == clips[_view_path(_clip(i))]
-    assert fake_server.viewed == [_clip(0), _clip(2)]
+    assert fake_server.viewed == [_clip(0), _clip(2)]  # the /view queries had exactly these parameters
 
 
 def test_a_continue_counts_its_own_chunks_while_the_index_goes_on(fake_server, tmp_path, capsys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import http.client
 import json
@@ -58,6 +59,10 @@ class LocalWriteError(Exception):
 
 class UnsafeOutputError(ValueError):
     """A server-listed output file would be written outside the download folder; the message says why."""
+
+
+class MalformedEventError(ValueError):
+    """An event's data is not in the layout its sender documents; the message says which field and why."""
 
 
 def snippet(value, limit: int = 80) -> str:
@@ -365,8 +370,11 @@ class ComfyClient:
         try:
             with os.fdopen(fd, "wb") as f:
                 self._request(f"/view?{query}", sink=write)
-            os.chmod(partial, umask_mode())  # mkstemp makes it 0600; outputs get what open() would give
-            os.replace(partial, path)
+            try:
+                os.chmod(partial, umask_mode())  # mkstemp makes it 0600; outputs get what open() would give
+                os.replace(partial, path)
+            except OSError as exc:  # a name too long for this file system, a folder where the file should go
+                raise LocalWriteError(f"cannot write {path}: {exc}") from None
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(partial)
@@ -375,6 +383,88 @@ class ComfyClient:
 
     def websocket(self, client_id: str) -> WebSocket:
         return WebSocket(self.host, self.port, f"/ws?clientId={client_id}", self.deadline)
+
+
+# -- the fewstep.chunk event -----------------------------------------------------------------------------------------
+
+MAX_CHUNK_FILES = 16  # the sampler sends one clip per chunk; more is not a fewstep node talking
+MAX_NODE_ID_CHARS = 256  # ComfyUI ids are short ("12", "5:3" inside a subgraph)
+MAX_COUNT = 1 << 62  # chunk indices, frame numbers, byte counts: bounded so that a line stays a line
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkEvent:
+    """The data of one ``fewstep.chunk`` event (the contract in the README): a chunk a fewstep sampler finished."""
+
+    node: str
+    chunk: int  # index in the session (keeps counting across FewStepCausalContinue)
+    chunks: int  # chunks this node run produces in all
+    frames: tuple[int, int]  # first and last video frame of the chunk in the session, inclusive
+    files: tuple[dict, ...]  # /view query parameters (filename, subfolder, type); () when none is decoded
+    seconds: float
+    first_chunk_seconds: float
+    kv_bytes: int
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+
+
+def _is_seconds(value) -> bool:
+    # compared, not math.isfinite(): NaN and infinity fail the comparison, and an int of 400 digits (JSON has
+    # no limit) would overflow the conversion to float
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+
+
+def _is_frames(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(map(_is_count, value)) and value[0] <= value[1]
+
+
+def _is_file(value) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(value.get(key), str) for key in ("filename", "subfolder", "type")
+    )
+
+
+def _is_files(value) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_CHUNK_FILES and all(map(_is_file, value))
+
+
+_CHUNK_FIELDS = {
+    "node": (lambda v: isinstance(v, str) and 0 < len(v) <= MAX_NODE_ID_CHARS, "a node id (text)"),
+    "chunk": (_is_count, "a chunk index (an integer >= 0)"),
+    "chunks": (lambda v: _is_count(v) and v > 0, "a number of chunks (an integer >= 1)"),
+    "frames": (_is_frames, "[first, last] video frame numbers, first <= last"),
+    "files": (
+        _is_files,
+        f"a list of at most {MAX_CHUNK_FILES} {{filename, subfolder, type}} objects of text",
+    ),
+    "seconds": (_is_seconds, "seconds (a number >= 0)"),
+    "first_chunk_seconds": (_is_seconds, "seconds (a number >= 0)"),
+    "kv_bytes": (_is_count, "a number of bytes (an integer >= 0)"),
+}
+
+
+def parse_chunk_event(data: dict) -> ChunkEvent:
+    """The fields of a ``fewstep.chunk`` event's ``data``; fields it does not know are ignored (the contract lets
+    the node add some). Raises MalformedEventError naming the first field that is missing or not as documented."""
+    for key, (valid, expected) in _CHUNK_FIELDS.items():
+        if key not in data:
+            raise MalformedEventError(f"it has no {key!r}")
+        value = data[key]
+        if not valid(value):
+            as_json = json.dumps(value[:400]) if isinstance(value, str) else value  # "3" apart from 3
+            raise MalformedEventError(f"its {key!r} is {snippet(as_json)}, expected {expected}")
+    return ChunkEvent(
+        node=data["node"],
+        chunk=data["chunk"],
+        chunks=data["chunks"],
+        frames=tuple(data["frames"]),
+        files=tuple({key: file[key] for key in ("filename", "subfolder", "type")} for file in data["files"]),
+        seconds=float(data["seconds"]),
+        first_chunk_seconds=float(data["first_chunk_seconds"]),
+        kv_bytes=data["kv_bytes"],
+    )
 
 
 class WebSocket:

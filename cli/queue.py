@@ -1,11 +1,14 @@
 """``python -m fewstep queue WORKFLOW.json``: run a workflow on a ComfyUI server through its API queue.
 
 Submits the workflow to ``POST /prompt``, follows the server's event stream (per-step and per-chunk progress),
-downloads every file the outputs list (``--out``) and prints text outputs. Exit status: 0 success, 2 the server
-rejected the workflow (including a partial rejection: /prompt answers 200 but lists node errors; the valid
+with ``--stream-dir`` saves each chunk clip a fewstep sampler streams (``fewstep.chunk`` events) while the prompt
+runs, then downloads every file the outputs list (``--out``) and prints text outputs. Exit status: 0 success, 2 the
+server rejected the workflow (including a partial rejection: /prompt answers 200 but lists node errors; the valid
 outputs still run), 3 a node raised during execution, 4 timeout (``--timeout`` bounds the whole command), 5 server
-unreachable, not a workflow, or an answer that is not ComfyUI's (including an output file the server names outside
-``--out``: refused, reported, the other files still saved).
+unreachable, not a workflow, or an answer that is not ComfyUI's (including an output or chunk file the server names
+outside ``--out`` / ``--stream-dir``, or a ``fewstep.chunk`` event not in the documented layout: refused, reported,
+the rest still saved). A chunk file that cannot be downloaded (the server keeps only the newest ones) is reported
+and does not change the exit status.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ import time
 import uuid
 
 from .comfy_client import (
+    ChunkEvent,
     ComfyClient,
     DeadlineError,
     LocalWriteError,
+    MalformedEventError,
     ProtocolError,
     ServerError,
     UnreachableError,
     UnsafeOutputError,
     is_ui_format,
+    parse_chunk_event,
     parse_json,
     snippet,
     ui_to_api,
@@ -53,6 +59,13 @@ def add_arguments(p) -> None:
         help='override an input; VALUE is JSON (numbers, true, "text") or a bare string',
     )
     p.add_argument("--out", default=None, help="download the output files here")
+    p.add_argument(
+        "--stream-dir",
+        default=None,
+        metavar="DIR",
+        help="save each chunk clip a fewstep sampler streams while the prompt runs into DIR as it arrives, "
+        "one line per chunk (default: none, chunk events are ignored)",
+    )
     p.add_argument(
         "--timeout",
         type=_seconds,
@@ -191,10 +204,19 @@ def _run_command(args) -> int:
 
 
 def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
+    stream = None
+    if args.stream_dir is not None:
+        try:  # before queueing: a folder that cannot be made should not cost a run
+            os.makedirs(args.stream_dir, exist_ok=True)
+        except OSError as exc:
+            return _fail(5, f"--stream-dir {args.stream_dir}: cannot create the folder ({exc})")
+        stream = ChunkStream(client, args.stream_dir)
     client_id = uuid.uuid4().hex
     ws = client.websocket(client_id)  # open first: no event can be missed
     try:
         try:
+            if stream is not None:
+                stream.submitted_at = time.monotonic()
             answer = client.submit(prompt, client_id, extra)
         except ServerError as exc:
             body = exc.body
@@ -210,16 +232,20 @@ def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
         partial = format_node_errors(answer.get("node_errors"), prompt)
         for line in partial:
             print(f"error: {line} (the valid outputs still run)", file=sys.stderr)
-        status = _follow(ws, prompt_id, prompt, args)
+        status = _follow(ws, prompt_id, prompt, args, stream)
     finally:
         ws.close()
     if status:
         return status
     status = _collect(client, prompt_id, args)
+    if stream is not None and stream.refused:
+        status = _fail(
+            5, f"refused {stream.refused} fewstep.chunk events or files the server sent (see above)"
+        )
     return status or (2 if partial else 0)
 
 
-def _follow(ws, prompt_id: str, prompt: dict, args) -> int:
+def _follow(ws, prompt_id: str, prompt: dict, args, stream: ChunkStream | None = None) -> int:
     while True:
         try:
             kind, payload = ws.receive()
@@ -246,6 +272,8 @@ def _follow(ws, prompt_id: str, prompt: dict, args) -> int:
             print(
                 f"node {node} {kind_name}: {data.get('value')}/{data.get('max')}", file=sys.stderr, flush=True
             )
+        elif event == "fewstep.chunk" and stream is not None:
+            stream.receive(data, prompt_id)
         elif event == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
             return 0
         elif event == "execution_error":
@@ -254,6 +282,73 @@ def _follow(ws, prompt_id: str, prompt: dict, args) -> int:
             return 3
         elif event == "execution_interrupted":
             return _fail(3, f"the run was interrupted at node {data.get('node_id')}")
+
+
+class ChunkStream:
+    """``--stream-dir``: saves the clip of each chunk a fewstep sampler announces (a ``fewstep.chunk`` event) as
+    the event arrives, and prints one line per chunk on stdout (and, at the first chunk, its latency).
+
+    Downloads run in the event loop under the command's one deadline, so none outlives ``--timeout``. A file that
+    cannot be downloaded (the server keeps only its newest chunk files) is reported and the run goes on; an event
+    not in the documented layout, or a file named outside the folder, is refused (reported, nothing written) and
+    counted in ``refused``.
+    """
+
+    def __init__(self, client: ComfyClient, out_dir: str):
+        self.client, self.out_dir = client, out_dir
+        self.submitted_at = time.monotonic()  # reset by the caller right before POST /prompt
+        self.refused = 0
+        self.first_index: dict[str, int] = {}  # node id -> the first chunk index it sent in this prompt
+
+    def receive(self, data: dict, prompt_id: str) -> None:
+        """One ``fewstep.chunk`` event's data (of this prompt, or without a prompt_id: the caller skips others)."""
+        received_at = time.monotonic()
+        try:
+            if data.get("prompt_id") != prompt_id:
+                raise MalformedEventError("it has no 'prompt_id'")
+            event = parse_chunk_event(data)
+        except MalformedEventError as exc:
+            self.refused += 1
+            print(f"error: refused a fewstep.chunk event: {exc}; nothing was downloaded", file=sys.stderr)
+            return
+        if not self.first_index:
+            print(f"first chunk: {received_at - self.submitted_at:.2f} s after submit (client), "
+                  f"first_chunk_seconds {event.first_chunk_seconds:.2f} s (node)", flush=True)  # fmt: skip
+        label = self.label(event)
+        saved = []
+        for item in event.files:
+            try:
+                saved.append(self.client.download(item, self.out_dir))
+            except UnsafeOutputError as exc:
+                self.refused += 1
+                print(f"error: refused a file of {label}: {exc}; nothing was written", file=sys.stderr)
+            except (ServerError, UnreachableError, ProtocolError, LocalWriteError) as exc:
+                print(f"error: {label}: could not save {item['filename']!r} ({exc}); the run goes on",
+                      file=sys.stderr)  # fmt: skip
+        if saved:
+            where = " -> " + ", ".join(saved)
+        else:
+            where = (
+                " (no file: the node decodes no frames)" if not event.files else " (no file saved, see above)"
+            )
+        print(f"{label}: frames {event.frames[0]}-{event.frames[1]}, {event.seconds:.2f} s, "
+              f"KV {binary_size(event.kv_bytes)}{where}", flush=True)  # fmt: skip
+
+    def label(self, event: ChunkEvent) -> str:
+        """The chunk's place in this node run, as "chunk 3/7 (node 12)": the event's index counts across the
+        session (a FewStepCausalContinue goes on from the sampler's), its ``chunks`` only this node run."""
+        first = self.first_index.setdefault(event.node, event.chunk)
+        return f"chunk {event.chunk - first + 1}/{event.chunks} (node {event.node})"
+
+
+def binary_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps the number >= 1: "512 B", "1.2 MiB"."""
+    if n < 1024:
+        return f"{n} B"
+    size, units = n / 1024, ["KiB", "MiB", "GiB", "TiB", "PiB"]
+    while size >= 1024 and len(units) > 1:
+        size, units = size / 1024, units[1:]
+    return f"{size:.1f} {units[0]}"
 
 
 def _collect(client: ComfyClient, prompt_id: str, args) -> int:

@@ -1,5 +1,6 @@
 """``python -m fewstep queue`` without a real ComfyUI: the --server address, UI -> API conversion, node_errors
-formatting, and the exit status against a fake server (http.server plus a minimal WebSocket on 127.0.0.1)."""
+formatting, the exit status and --stream-dir (fewstep.chunk events) against a fake server (http.server plus a
+minimal WebSocket on 127.0.0.1), and the README's stream client example against the same server."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import base64
 import hashlib
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -250,9 +253,18 @@ class FakeComfy:
         self.prompt = (200, {"prompt_id": PROMPT_ID, "number": 0, "node_errors": {}})
         self.events: list = [{"type": "executing", "data": {"node": None, "prompt_id": PROMPT_ID}}]
         self.history = {PROMPT_ID: {"outputs": {}}}
-        self.files = {}
+        self.files = {}  # _view_path(item) -> bytes
         self.posted = []
+        self.viewed = []  # the /view queries asked, as {filename, subfolder, type}
+        self.ws_client_ids = []
         self.submitted = threading.Event()
+
+
+def _view_path(item: dict) -> str:
+    """The /view path of a file ({filename, subfolder, type}), its query in one fixed order."""
+    return "/view?" + urllib.parse.urlencode(
+        {key: item.get(key, "") for key in ("filename", "subfolder", "type")}
+    )
 
 
 def _handler(fake: FakeComfy):
@@ -284,7 +296,11 @@ def _handler(fake: FakeComfy):
             if self.path.startswith("/history/"):
                 return self._json(200, fake.history)
             if self.path.startswith("/view?"):
-                data = fake.files[self.path]
+                query = dict(urllib.parse.parse_qsl(self.path[len("/view?") :], keep_blank_values=True))
+                fake.viewed.append(query)
+                data = fake.files.get(_view_path(query))
+                if data is None:
+                    return self._json(404, {})
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -301,6 +317,7 @@ def _handler(fake: FakeComfy):
             self.end_headers()
             self.wfile.flush()
             sock = self.connection
+            fake.ws_client_ids.append(self.path[len("/ws?clientId=") :])
             if not fake.submitted.wait(5):
                 return
             for event in fake.events:
@@ -310,8 +327,10 @@ def _handler(fake: FakeComfy):
                 )
             sock.settimeout(5)
             try:  # hold the stream open until the client closes it (or times out)
-                while sock.recv(4096):
-                    pass
+                while data := sock.recv(4096):
+                    if data[0] & 0x0F == 0x8:  # the client's close frame: answer it (websocket-client waits)
+                        sock.sendall(_frame(b"", 0x8))
+                        break
             except OSError:
                 pass
 
@@ -454,3 +473,276 @@ def test_no_result_in_time_is_exit_4(fake_server, tmp_path, capsys):
     wf.write_text(json.dumps(API_WORKFLOW))
     assert _exit_status(["queue", str(wf), "--server", fake_server.url, "--timeout", "0.5"]) == 4
     assert capsys.readouterr().err == "error: no result within 0.5 s\n"
+
+
+# -- --stream-dir: the fewstep.chunk events ------------------------------------------------------------------------
+
+KV_BYTES = 1258291  # 1.2 MiB
+
+
+def _clip(index: int, subfolder: str = "fewstep") -> dict:
+    return {"filename": f"fewstep_ab12_{index:05d}.webp", "subfolder": subfolder, "type": "temp"}
+
+
+def _chunk_event(chunk: int, frames, files=(), node="12", chunks=3, prompt_id=PROMPT_ID, **fields) -> dict:
+    """A fewstep.chunk event as the contract (README) has it, plus a field this client does not know."""
+    data = {
+        "prompt_id": prompt_id,
+        "node": node,
+        "chunk": chunk,
+        "chunks": chunks,
+        "frames": list(frames),
+        "files": list(files),
+        "seconds": 0.84,
+        "first_chunk_seconds": 1.9,
+        "kv_bytes": KV_BYTES,
+        "a_field_of_a_newer_node": {"ignored": True},
+    }
+    data.update(fields)
+    return {"type": "fewstep.chunk", "data": data}
+
+
+DONE = {"type": "executing", "data": {"node": None, "prompt_id": PROMPT_ID}}
+FIRST_CHUNK_LINE = re.compile(
+    r"first chunk: \d+\.\d\d s after submit \(client\), first_chunk_seconds 1\.90 s \(node\)"
+)
+
+
+def _stream_run(fake, tmp_path, capsys, *extra) -> tuple[int, list[str], list[str], Path]:
+    """(exit status, stdout lines, stderr lines, the --stream-dir) of a --quiet run with --stream-dir."""
+    stream = tmp_path / "stream"
+    code = _queue(fake, tmp_path, API_WORKFLOW, "--stream-dir", str(stream), "--quiet", *extra)
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err.splitlines(), stream
+
+
+def test_stream_dir_saves_each_chunk_as_it_arrives_with_one_line_per_chunk(fake_server, tmp_path, capsys):
+    clips = {_view_path(_clip(i)): f"RIFF-webp-{i}".encode() * (i + 1) for i in (0, 2)}
+    clips[_view_path(_clip(7))] = b"the other prompt's clip"
+    fake_server.files = dict(clips)
+    fake_server.events = [
+        {"type": "execution_start", "data": {"prompt_id": PROMPT_ID}},
+        {"type": "progress", "data": {"node": "12", "value": 4, "max": 12, "prompt_id": PROMPT_ID}},
+        _chunk_event(0, [0, 8], [{**_clip(0), "format": "image/webp"}]),  # a field it does not know: ignored
+        _chunk_event(0, [0, 8], [_clip(7)], prompt_id="someone-else"),  # not ours: not even looked at
+        b"\x00\x00\x00\x01preview",
+        _chunk_event(1, [9, 20], [], kv_bytes=512),  # a node that decodes no frames lists no file
+        _chunk_event(2, [21, 32], [_clip(2)], seconds=1.5, kv_bytes=3 << 30),
+        DONE,
+    ]
+    code, out, err, stream = _stream_run(fake_server, tmp_path, capsys)
+    assert code == 0, err
+    assert err == []
+    saved = os.path.join(os.path.realpath(stream), "fewstep")
+    assert FIRST_CHUNK_LINE.fullmatch(out[0]), out
+    assert out[1:] == [
+        f"chunk 1/3 (node 12): frames 0-8, 0.84 s, KV 1.2 MiB -> {saved}/fewstep_ab12_00000.webp",
+        "chunk 2/3 (node 12): frames 9-20, 0.84 s, KV 512 B (no file: the node decodes no frames)",
+        f"chunk 3/3 (node 12): frames 21-32, 1.50 s, KV 3.0 GiB -> {saved}/fewstep_ab12_00002.webp",
+    ]
+    assert sorted(p.name for p in (stream / "fewstep").iterdir()) == [
+        "fewstep_ab12_00000.webp",
+        "fewstep_ab12_00002.webp",
+    ]
+    for i in (0, 2):  # byte-identical to what the server holds
+        assert (stream / "fewstep" / _clip(i)["filename"]).read_bytes() == clips[_view_path(_clip(i))]
+    assert fake_server.viewed == [_clip(0), _clip(2)]  # the /view queries had exactly these parameters
+
+
+def test_a_continue_counts_its_own_chunks_while_the_index_goes_on(fake_server, tmp_path, capsys):
+    """The index keeps counting across FewStepCausalContinue; "k/N" is the chunk's place in this node run."""
+    fake_server.files = {_view_path(_clip(i)): b"x" for i in (4, 5)}
+    fake_server.events = [
+        _chunk_event(4, [39, 50], [_clip(4)], node="15", chunks=2),
+        _chunk_event(5, [51, 62], [_clip(5)], node="15", chunks=2),
+        DONE,
+    ]
+    code, out, err, stream = _stream_run(fake_server, tmp_path, capsys)
+    assert code == 0, err
+    assert [line.split(":")[0] for line in out[1:]] == ["chunk 1/2 (node 15)", "chunk 2/2 (node 15)"]
+
+
+@pytest.mark.parametrize(
+    "filename, subfolder, reason",
+    [
+        ("../escaped.webp", "fewstep", "is not a plain file name"),
+        ("/tmp/escaped.webp", "", "is not a plain file name"),
+        ("escaped.webp", "ABSOLUTE", "is absolute"),
+        ("escaped.webp", "fewstep/../../..", "contains '..'"),
+    ],
+)
+def test_a_chunk_file_named_outside_stream_dir_is_refused(
+    fake_server, tmp_path, capsys, filename, subfolder, reason
+):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if subfolder == "ABSOLUTE":
+        subfolder = str(outside)
+    bad = {"filename": filename, "subfolder": subfolder, "type": "temp"}
+    fake_server.files = {_view_path(bad): b"EVIL", _view_path(_clip(1)): b"GOOD"}
+    fake_server.events = [_chunk_event(0, [0, 8], [bad]), _chunk_event(1, [9, 20], [_clip(1)]), DONE]
+    code, out, err, stream = _stream_run(fake_server, tmp_path, capsys)
+    assert code == 5
+    assert err[0].startswith("error: refused a file of chunk 1/3 (node 12): ") and reason in err[0], err
+    assert err[0].endswith("; nothing was written")
+    assert err[1:] == ["error: refused 1 fewstep.chunk events or files the server sent (see above)"]
+    assert out[1] == "chunk 1/3 (node 12): frames 0-8, 0.84 s, KV 1.2 MiB (no file saved, see above)"
+    assert out[2].startswith("chunk 2/3 (node 12): frames 9-20")  # the run went on
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["stream/fewstep/fewstep_ab12_00001.webp", "wf.json"]
+    assert fake_server.viewed == [_clip(1)]  # the refused name was not even asked for
+
+
+MISSING = object()  # a field left out of the event
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"frames": None}, "its 'frames' is 'null', expected [first, last] video frame numbers"),
+        (
+            {"frames": [8, 0]},
+            "its 'frames' is '[8, 0]', expected [first, last] video frame numbers, first <= last",
+        ),
+        ({"frames": [0, 4, 8]}, "its 'frames' is '[0, 4, 8]'"),
+        ({"chunk": "3"}, "its 'chunk' is '\"3\"', expected a chunk index (an integer >= 0)"),
+        ({"chunk": True}, "its 'chunk' is 'true', expected a chunk index"),
+        ({"chunks": 0}, "its 'chunks' is '0', expected a number of chunks (an integer >= 1)"),
+        ({"node": 12}, "its 'node' is '12', expected a node id (text)"),
+        ({"seconds": float("nan")}, "its 'seconds' is 'NaN', expected seconds (a number >= 0)"),
+        ({"first_chunk_seconds": -1}, "its 'first_chunk_seconds' is '-1', expected seconds"),
+        ({"kv_bytes": 10**400}, "its 'kv_bytes' is '1000000000"),
+        (
+            {"files": {"filename": "a.webp"}},
+            "its 'files' is '{\"filename\": \"a.webp\"}', expected a list of at",
+        ),
+        (
+            {"files": [_clip(0)] * 17},
+            "expected a list of at most 16 {filename, subfolder, type} objects of text",
+        ),
+        ({"files": [{"filename": "a.webp", "subfolder": "fewstep"}]}, "its 'files' is"),
+        ({"files": [{"filename": ["a"], "subfolder": "", "type": "temp"}]}, "its 'files' is"),
+        ({"prompt_id": MISSING}, "it has no 'prompt_id'"),
+        ({"kv_bytes": MISSING}, "it has no 'kv_bytes'"),
+    ],
+)
+def test_a_malformed_chunk_event_is_refused_with_one_line(fake_server, tmp_path, capsys, fields, message):
+    event = _chunk_event(0, [0, 8], [_clip(0)])
+    event["data"].update(fields)
+    for key in [key for key, value in fields.items() if value is MISSING]:
+        del event["data"][key]
+    fake_server.files = {_view_path(_clip(i)): b"x" for i in (0, 1)}
+    fake_server.events = [event, _chunk_event(1, [9, 20], [_clip(1)]), DONE]
+    code, out, err, stream = _stream_run(fake_server, tmp_path, capsys)
+    assert code == 5
+    assert len(err) == 2 and err[0].startswith("error: refused a fewstep.chunk event: "), err
+    assert message in err[0] and err[0].endswith("; nothing was downloaded"), err
+    assert err[1] == "error: refused 1 fewstep.chunk events or files the server sent (see above)"
+    assert FIRST_CHUNK_LINE.fullmatch(out[0]) and out[1].startswith("chunk 1/3 (node 12): frames 9-20"), out
+    assert fake_server.viewed == [_clip(1)]
+
+
+def test_a_chunk_file_that_cannot_be_downloaded_is_reported_and_the_run_goes_on(
+    fake_server, tmp_path, capsys
+):
+    fake_server.files = {
+        _view_path(_clip(1)): b"GOOD"
+    }  # clip 0 already deleted by the server (or never there)
+    fake_server.events = [_chunk_event(0, [0, 8], [_clip(0)]), _chunk_event(1, [9, 20], [_clip(1)]), DONE]
+    code, out, err, stream = _stream_run(fake_server, tmp_path, capsys)
+    assert code == 0, err
+    assert err == [
+        "error: chunk 1/3 (node 12): could not save 'fewstep_ab12_00000.webp' (GET /view?filename=fewstep_ab12_"
+        "00000.webp&subfolder=fewstep&type=temp answered HTTP 404: '{}'); the run goes on"
+    ]
+    assert out[1] == "chunk 1/3 (node 12): frames 0-8, 0.84 s, KV 1.2 MiB (no file saved, see above)"
+    assert out[2].endswith("fewstep_ab12_00001.webp")
+    assert (stream / "fewstep" / "fewstep_ab12_00001.webp").read_bytes() == b"GOOD"
+
+
+def test_without_stream_dir_chunk_events_are_ignored(fake_server, tmp_path, capsys):
+    fake_server.files = {_view_path(_clip(0)): b"x"}
+    fake_server.events = [
+        _chunk_event(0, [0, 8], [_clip(0)]),
+        _chunk_event(1, [9, 20], kv_bytes=None),
+        DONE,
+    ]  # even a bad one
+    assert _queue(fake_server, tmp_path, API_WORKFLOW, "--quiet") == 0
+    assert capsys.readouterr() == ("", "")
+    assert fake_server.viewed == []
+
+
+def test_a_stream_dir_that_cannot_be_made_is_exit_5_before_queueing(fake_server, tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    assert _queue(fake_server, tmp_path, API_WORKFLOW, "--stream-dir", str(tmp_path / "taken" / "clips")) == 5
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: --stream-dir {tmp_path / 'taken' / 'clips'}: cannot create the folder ("
+    ), err
+    assert fake_server.posted == []
+
+
+def test_stream_dir_help_is_one_sentence_with_the_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["queue", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--stream-dir DIR save each chunk clip a fewstep sampler streams while the prompt runs into DIR"
+        in text
+    )
+    assert "(default: none, chunk events are ignored)" in text
+
+
+# -- the README's stream client example ----------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_HEADING = "### Consuming the stream from your own client"
+
+
+def _readme_stream_example(readme: Path) -> str | None:
+    """The ```python block right under README_HEADING (no other heading between), or None."""
+    text = readme.read_text() if readme.exists() else ""
+    _, found, rest = text.partition(f"\n{README_HEADING}\n")
+    start = rest.find("```python\n")
+    if not found or start < 0 or re.search(r"^#{1,6} ", rest[:start], re.M):
+        return None
+    return rest[start + len("```python\n") :].split("\n```", 1)[0] + "\n"
+
+
+def test_the_readme_stream_client_example_saves_every_chunk(fake_server, tmp_path):
+    code = _readme_stream_example(README)
+    if code is None:
+        pytest.skip(f"{README.name} has no ```python block under {README_HEADING!r} yet")
+    pytest.importorskip(
+        "websocket", reason="the README example needs websocket-client (pip install websocket-client)"
+    )
+    script = tmp_path / "stream_client.py"
+    script.write_text(code)
+    wf = tmp_path / "workflow_api.json"
+    wf.write_text(json.dumps(API_WORKFLOW))
+    clips = {_view_path(_clip(i)): f"clip {i}".encode() * 1000 for i in range(3)}
+    fake_server.files = dict(clips)
+    fake_server.events = [
+        {"type": "status", "data": {"status": {"exec_info": {"queue_remaining": 1}}}},
+        _chunk_event(0, [0, 8], [_clip(0)]),
+        b"\x00\x00\x00\x01preview",
+        _chunk_event(7, [0, 8], [_clip(9)], prompt_id="someone-else"),
+        _chunk_event(1, [9, 20], []),
+        _chunk_event(2, [21, 32], [_clip(1)]),
+        _chunk_event(3, [33, 44], [_clip(2)]),
+        DONE,
+    ]
+    out = tmp_path / "clips"
+    r = subprocess.run(
+        [sys.executable, str(script), fake_server.url, str(wf), str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == [_clip(i)["filename"] for i in range(3)]
+    for i in range(3):
+        assert (out / _clip(i)["filename"]).read_bytes() == clips[_view_path(_clip(i))]
+    [posted] = fake_server.posted
+    assert posted["prompt"] == API_WORKFLOW and fake_server.ws_client_ids == [posted["client_id"]]

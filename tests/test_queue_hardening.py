@@ -1,6 +1,7 @@
 """``python -m fewstep queue`` against hostile servers: paths in /history that point outside ``--out``, servers that
-stall or flood so that ``--timeout`` must hold, and answers that are not what ComfyUI sends (HTML, a /prompt reply
-without prompt_id, garbage WebSocket frames, absurd sizes, deeply nested JSON).
+stall or flood so that ``--timeout`` must hold (also while a ``--stream-dir`` chunk clip downloads), answers that
+are not what ComfyUI sends (HTML, a /prompt reply without prompt_id, garbage WebSocket frames, absurd sizes, deeply
+nested JSON), and chunk clips that cannot be saved (reported, the run goes on).
 
 The fake server is raw sockets on 127.0.0.1 so that each test can misbehave at the byte level. Every server loop
 is bounded (SERVER_LIFETIME seconds at most), so a test ends by itself even when the client misbehaves; elapsed
@@ -494,3 +495,77 @@ def test_timeout_must_be_a_positive_number_of_seconds(tmp_path, capsys, value):
         main(["queue", str(wf), "--server", "127.0.0.1:9", "--timeout", value])
     assert exc.value.code == 2
     assert f"argument --timeout: expected a number of seconds > 0, got '{value}'" in capsys.readouterr().err
+
+
+# -- 4. --stream-dir: the chunk clips a fewstep.chunk event names ----------------------------------------------------
+
+
+def _chunk_frame(chunk: int, files: list[dict]) -> bytes:
+    data = {"prompt_id": PROMPT_ID, "node": "12", "chunk": chunk, "chunks": 2, "frames": [12 * chunk, 12 * chunk + 8],
+            "files": files, "seconds": 0.5, "first_chunk_seconds": 0.5, "kv_bytes": 1024}  # fmt: skip
+    return ws_frame(json.dumps({"type": "fewstep.chunk", "data": data}).encode())
+
+
+def test_a_stalled_chunk_download_cannot_outlive_the_timeout(hostile, tmp_path, capsys):
+    clip = _history_item("fewstep_00000.webp", "fewstep", "temp")
+    hostile.ws_events = [_chunk_frame(0, [clip]), ws_frame(json.dumps(DONE).encode())]
+    hostile.routes[("GET", "/view")] = _trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+    code, elapsed = run_queue(hostile, tmp_path, "--stream-dir", str(tmp_path / "clips"), timeout=1.5)
+    assert code == 4
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: no result within 1.5 s (while reading GET {_view_path(clip)})"), line
+    assert elapsed < 1.5 + 10
+    assert list((tmp_path / "clips" / "fewstep").iterdir()) == []  # no partial file left behind
+
+
+@pytest.mark.parametrize(
+    "filename, answer, expected",
+    [
+        ("big.webp", http_answer(200, b"x" * 5000), "answered with 5000 bytes, more than the 1000"),
+        ("x" * 300 + ".webp", http_answer(200, b"WEBP"), "cannot write "),  # a name too long for this disk
+        ("junk.webp", b"not http at all\r\n\r\n", "not a complete HTTP answer"),
+    ],
+)
+def test_a_chunk_clip_that_cannot_be_saved_is_one_line_and_the_run_goes_on(
+    hostile, tmp_path, capsys, monkeypatch, filename, answer, expected
+):
+    from fewstep.cli import comfy_client
+
+    monkeypatch.setattr(comfy_client, "MAX_FILE_BYTES", 1000)
+    clip = _history_item(filename, "fewstep", "temp")
+    good = _history_item("fewstep_00001.webp", "fewstep", "temp")
+    hostile.files = {_view_path(good): b"GOOD"}
+
+    def view(conn, path):
+        if path == _view_path(clip):
+            return conn.sendall(answer)
+        hostile.view(conn, path)
+
+    hostile.routes[("GET", "/view")] = view
+    hostile.ws_events = [
+        _chunk_frame(0, [clip]),
+        _chunk_frame(1, [good]),
+        ws_frame(json.dumps(DONE).encode()),
+    ]
+    code, _ = run_queue(hostile, tmp_path, "--stream-dir", str(tmp_path / "clips"))
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 0
+    assert line.startswith("error: chunk 1/2 (node 12): could not save ") and expected in line, line
+    assert line.endswith("; the run goes on")
+    assert os.listdir(tmp_path / "clips" / "fewstep") == [
+        "fewstep_00001.webp"
+    ]  # no partial file, the next saved
+
+
+def test_an_output_name_too_long_for_the_file_system_is_one_line_exit_5(hostile, tmp_path, capsys):
+    item = _history_item("x" * 300 + ".png")
+    hostile.history = {PROMPT_ID: {"outputs": {"9": {"images": [item]}}}}
+    hostile.files = {_view_path(item): b"PNG"}
+    code, _ = run_queue(hostile, tmp_path, "--out", str(tmp_path / "out"))
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 5
+    assert (
+        line.startswith(f"error: cannot write {os.path.realpath(tmp_path / 'out')}/xxx")
+        and "too long" in line
+    )
+    assert list((tmp_path / "out").iterdir()) == []

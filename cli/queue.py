@@ -204,13 +204,14 @@ def _run_command(args) -> int:
 
 
 def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
-    stream = None
-    if args.stream_dir is not None:
+    for flag, folder in (("--out", args.out), ("--stream-dir", args.stream_dir)):
+        if folder is None:
+            continue
         try:  # before queueing: a folder that cannot be made should not cost a run
-            os.makedirs(args.stream_dir, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
         except OSError as exc:
-            return _fail(5, f"--stream-dir {args.stream_dir}: cannot create the folder ({exc})")
-        stream = ChunkStream(client, args.stream_dir)
+            return _fail(5, f"{flag} {folder}: cannot create the folder ({exc})")
+    stream = None if args.stream_dir is None else ChunkStream(client, args.stream_dir)
     client_id = uuid.uuid4().hex
     ws = client.websocket(client_id)  # open first: no event can be missed
     try:
@@ -370,7 +371,6 @@ def _collect(client: ComfyClient, prompt_id: str, args) -> int:
                             f"node {node_id} {key}: {item.get('subfolder', '')}/{item['filename']} ({item.get('type')})"
                         )
                         continue
-                    os.makedirs(args.out, exist_ok=True)
                     try:
                         print(f"node {node_id} {key}: {client.download(item, args.out)}")
                     except UnsafeOutputError as exc:

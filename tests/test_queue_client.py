@@ -672,13 +672,12 @@ def test_without_stream_dir_chunk_events_are_ignored(fake_server, tmp_path, caps
     assert fake_server.viewed == []
 
 
-def test_a_stream_dir_that_cannot_be_made_is_exit_5_before_queueing(fake_server, tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--stream-dir", "--out"])
+def test_a_folder_that_cannot_be_made_is_exit_5_before_queueing(fake_server, tmp_path, capsys, flag):
     (tmp_path / "taken").write_text("a file")
-    assert _queue(fake_server, tmp_path, API_WORKFLOW, "--stream-dir", str(tmp_path / "taken" / "clips")) == 5
+    assert _queue(fake_server, tmp_path, API_WORKFLOW, flag, str(tmp_path / "taken" / "clips")) == 5
     err = capsys.readouterr().err
-    assert err.startswith(
-        f"error: --stream-dir {tmp_path / 'taken' / 'clips'}: cannot create the folder ("
-    ), err
+    assert err.startswith(f"error: {flag} {tmp_path / 'taken' / 'clips'}: cannot create the folder ("), err
     assert fake_server.posted == []
 
 

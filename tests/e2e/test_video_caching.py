@@ -151,3 +151,20 @@ def test_each_chunk_reaches_the_client_while_the_node_runs(server):
         with urllib.request.urlopen(server["url"] + "/view?" + urllib.parse.urlencode(file), timeout=10) as r:
             clip = Image.open(io.BytesIO(r.read()))
             assert (clip.n_frames, clip.size) == (e["frames"][1] - e["frames"][0] + 1, (96, 64))
+
+
+def test_queue_stream_dir_saves_every_chunk_as_it_comes(server, tmp_path):
+    from comfy_server import queue
+    from PIL import Image
+
+    graph = _stream_graph(num_chunks=3)
+    graph["4"]["inputs"]["seed"] = 1234  # not a cached run
+    code, out = queue(server, graph, "--stream-dir", str(tmp_path / "clips"), "--quiet")
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if line.startswith(("chunk ", "first chunk: "))]
+    assert lines[0].startswith("first chunk: ") and len(lines) == 4, out
+    spans = [line.split("frames ")[1].split(",")[0] for line in lines[1:]]
+    assert [line.split(" (node")[0] for line in lines[1:]] == ["chunk 1/3", "chunk 2/3", "chunk 3/3"]
+    assert spans == ["0-4", "5-12", "13-20"]
+    clips = sorted((tmp_path / "clips" / "fewstep").iterdir())
+    assert [Image.open(c).n_frames for c in clips] == [5, 8, 8]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -27,7 +29,9 @@ EVENT = "fewstep.chunk"
 SUBFOLDER = "fewstep"
 CLIP_FPS = 16  # Wan 2.1's frame rate
 CHUNKS_KEPT = env_int("FEWSTEP_STREAM_CHUNKS_KEPT", 64, minimum=1)
-_CLIPS: deque[str] = deque()  # the clips on disk, oldest first, across runs (nodes run one at a time)
+PENDING_CLIPS = 2  # chunks waiting for their clip; one more makes the generation wait
+_CLIPS: deque[str] = deque()  # the clips on disk, oldest first, across runs
+_CLIPS_LOCK = threading.Lock()
 
 
 def video_frame_span(first_latent: int, latent_frames: int) -> tuple[int, int]:
@@ -41,7 +45,8 @@ def video_frame_span(first_latent: int, latent_frames: int) -> tuple[int, int]:
 
 
 class ChunkStream:
-    """One node run's chunks, published as they finish (a no-op when this is not a ComfyUI run)."""
+    """One node run's chunks, published as they finish (a no-op when this is not a ComfyUI run); ``close()``
+    waits for the clips still being written."""
 
     def __init__(self, chunks: int, chunk_frames: int):
         running = executing_node()
@@ -53,10 +58,12 @@ class ChunkStream:
         self.run_id = uuid.uuid4().hex[:8]  # file names of one run never collide with another's
         self._first_chunk_seconds: float | None = None
         self._seconds = 0.0
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: deque[Future] = deque()
 
     def publish(self, chunk: ChunkResult, frames_before: int) -> None:
-        """Write ``chunk``'s clip and announce it. ``frames_before``: video frames the session had decoded before
-        this chunk (its clip's first frame number)."""
+        """Announce ``chunk`` (after writing its clip, on the writer thread). ``frames_before``: video frames the
+        session had decoded before this chunk (its clip's first frame number)."""
         self._seconds += chunk.seconds
         if self._first_chunk_seconds is None:
             self._first_chunk_seconds = self._seconds
@@ -66,17 +73,37 @@ class ChunkStream:
             first, last = frames_before, frames_before + chunk.frames.shape[1] - 1
         else:
             first, last = video_frame_span(chunk.start_frame, self.chunk_frames)
-        files = []
-        if chunk.frames is not None and chunk.frames.shape[1]:
-            files.append(self._write_clip(chunk.index, chunk.frames[0]))
-        send_to_client(EVENT, {
+        event = {
             "prompt_id": self.prompt_id, "node": self.node, "chunk": chunk.index, "chunks": self.chunks,
-            "frames": [first, last], "files": files, "seconds": round(chunk.seconds, 4),
+            "frames": [first, last], "files": [], "seconds": round(chunk.seconds, 4),
             "first_chunk_seconds": round(self._first_chunk_seconds, 4), "kv_bytes": chunk.kv_bytes,
-        })  # fmt: skip
+        }  # fmt: skip
+        frames = chunk.frames[0] if chunk.frames is not None and chunk.frames.shape[1] else None
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="fewstep-chunk-clips")
+        while len(self._pending) >= PENDING_CLIPS:  # the encoder is behind: wait, holding a bounded backlog
+            self._pending.popleft().result()
+        self._pending.append(self._writer.submit(self._write_and_send, chunk.index, frames, event))
+
+    def close(self) -> None:
+        """Wait for the clips still being written (their events are sent when each is on disk)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        self._pending.clear()
+
+    def _write_and_send(self, index: int, frames: torch.Tensor | None, event: dict) -> None:
+        if frames is not None:
+            try:
+                event["files"] = [self._write_clip(index, frames)]
+            except (OSError, ValueError) as exc:  # a full or read-only temp folder: the stream goes on
+                log.warning(
+                    "fewstep: could not write the clip of chunk %d to %s: %s", index, self.folder, exc
+                )
+        send_to_client(EVENT, event)
 
     def _write_clip(self, index: int, frames: torch.Tensor) -> dict:
-        """The first batch entry's frames ``[k, 3, H, W]`` as an animated WebP; its /view parameters."""
+        """``frames [k, 3, H, W]`` as an animated WebP; its /view parameters."""
         from PIL import Image
 
         os.makedirs(self.folder, exist_ok=True)
@@ -85,10 +112,11 @@ class ChunkStream:
         images = [Image.fromarray(a) for a in array]
         path = os.path.join(self.folder, name)
         images[0].save(path, save_all=True, append_images=images[1:], duration=1000 // CLIP_FPS, loop=0,
-                       quality=90, method=0)  # fmt: skip  # method 0: the fastest encoder, the stream waits on it
-        _CLIPS.append(path)
-        while len(_CLIPS) > CHUNKS_KEPT:
-            old = _CLIPS.popleft()
+                       quality=90, method=0)  # fmt: skip  # method 0: the fastest encoder
+        with _CLIPS_LOCK:
+            _CLIPS.append(path)
+            stale = [_CLIPS.popleft() for _ in range(len(_CLIPS) - CHUNKS_KEPT)]
+        for old in stale:
             try:
                 os.remove(old)
             except OSError as exc:  # already gone (a user emptied temp): nothing to bound

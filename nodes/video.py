@@ -138,6 +138,7 @@ def _run(session: VideoSession, chunks: int, node: str):
                 preview = preview_payload(chunk.frames[0, -1].permute(1, 2, 0))
             progress.update((i + 1) * steps if per_step else i + 1, preview)
     finally:
+        stream.close()  # the clips still being written: their events come before the node's own
         progress.close()
     latent = torch.cat(parts, dim=2)
     b, _, _, h, w = latent.shape

@@ -122,3 +122,14 @@ def test_video_frame_span(pack):
     span = sys.modules[f"{pack.__name__}.nodes.chunk_stream"].video_frame_span
     assert [span(0, 3), span(3, 3), span(6, 3)] == [(0, 8), (9, 20), (21, 32)]
     assert span(0, 1) == (0, 0)
+
+
+def test_a_clip_that_cannot_be_written_is_logged_and_the_stream_goes_on(pack, comfy_run, caplog):
+    server, _, temp = comfy_run
+    (temp / "fewstep").write_text("a file where the folder goes")
+    m, args = _video(pack)
+    frames = _run(m["FewStepCausalVideoSampler"], num_chunks=2, **args)[1]
+    assert frames.shape[0] == 13
+    assert [(d["chunk"], d["files"]) for _, d, _ in server.sent] == [(0, []), (1, [])]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("could not write the clip of chunk" in w for w in warnings), warnings

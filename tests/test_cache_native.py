@@ -406,15 +406,20 @@ def test_native_cfg_gating_drops_the_unconditional_rows(comfy, nodes, engine_mod
     assert torch.allclose(out, x, atol=1e-4, rtol=1e-4)
 
 
-def test_native_magcache_calibration_and_identity(comfy, nodes, engine_model):
+def test_native_magcache_calibration_and_identity(comfy, nodes, engine_model, server):
     patched = _attach(
-        nodes, _patcher(engine_model), method="magcache", calibration_name="flux.json", calibrate=True
-    )
+        nodes, _patcher(engine_model), method="magcache", calibration_name="flux.json", calibrate=True,
+        unique_id="2",
+    )  # fmt: skip
     plain, _, _ = _sample(_patcher(engine_model), engine_model)
     out, calls, _ = _sample(patched, engine_model)
     assert torch.equal(out, plain) and len(calls) == 28
     path = comfy / "models" / "fewstep_magcache" / "flux.json"
     data = json.loads(path.read_text())
+    ((report, _, _),) = server.sent  # nothing was compared: the report gives the ratios written
+    assert _per_step(report) == [f"{i}:-" for i in range(28)]
+    ratios = " ".join(f"{i}:{r:.4g}" for i, r in enumerate(data["ratios"]))
+    assert report.endswith(f"  MagCache calibration written to {path}; ratios per step: {ratios}")
     assert (
         data["steps"] == 28
         and len(data["ratios"]) == 28

@@ -96,8 +96,11 @@ class CacheTelemetry:
             f"  score per step vs threshold {self.threshold:g} (* skipped, - not compared): "
             + " ".join(per_step)
         )
-        if self.calibration_written:
-            lines.append(f"  MagCache calibration written to {self.calibration_written}")
+        if self.calibration_written:  # a calibration run compares nothing: its measurements are the ratios
+            ratios = " ".join(f"{i}:{r:.4g}" for i, r in enumerate(self.calibration_ratios or ()))
+            lines.append(
+                f"  MagCache calibration written to {self.calibration_written}; ratios per step: {ratios}"
+            )
         lines += [f"  warning: {w}" for w in self.warnings]
         return lines
 

@@ -6,7 +6,9 @@ FEWSTEP_MODEL handle gets it as its ``step_cache`` feature (a new handle; the mo
 native MODEL is cloned and gets three ModelPatcher wrappers, as ComfyUI core's EasyCache does:
 
 * OUTER_SAMPLE: per sampling run, applies the gate's policy to the run's sigmas and sampler and puts a fresh
-  per-run holder into the run's (cloned) model options; at the end it logs the telemetry and drops the holder.
+  per-run holder into the run's (cloned) model options; at the end it logs the telemetry once, shows it as text
+  on the gate node (the node runs before the sampler, so the run's result can only reach the user this way, not
+  as an output) and drops the holder.
 * CALC_COND_BATCH: marks the step; with CFG gating, from the cut-off on runs only the conditional pass and
   gives the unconditional one as ``x0_cond + sigma * d`` with ``d = (x0_uncond - x0_cond) / sigma`` of the last
   step that ran it (per unit sigma this is the model-output difference: velocity for flow, eps for eps models).
@@ -229,7 +231,9 @@ class FewStepCacheGateNative:
     DESCRIPTION = (
         "The FewStep step-cache gate for ComfyUI's own MODEL (KSampler, SamplerCustomAdvanced), through "
         "ModelPatcher wrappers on a clone: whole-model step caching (input_change, magcache) and CFG gating, "
-        "refused with a logged reason on few-step or re-noising schedules. Telemetry goes to the log."
+        "refused with the reason on few-step or re-noising schedules. After each sampling run the node shows "
+        "the decision, the steps computed / skipped and the score per step that was compared with the "
+        "threshold (also in the log)."
     )
     CATEGORY = f"{CATEGORY}/speed"
     RETURN_TYPES = ("MODEL",)
@@ -240,18 +244,34 @@ class FewStepCacheGateNative:
     def INPUT_TYPES(cls):
         required = {"model": ("MODEL", {"tooltip": "A ComfyUI model (e.g. from Load Diffusion Model)."})}
         required.update(_common_inputs(NATIVE_METHODS, "input_change", 0.1))
-        return {"required": required, "optional": _optional_inputs()}
+        return {"required": required, "optional": _optional_inputs(), "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @reports_input_errors("FewStepCacheGateNative")
     def attach(
         self, model, method, threshold, start, end, force, cfg_cutoff, magcache_file=NO_CALIBRATION,
-        calibrate=False, calibration_name="",
+        calibrate=False, calibration_name="", unique_id=None,
     ):  # fmt: skip
         gate = _gate_from_inputs(
             method, threshold, start, end, force, cfg_cutoff, magcache_file, calibrate, calibration_name, "model"
         )  # fmt: skip
         ext = comfy_module("comfy.patcher_extension")
-        return (install_native_gate(model, gate, None if ext is None else ext.WrappersMP),)
+        report = None if unique_id is None else node_text_sender(str(unique_id))
+        return (install_native_gate(model, gate, None if ext is None else ext.WrappersMP, report),)
+
+
+def node_text_sender(node_id: str):
+    """A function that shows a text on node ``node_id`` in the ComfyUI frontend (the server's progress text, the
+    text core nodes show under themselves), sent to the client that queued the prompt; outside a ComfyUI server
+    (no ``server`` module) it does nothing."""
+
+    def send(text: str) -> None:
+        server_module = comfy_module("server")
+        server = getattr(getattr(server_module, "PromptServer", None), "instance", None)
+        if server is None:
+            return
+        server.send_progress_text(text, node_id, getattr(server, "client_id", None))
+
+    return send
 
 
 __all__ = [
@@ -260,6 +280,7 @@ __all__ = [
     "FewStepCacheGate",
     "FewStepCacheGateNative",
     "calc_cond_batch_wrapper",
+    "node_text_sender",
     "diffusion_model_wrapper",
     "native_identity",
     "outer_sample_wrapper",

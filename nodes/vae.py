@@ -35,8 +35,9 @@ def nchw_to_images(x: torch.Tensor) -> torch.Tensor:
 class FewStepTinyVAELoader:
     DESCRIPTION = (
         "Loads a tiny autoencoder from models/vae_approx (TAESD family: taesd, taesdxl, taesd3, taef1, "
-        "taef2, taesana; TAEHV video: taew2_1, taew2_2, taehv), or dummy:<variant>. Given one half of a "
-        "TAESD pair (taef1_decoder.pth), the other half next to it is loaded too."
+        "taef2, taesana; TAEHV video: taew2_1, taew2_2, taehv), or dummy:<variant>; .pth or .safetensors. Given "
+        "one half of a TAESD pair (taef1_decoder.pth), the other half next to it is loaded too; madebyollin's "
+        "Hugging Face taef1 / taef2 files (diffusers layout) hold both halves."
     )
     CATEGORY = f"{CATEGORY}/vae"
     RETURN_TYPES = (FEWSTEP_TINY_VAE,)
@@ -50,7 +51,8 @@ class FewStepTinyVAELoader:
                 "vae_name": (
                     list_model_files("vae_approx") + [DUMMY_PREFIX + v for v in TINY_VARIANTS],
                     {
-                        "tooltip": "A file in models/vae_approx (e.g. taef1_decoder.pth, taew2_1.pth), or "
+                        "tooltip": "A file in models/vae_approx (e.g. taef1.safetensors, taew2_1.safetensors, "
+                        "taef1_decoder.pth), or "
                         "dummy:<variant> for random weights."
                     },
                 ),

@@ -275,11 +275,115 @@ def test_native_gate_refuses_few_step_and_ancestral_runs_with_a_logged_reason(
     )
 
 
+class FakePromptServer:
+    """server.PromptServer.instance: what the node's report uses of it (ComfyUI 0.3.64 server.py)."""
+
+    def __init__(self, fail=False):
+        self.client_id, self.sent, self.fail = "client-1", [], fail
+
+    def send_progress_text(self, text, node_id, sid=None):
+        if self.fail:
+            raise RuntimeError("socket closed")
+        self.sent.append((text, node_id, sid))
+
+
+@pytest.fixture
+def server(monkeypatch):
+    instance = FakePromptServer()
+    monkeypatch.setitem(
+        sys.modules, "server", types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=instance))
+    )
+    return instance
+
+
+def _per_step(summary: str) -> list[str]:
+    line = next(ln for ln in summary.splitlines() if "score per step" in ln)
+    return line.split("): ", 1)[1].split()
+
+
+def test_native_gate_shows_the_run_report_on_its_node_and_logs_the_decision_once(
+    comfy, nodes, engine_model, server, caplog
+):
+    patched = _attach(nodes, _patcher(engine_model), threshold=0.05, unique_id="7")
+    with caplog.at_level(logging.INFO):
+        _, calls, _ = _sample(patched, engine_model)
+    ((text, node_id, sid),) = server.sent
+    assert (node_id, sid) == ("7", "client-1")
+    messages = [r.getMessage() for r in caplog.records]
+    assert text in messages  # the text on the node is the logged summary
+    head = "step cache input_change (threshold 0.05): on: 28-step schedule"
+    assert text.startswith(head) and sum(m.count(head) for m in messages) == 1
+    computed = len(calls)
+    assert f"  {computed} steps computed, {28 - computed} skipped of 28; " in text
+    # a refused run reports its reason on the node too
+    with caplog.at_level(logging.INFO):
+        _sample(patched, engine_model, steps=4, schedule="flux.1-schnell")
+    refused, node_id, _ = server.sent[1]
+    assert node_id == "7" and "\n" not in refused  # the decision only: nothing ran through the cache
+    assert refused.startswith(
+        "step cache input_change (threshold 0.05): off: 4-step distilled few-step schedule"
+    )
+
+
+def test_native_report_prints_the_score_compared_with_the_threshold(
+    comfy, nodes, engine_model, server, pack, monkeypatch
+):
+    methods = importlib.import_module(f"{pack.__name__}.engine.cache.methods")
+    decided = []
+    original = methods.InputChangeCache.decide
+
+    def recording(self, x, cacheable):
+        result = original(self, x, cacheable)
+        decided.append(result)
+        return result
+
+    monkeypatch.setattr(methods.InputChangeCache, "decide", recording)
+    threshold = 0.05
+    _sample(_attach(nodes, _patcher(engine_model), threshold=threshold, unique_id="3"), engine_model)
+    ((text, _, _),) = server.sent
+    printed = _per_step(text)
+    assert len(decided) == len(printed) == 28
+    for i, (entry, (skip, _change, score)) in enumerate(zip(printed, decided)):
+        assert entry == f"{i}:{'-' if score is None else f'{score:.4g}'}{'*' if skip else ''}"
+        if skip:
+            assert score < threshold
+    # what the report printed before: the relative input change, a different number than the one compared
+    assert any(s is not None and f"{c:.4g}" != f"{s:.4g}" for _, c, s in decided)
+    assert sum(skip for skip, _, _ in decided) > 0
+
+
+def test_native_report_failing_to_reach_the_node_does_not_fail_the_run(
+    comfy, nodes, engine_model, monkeypatch, caplog
+):
+    broken = FakePromptServer(fail=True)
+    monkeypatch.setitem(
+        sys.modules, "server", types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=broken))
+    )
+    plain, _, _ = _sample(_attach(nodes, _patcher(engine_model), threshold=0.0), engine_model)
+    with caplog.at_level(logging.WARNING):
+        out, _, _ = _sample(
+            _attach(nodes, _patcher(engine_model), threshold=0.0, unique_id="5"), engine_model
+        )
+    assert torch.equal(out, plain)
+    assert [r.getMessage() for r in caplog.records if "could not show" in r.getMessage()] == [
+        "FewStepCacheGateNative: could not show the step-cache report on the node (socket closed)"
+    ]
+
+
+def test_native_gate_without_a_node_id_or_server_sends_nothing(
+    comfy, nodes, engine_model, server, monkeypatch
+):
+    _sample(_attach(nodes, _patcher(engine_model), threshold=0.05), engine_model)  # no unique_id: a script
+    assert server.sent == []
+    monkeypatch.delitem(sys.modules, "server")
+    nodes.node_text_sender("4")("text")  # outside a ComfyUI server: nothing to send to, no error
+
+
 def test_native_cfg_gating_drops_the_unconditional_rows(comfy, nodes, engine_model, caplog):
     with caplog.at_level(logging.INFO):  # with step caching too: the decisions go on after the cut-off
         _, calls, _ = _sample(_attach(nodes, _patcher(engine_model), threshold=0.05, cfg_cutoff=0.5), engine_model,
                               cfg=3.0, negative=True)  # fmt: skip
-    (summary,) = [r.getMessage() for r in caplog.records if "change per step" in r.getMessage()]
+    (summary,) = [r.getMessage() for r in caplog.records if "score per step" in r.getMessage()]
     assert " 20:-" not in summary and "27:" in summary and sum(c == 1 for c in calls) < 14
     caplog.clear()
     patched = _attach(nodes, _patcher(engine_model), threshold=0.0, cfg_cutoff=0.5)
@@ -302,15 +406,20 @@ def test_native_cfg_gating_drops_the_unconditional_rows(comfy, nodes, engine_mod
     assert torch.allclose(out, x, atol=1e-4, rtol=1e-4)
 
 
-def test_native_magcache_calibration_and_identity(comfy, nodes, engine_model):
+def test_native_magcache_calibration_and_identity(comfy, nodes, engine_model, server):
     patched = _attach(
-        nodes, _patcher(engine_model), method="magcache", calibration_name="flux.json", calibrate=True
-    )
+        nodes, _patcher(engine_model), method="magcache", calibration_name="flux.json", calibrate=True,
+        unique_id="2",
+    )  # fmt: skip
     plain, _, _ = _sample(_patcher(engine_model), engine_model)
     out, calls, _ = _sample(patched, engine_model)
     assert torch.equal(out, plain) and len(calls) == 28
     path = comfy / "models" / "fewstep_magcache" / "flux.json"
     data = json.loads(path.read_text())
+    ((report, _, _),) = server.sent  # nothing was compared: the report gives the ratios written
+    assert _per_step(report) == [f"{i}:-" for i in range(28)]
+    ratios = " ".join(f"{i}:{r:.4g}" for i, r in enumerate(data["ratios"]))
+    assert report.endswith(f"  MagCache calibration written to {path}; ratios per step: {ratios}")
     assert (
         data["steps"] == 28
         and len(data["ratios"]) == 28
@@ -376,7 +485,10 @@ def test_fewstep_gate_node_attaches_a_feature_and_the_sampler_reports(pack):
         pack, _gate_node(pack, model, threshold=0.9), cond, steps=28, schedule="flux.1-dev"
     )
     assert "step cache first_block (threshold 0.9): on: 28-step schedule" in report
-    assert "steps computed" in report and "change per step (* skipped): 0:- 1:" in report
+    assert (
+        "steps computed" in report
+        and "score per step vs threshold 0.9 (* skipped, - not compared): 0:- 1:" in report
+    )
 
 
 def test_fewstep_gate_node_errors(pack):

@@ -505,3 +505,29 @@ def test_a_shard_index_cannot_point_outside_its_folder(tmp_path, shard):
     assert exc.value.input_name == "weights"
     assert "names shards that are not plain .safetensors file names in its folder" in str(exc.value)
     assert repr(shard) in str(exc.value)
+
+
+def test_the_dit_loader_node_lists_and_loads_a_wan_safetensors_as_the_self_forcing_pt(
+    tmp_path, monkeypatch, pack
+):
+    """A safetensors file of the Self-Forcing .pt's generator_ema tensors (their own ``model.`` names) is listed by
+    FewStepDiTLoader and loads the same model as the .pt."""
+    import sys
+
+    from fake_folder_paths import make_folder_paths
+
+    monkeypatch.setitem(sys.modules, "folder_paths", make_folder_paths(tmp_path))
+    folder = tmp_path / "models" / "diffusion_models"
+    folder.mkdir(parents=True)
+    wan = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=3)
+    generator = {f"model.{k}": v.clone().contiguous() for k, v in wan.state_dict().items()}
+    torch.save({"generator_ema": generator, "generator": {}}, folder / "self_forcing_dmd.pt")
+    save_file(generator, str(folder / "self_forcing_dmd.safetensors"))
+    loader = pack.NODE_CLASS_MAPPINGS["FewStepDiTLoader"]
+    listed = loader.INPUT_TYPES()["required"]["model_name"][0]
+    assert {"self_forcing_dmd.pt", "self_forcing_dmd.safetensors"} <= set(listed)
+    (pt,) = loader().load("self_forcing_dmd.pt", compute_dtype="fp32")
+    (st,) = loader().load("self_forcing_dmd.safetensors", compute_dtype="fp32")
+    a, b = pt.model.state_dict(), st.model.state_dict()
+    assert a.keys() == b.keys() == wan.state_dict().keys()
+    assert all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)

@@ -314,3 +314,21 @@ def test_published_weights(name):
     decoded = taehv.decode_video(taehv.encode_video(video))
     assert decoded.shape == (1, 5, *picture.shape)
     assert (decoded - picture).abs().mean() < 0.1
+
+
+def test_the_safetensors_copy_loads_as_the_pth(tmp_path):
+    """Kijai/WanVideo_comfy's taew2_1.safetensors holds taew2_1.pth's tensors under the same names."""
+    from safetensors.torch import save_file
+
+    from fewstep.engine import load_tiny_vae
+
+    sd = TAEHV(TAEHV_CONFIGS["taew2_1"]).state_dict()
+    generator = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(v.shape, generator=generator) for k, v in sd.items()}
+    torch.save(sd, tmp_path / "taew2_1.pth")
+    save_file(sd, str(tmp_path / "taew2_1.safetensors"))
+    pth = load_tiny_vae(tmp_path / "taew2_1.pth", device="cpu", dtype=torch.float32)
+    st = load_tiny_vae(tmp_path / "taew2_1.safetensors", device="cpu", dtype=torch.float32)
+    assert pth.variant.name == st.variant.name == "taew2_1"
+    a, b = pth.video.state_dict(), st.video.state_dict()
+    assert a.keys() == b.keys() == sd.keys() and all(torch.equal(a[k], b[k]) for k in a)

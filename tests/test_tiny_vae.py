@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,87 @@ def test_key_layout_matches_the_published_files():
         assert {k: tuple(v.shape) for k, v in real.items()} == {k: tuple(v.shape) for k, v in dec.items()}
     sana = build_decoder("taesana").state_dict()
     assert sana["1.weight"].shape == (256, 32, 3, 3)
+
+
+def _state(module) -> dict:
+    return {k: v.detach().float() for k, v in module.state_dict().items()}
+
+
+def test_diffusers_layout_of_the_hugging_face_taef1_loads_as_taef1(tmp_path):
+    """madebyollin/taef1 on Hugging Face is diffusers' AutoencoderTiny (``encoder.layers.N`` /
+    ``decoder.layers.N``, both parts in one file): written here by diffusers itself, it loads and decodes /
+    encodes as diffusers' own modules do."""
+    diffusers = pytest.importorskip("diffusers")
+    from safetensors.torch import save_file
+
+    reference = diffusers.AutoencoderTiny(latent_channels=16).eval()
+    dummy_init_(reference, 3)
+    save_file(
+        {k: v.contiguous() for k, v in reference.state_dict().items()}, str(tmp_path / "taef1.safetensors")
+    )
+    vae = load_tiny_vae(tmp_path / "taef1.safetensors", device="cpu", dtype=torch.float32)
+    assert vae.variant.name == "taef1" and vae.encoder is not None and vae.decoder is not None
+    z = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(0))
+    images = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # diffusers' tiny decoder gives [-1, 1] and its encoder takes [-1, 1]; the pack's work in [0, 1]
+        expected_images = ((reference.decoder(z) + 1) / 2).clamp(0, 1)
+        expected_latents = reference.encoder(images * 2 - 1)
+        assert torch.allclose(vae.decode(z), expected_images, atol=1e-5)
+        assert torch.allclose(vae.encode(images), expected_latents, atol=1e-4)
+
+
+def _diffusers_layout(encoder, decoder) -> dict:
+    """The TAESD modules' tensors under diffusers' names (the taef2 model card's remap, run backwards)."""
+    out = {f"encoder.layers.{k}": v for k, v in encoder.state_dict().items()}
+    for key, value in decoder.state_dict().items():
+        index, rest = key.split(".", 1)
+        out[f"decoder.layers.{int(index) - 1}.{rest}"] = value
+    return out
+
+
+def test_diffusers_layout_of_the_hugging_face_taef2_equals_the_pth_pair(tmp_path):
+    """madebyollin/taef2's taef2.safetensors: diffusers' names (the pooling branch included), both parts."""
+    from safetensors.torch import save_file
+
+    enc_path, dec_path = _save_pair(tmp_path, "taef2")
+    enc, dec = build_encoder("taef2"), build_decoder("taef2")
+    enc.load_state_dict(torch.load(enc_path, weights_only=True))
+    dec.load_state_dict(torch.load(dec_path, weights_only=True))
+    layout = _diffusers_layout(enc, dec)
+    assert "decoder.layers.2.pool.0.weight" in layout and "encoder.layers.11.pool.3.weight" in layout
+    save_file({k: v.contiguous() for k, v in layout.items()}, str(tmp_path / "taef2.safetensors"))
+    combined = load_tiny_vae(tmp_path / "taef2.safetensors", device="cpu", dtype=torch.float32)
+    pair = load_tiny_vae(dec_path, device="cpu", dtype=torch.float32)
+    assert combined.variant.name == pair.variant.name == "taef2"
+    for part in ("encoder", "decoder"):
+        a, b = _state(getattr(combined, part)), _state(getattr(pair, part))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
+
+
+def test_the_loader_node_lists_and_loads_the_safetensors_file_as_the_pth_pair(tmp_path, monkeypatch, pack):
+    from fake_folder_paths import make_folder_paths
+    from safetensors.torch import save_file
+
+    monkeypatch.setitem(sys.modules, "folder_paths", make_folder_paths(tmp_path))
+    folder = tmp_path / "models" / "vae_approx"
+    folder.mkdir(parents=True)
+    enc_path, dec_path = _save_pair(folder, "taef1")
+    enc, dec = build_encoder("taef1"), build_decoder("taef1")
+    enc.load_state_dict(torch.load(enc_path, weights_only=True))
+    dec.load_state_dict(torch.load(dec_path, weights_only=True))
+    save_file(
+        {k: v.contiguous() for k, v in _diffusers_layout(enc, dec).items()}, str(folder / "taef1.safetensors")
+    )
+    loader = pack.NODE_CLASS_MAPPINGS["FewStepTinyVAELoader"]
+    listed = loader.INPUT_TYPES()["required"]["vae_name"][0]
+    assert {"taef1.safetensors", "taef1_encoder.pth", "taef1_decoder.pth"} <= set(listed)
+    (combined,) = loader().load("taef1.safetensors", "fp32")
+    (pair,) = loader().load("taef1_decoder.pth", "fp32")
+    assert combined.variant.name == pair.variant.name == "taef1"
+    for part in ("encoder", "decoder"):
+        a, b = _state(getattr(combined, part)), _state(getattr(pair, part))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
 
 
 def test_detection_from_tensors():

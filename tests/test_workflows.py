@@ -428,7 +428,7 @@ EXPECTED_MODELS = {
          "https://huggingface.co/black-forest-labs/FLUX.2-klein-4B/resolve/main/flux-2-klein-4b.safetensors"),
         ("qwen_3_4b.safetensors", "text_encoders",
          "https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors"),
-        ("taef2_decoder.pth", "vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef2_decoder.pth"),
+        ("taef2.safetensors", "vae_approx", "https://huggingface.co/madebyollin/taef2/resolve/main/taef2.safetensors"),
     },
     "zimage_turbo_t2i.json": {
         ("z_image_turbo_bf16.safetensors", "diffusion_models",
@@ -445,7 +445,8 @@ EXPECTED_MODELS = {
          "z_image_turbo_bf16.safetensors"),
         ("qwen_3_4b.safetensors", "text_encoders",
          "https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_files/text_encoders/qwen_3_4b.safetensors"),
-        ("taef1_encoder.pth", "vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_encoder.pth"),
+        ("taef1.safetensors", "vae_approx",
+         "https://huggingface.co/madebyollin/taef1/resolve/main/diffusion_pytorch_model.safetensors"),
     },
 }  # fmt: skip
 
@@ -458,6 +459,75 @@ def test_real_workflows_offer_their_model_downloads(name):
         for m in n.get("properties", {}).get("models", [])
     }
     assert found == EXPECTED_MODELS[name]
+
+
+# The folder each loader input reads its files from (ComfyUI's folder names: the dialog's "directory").
+LOADER_FOLDERS = {
+    ("FewStepDiTLoader", "model_name"): "diffusion_models",
+    ("FewStepTinyVAELoader", "vae_name"): "vae_approx",
+    ("UNETLoader", "unet_name"): "diffusion_models",
+    ("VAELoader", "vae_name"): "vae",
+    ("CLIPLoader", "clip_name"): "text_encoders",
+    ("DualCLIPLoader", "clip_name1"): "text_encoders",
+    ("DualCLIPLoader", "clip_name2"): "text_encoders",
+}
+# Files with no copy the dialog accepts (no safetensors of the official tensors on huggingface.co): not listed
+# (the dialog would only show its refusal), the workflow's Note says where to get them instead.
+NOT_OFFERED = {
+    "self_forcing_dmd.pt": "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"
+}
+
+
+def test_frontend_download_rule():
+    assert (
+        wc.frontend_download_refusal("a.safetensors", "https://huggingface.co/o/r/resolve/main/b.safetensors")
+        is None
+    )
+    assert wc.frontend_download_refusal(
+        "taew2_1.pth", "https://github.com/madebyollin/taehv/raw/main/taew2_1.pth"
+    ) == (
+        "Download not allowed from source 'https://github.com/madebyollin/taehv/raw/main/taew2_1.pth', only allowed "
+        "from 'https://civitai.com/', 'https://huggingface.co/', 'http://localhost:'"
+    )
+    assert wc.frontend_download_refusal(
+        "m.pt", "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/m.pt"
+    ) == ("Only allowed suffixes are: '.safetensors', '.sft'")
+    whitelisted = "https://huggingface.co/stabilityai/stable-zero123/resolve/main/stable_zero123.ckpt"
+    assert wc.frontend_download_refusal("stable_zero123.ckpt", whitelisted) is None
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.name)
+def test_every_model_file_is_offered_by_the_missing_models_dialog(path, specs):
+    """Each model file a loader node names is in that node's properties.models, with a URL the frontend offers
+    and the folder the loader reads; a file without such a copy is named, with its URL, in the Note."""
+    ui = json.loads(path.read_text())
+    api = json.loads(path.with_name(path.name.replace(".json", ".api.json")).read_text())
+    (note,) = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Note"]
+    for node in ui["nodes"]:
+        if node["type"] == "Note":
+            continue
+        offered = {m["name"]: m for m in node["properties"].get("models", [])}
+        named = set()
+        for widget in specs[node["type"]].widgets:
+            value = api[str(node["id"])]["inputs"][widget.name]
+            if (
+                not widget.is_file_combo
+                or value.startswith("dummy:")
+                or widget.opts.get("model_files") == "input"
+            ):
+                continue  # not a model file (ComfyUI/input holds the user's images and videos)
+            where = (path.name, node["title"], widget.name, value)
+            folder = LOADER_FOLDERS.get((node["type"], widget.name))
+            assert folder is not None, f"{where}: a model-file input this test does not know the folder of"
+            assert widget.opts.get("model_files", folder) == folder, where
+            if value in NOT_OFFERED:
+                assert value not in offered and value in note and NOT_OFFERED[value] in note, where
+                continue
+            named.add(value)
+            assert value in offered, f"{where}: not in the node's properties.models"
+            assert offered[value]["directory"] == folder, where
+            assert wc.frontend_download_refusal(value, offered[value]["url"]) is None, where
+        assert set(offered) == named, (path.name, node["title"])  # nothing listed that the node does not load
 
 
 def test_newer_comfyui_nodes_are_only_in_real_workflows():

@@ -21,7 +21,6 @@ input_change    0.1        predicted relative output change, whole-model level (
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +41,6 @@ from .methods import FirstBlockCache, InputChangeCache, MagCache, TeaCache
 from .policy import GateDecision, decide
 from .run import BlockCacheRun, WholeModelRun
 from .telemetry import CacheTelemetry
-
-log = logging.getLogger(__name__)
 
 STEP_CACHE_FEATURE = "step_cache"
 
@@ -193,10 +190,8 @@ class CacheGate:
         steps = len(sig) - 1
         if identity is None and model is not None:
             identity = model_identity(model)
-        if decision.forced:
-            log.warning("step cache %s forced on: %s", self.method, decision.reason)
-        else:
-            log.info("step cache %s %s", self.method, decision.line())
+        # The decision is logged once, at the end of the run, as the head of the telemetry summary (WARNING when
+        # forced); logging it here too printed the same line twice per run.
         telemetry = CacheTelemetry(self.method, self.threshold, decision)
         if run_class is WholeModelRun:
             telemetry.unit = "model rows"

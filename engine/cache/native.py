@@ -8,7 +8,9 @@ runs the next one.
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 
 from ..errors import InputError
 from .calibration import config_hash
@@ -16,6 +18,11 @@ from .gate import CacheGate
 
 GATE_KEY = "fewstep_cache_gate"  # model_options["transformer_options"][GATE_KEY]: the CacheGate
 RUN_KEY = "fewstep_cache_run"  # the per-run holder, only inside one sampling run's cloned options
+REPORT_KEY = (
+    "fewstep_cache_report"  # model_options["transformer_options"][REPORT_KEY]: where a run's summary goes
+)
+
+log = logging.getLogger(__name__)
 
 
 def check_native_gate(gate: CacheGate) -> None:
@@ -28,16 +35,21 @@ def check_native_gate(gate: CacheGate) -> None:
         )
 
 
-def install_native_gate(patcher, gate: CacheGate, wrapper_types):
+def install_native_gate(patcher, gate: CacheGate, wrapper_types, report: Callable[[str], None] | None = None):
     """A clone of ``patcher`` that runs ``gate``; ``patcher`` itself is not changed. ``wrapper_types``: ComfyUI's
-    ``comfy.patcher_extension.WrappersMP`` (None where that module is missing: refused)."""
+    ``comfy.patcher_extension.WrappersMP`` (None where that module is missing: refused). ``report``, if given, is
+    called with each sampling run's summary (the decision, steps computed / skipped, the score per step) when the
+    run ends: the node shows it to the user, the log has it already."""
     check_native_gate(gate)
     if wrapper_types is None or not hasattr(patcher, "add_wrapper_with_key"):
         raise InputError(
             "model", "needs a ComfyUI ModelPatcher with wrappers (comfy.patcher_extension; a recent ComfyUI)"
         )
     patched = patcher.clone()
-    patched.model_options.setdefault("transformer_options", {})[GATE_KEY] = gate
+    options = patched.model_options.setdefault("transformer_options", {})
+    options[GATE_KEY] = gate
+    if report is not None:
+        options[REPORT_KEY] = report
     patched.add_wrapper_with_key(wrapper_types.OUTER_SAMPLE, GATE_KEY, outer_sample_wrapper)
     patched.add_wrapper_with_key(wrapper_types.CALC_COND_BATCH, GATE_KEY, calc_cond_batch_wrapper)
     patched.add_wrapper_with_key(wrapper_types.DIFFUSION_MODEL, GATE_KEY, diffusion_model_wrapper)
@@ -89,7 +101,17 @@ def outer_sample_wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     finally:
         guider.model_options = original
-        run.finish()
+        telemetry = run.finish()
+        _report(transformer_options.get(REPORT_KEY), telemetry.summary())
+
+
+def _report(report: Callable[[str], None] | None, summary: str) -> None:
+    if report is None:
+        return
+    try:
+        report(summary)
+    except Exception as exc:  # noqa: BLE001 - showing the summary on the node must never fail the finished run
+        log.warning("FewStepCacheGateNative: could not show the step-cache report on the node (%s)", exc)
 
 
 def calc_cond_batch_wrapper(executor, model, conds, x_in, timestep, model_options, **kwargs):

@@ -86,13 +86,21 @@ class CacheTelemetry:
                 f"  CFG gating: unconditional pass skipped on {self.uncond_skipped} steps "
                 f"(from step {self.decision.cfg_skip_from}; v_neg = v_pos + the last measured v_neg - v_pos)"
             )
+        # The score, not the raw change: it is what was compared with the threshold (TeaCache and MagCache
+        # accumulate it, input_change predicts it from the input change), so the line explains each skip.
         per_step = []
         for r in self.records:
-            value = "-" if r.change is None else f"{r.change:.4g}"
+            value = "-" if r.score is None else f"{r.score:.4g}"
             per_step.append(f"{r.index}:{value}{'' if r.computed else '*'}")
-        lines.append("  change per step (* skipped): " + " ".join(per_step))
-        if self.calibration_written:
-            lines.append(f"  MagCache calibration written to {self.calibration_written}")
+        lines.append(
+            f"  score per step vs threshold {self.threshold:g} (* skipped, - not compared): "
+            + " ".join(per_step)
+        )
+        if self.calibration_written:  # a calibration run compares nothing: its measurements are the ratios
+            ratios = " ".join(f"{i}:{r:.4g}" for i, r in enumerate(self.calibration_ratios or ()))
+            lines.append(
+                f"  MagCache calibration written to {self.calibration_written}; ratios per step: {ratios}"
+            )
         lines += [f"  warning: {w}" for w in self.warnings]
         return lines
 
@@ -114,6 +122,7 @@ class CacheTelemetry:
             "estimated_speedup": self.estimated_speedup,
             "uncond_skipped": self.uncond_skipped,
             "changes": [r.change for r in self.records],
+            "scores": [r.score for r in self.records],
             "skipped_steps": [r.index for r in self.records if not r.computed],
             "warnings": list(self.warnings),
         }

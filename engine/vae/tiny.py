@@ -338,14 +338,29 @@ def _sibling(path: str, part: str) -> str | None:
 
 
 def _split_prefixed(sd: dict) -> dict[str, dict]:
-    """``{"encoder": {...}, "decoder": {...}}`` for files that hold both parts under a prefix."""
+    """``{"encoder": {...}, "decoder": {...}}`` for files that hold both parts under a prefix, in the TAESD
+    Sequential's own numbering (diffusers' ``encoder.layers.N`` layout renumbered, see :func:`_from_diffusers`)."""
     parts: dict[str, dict] = {}
     for key, value in sd.items():
         head, _, rest = key.partition(".")
         for part in ("encoder", "decoder"):
             if head in (part, f"taesd_{part}") or head.endswith(f"_{part}"):
                 parts.setdefault(part, {})[rest] = value
-    return parts
+    return {part: _from_diffusers(part, sub) for part, sub in parts.items()}
+
+
+def _from_diffusers(part: str, sd: dict) -> dict:
+    """A part in diffusers' AutoencoderTiny layout (``layers.N.<rest>``: madebyollin's taef1 / taef2 safetensors on
+    Hugging Face) renumbered as the TAESD Sequential: the decoder's soft clamp, index 0 of the Sequential, is no
+    module in diffusers, so the decoder's indices there are one lower (the remap on the taef2 model card)."""
+    if not sd or not all(k.startswith("layers.") for k in sd):
+        return sd
+    shift = 1 if part == "decoder" else 0
+    renamed = {}
+    for key, value in sd.items():
+        _, index, rest = key.split(".", 2)
+        renamed[f"{int(index) + shift}.{rest}"] = value
+    return renamed
 
 
 def _load_module(module: nn.Module, sd: dict, source: str, input_name: str) -> None:
@@ -363,7 +378,8 @@ def load_tiny_vae(
     seed: int = 0,
     input_name: str = "vae",
 ) -> TinyVAE:
-    """A tiny VAE from a file (``.pth`` / ``.safetensors``, one part or both) or ``dummy:<variant>``.
+    """A tiny VAE from a file (``.pth`` / ``.safetensors``, one part or both; both parts also in diffusers'
+    AutoencoderTiny layout, as madebyollin's taef1 / taef2 Hugging Face files are) or ``dummy:<variant>``.
 
     The variant is inferred from the tensors (latent channels, 8x or 32x, the FLUX.2 pooling branch, TAEHV's
     memory blocks and patch size); the file name only breaks ties (taesd vs taesdxl, taesd3 vs taef1, taew2_1

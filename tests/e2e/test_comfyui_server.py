@@ -179,4 +179,56 @@ def test_native_cache_gate_on_a_native_model(server, steps, decision):
     code, out = queue(server, graph, "--quiet")
     assert code == 0, out
     new_log = (server["base"] / "server.log").read_text()[len(before) :]
-    assert f"step cache input_change {decision}" in new_log, new_log[-2000:]
+    head = f"step cache input_change (threshold 0.1): {decision}: "
+    assert new_log.count(head) == 1, new_log[-2000:]  # the decision, logged once per run
+    assert "could not show the step-cache report" not in new_log, new_log[-2000:]  # the node got its text
+
+
+def _run_collecting_node_texts(server, graph: dict) -> list[tuple[str, str]]:
+    """Queue ``graph`` from a client of our own and gather the (node id, text) messages the server sent it (the
+    binary TEXT events the frontend shows under a node: a 4-byte event type 3, the node id's length, the id,
+    the text)."""
+    import struct
+    import uuid
+
+    from fewstep.cli.comfy_client import ComfyClient
+
+    client = ComfyClient(server["url"], timeout=600)
+    client_id = uuid.uuid4().hex
+    ws = client.websocket(client_id)
+    texts = []
+    try:
+        prompt_id = client.submit(graph, client_id)["prompt_id"]
+        while True:
+            kind, payload = ws.receive()
+            if kind == "binary":
+                (event,) = struct.unpack(">I", payload[:4])
+                if event == 3:
+                    (length,) = struct.unpack(">I", payload[4:8])
+                    texts.append((payload[8 : 8 + length].decode(), payload[8 + length :].decode()))
+                continue
+            msg = json.loads(payload)
+            data = msg.get("data") or {}
+            assert msg["type"] != "execution_error", data
+            if msg["type"] == "executing" and data.get("node") is None and data.get("prompt_id") == prompt_id:
+                return texts
+    finally:
+        ws.close()
+
+
+@pytest.mark.skipif(not PROBE.exists(), reason=f"the probe pack with a tiny native model is not at {PROBE}")
+def test_native_cache_gate_shows_its_report_on_its_node(server):
+    graph = _native_graph("euler")
+    graph["10"] = {"class_type": "FewStepCacheGateNative",
+                   "inputs": {"model": ["1", 0], "method": "input_change", "threshold": 0.1, "start": 0.1,
+                              "end": 1.0, "force": False, "cfg_cutoff": 1.0}}  # fmt: skip
+    graph["3"]["inputs"]["model"] = ["10", 0]
+    graph["11"] = {"class_type": "BasicScheduler",
+                   "inputs": {"model": ["10", 0], "scheduler": "simple", "steps": 28, "denoise": 1.0}}  # fmt: skip
+    graph["8"]["inputs"]["sigmas"] = ["11", 0]
+    graph["9"]["inputs"]["filename_prefix"] = "native_gate_text"
+    texts = [(node, text) for node, text in _run_collecting_node_texts(server, graph) if node == "10"]
+    assert len(texts) == 1, texts
+    text = texts[0][1]
+    assert text.startswith("step cache input_change (threshold 0.1): on: 28-step schedule"), text
+    assert " skipped of 28; " in text and "score per step vs threshold 0.1" in text, text

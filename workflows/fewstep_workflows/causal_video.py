@@ -106,7 +106,7 @@ No files? Open wan_causal_continue_dummy.json."""
     )
     clip, first = wan_text(g, 1, VIDEO_PROMPT, "First prompt")
     second = g.add("CLIPTextEncode", "Second prompt", 2, text=VIDEO_PROMPT_2, clip=clip[0])
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.pth")
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.safetensors")
     continue_graph(
         g, model[0], first[0], second[0], tiny[0], (832, 480), (4, 3, 3), 21, "fewstep/wan_continue"
     )

@@ -9,7 +9,8 @@ from .stream import stylize_frames
 KLEIN_FILES = """- diffusion_models/flux-2-klein-4b.safetensors (huggingface.co/black-forest-labs/FLUX.2-klein-4B, Apache-2.0;
   the same file is in huggingface.co/Comfy-Org/Flux-2-Klein-4B under split_files/diffusion_models/)
 - text_encoders/qwen_3_4b.safetensors (Qwen3-4B: huggingface.co/Comfy-Org/Flux-2-Klein-4B split_files/text_encoders/)
-- vae_approx/taef2_decoder.pth (github.com/madebyollin/taesd); for full-quality decoding ComfyUI's VAEDecode with
+- vae_approx/taef2.safetensors (huggingface.co/madebyollin/taef2, both halves in one file; taef2_decoder.pth
+  from github.com/madebyollin/taesd loads too); for full-quality decoding ComfyUI's VAEDecode with
   vae/flux2-vae.safetensors (Comfy-Org/Flux-2-Klein-4B split_files/vae/) decodes the same LATENT"""
 ZIMAGE_FILES = """- diffusion_models/z_image_turbo_bf16.safetensors (huggingface.co/Comfy-Org/z_image_turbo; Tongyi-MAI/Z-Image-Turbo's
   sharded transformer/ folder loads too: pick any of its shards)
@@ -66,7 +67,7 @@ No files? Open flux2_klein_tiny_decode_dummy.json."""
     latent = g.add(
         "EmptyFlux2LatentImage", "Image size (FLUX.2 latent)", 1, width=1024, height=1024, batch_size=1
     )
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF2)", 3, vae_name="taef2_decoder.pth")
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF2)", 3, vae_name="taef2.safetensors")
     klein_image(
         g,
         ImageInputs(model[0], cond[0], latent[0], col=3, dummy=False),
@@ -176,7 +177,7 @@ batched forward, so the throughput is one frame per DiT forward. Near-identical 
 
 Files (ComfyUI/models/... and ComfyUI/input/):
 {ZIMAGE_FILES}
-- vae_approx/taef1_encoder.pth and taef1_decoder.pth (github.com/madebyollin/taesd): both halves are used
+- vae_approx/taef1.safetensors (both halves in one file: huggingface.co/madebyollin/taef1's diffusion_pytorch_model.safetensors, saved under this name; taef1_encoder.pth + taef1_decoder.pth from github.com/madebyollin/taesd load too): both halves are used
 - input/: a short video to stylise (frames of equal size, multiples of 16 px)
 
 No files? Open zimage_turbo_stream_batch_dummy.json."""

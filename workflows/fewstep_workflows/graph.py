@@ -30,9 +30,18 @@ MODELS = {
         "text_encoders",
         "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
     ),
-    "taef1_decoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_decoder.pth"),
-    "taef1_encoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef1_encoder.pth"),
-    "taew2_1.pth": ("vae_approx", "https://github.com/madebyollin/taehv/raw/main/taew2_1.pth"),
+    # The tiny autoencoders as safetensors on huggingface.co (the dialog offers no .pth and nothing from github.com):
+    # madebyollin's own taef1 / taef2 repos (diffusers' AutoencoderTiny key names, both halves in one file; the
+    # taef1 file is named diffusion_pytorch_model.safetensors there, so a browser download must be renamed) and
+    # Kijai's copy of taew2_1 (taew2_1.pth's tensors under the same names).
+    "taef1.safetensors": (
+        "vae_approx",
+        "https://huggingface.co/madebyollin/taef1/resolve/main/diffusion_pytorch_model.safetensors",
+    ),
+    "taew2_1.safetensors": (
+        "vae_approx",
+        "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/taew2_1.safetensors",
+    ),
     "umt5_xxl_fp8_e4m3fn_scaled.safetensors": (
         "text_encoders",
         "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
@@ -62,9 +71,16 @@ MODELS = {
         "https://huggingface.co/Comfy-Org/z_image_turbo/resolve/main/split_files/diffusion_models/"
         "z_image_turbo_bf16.safetensors",
     ),
-    "taef2_decoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef2_decoder.pth"),
-    "taef2_encoder.pth": ("vae_approx", "https://github.com/madebyollin/taesd/raw/main/taef2_encoder.pth"),
+    "taef2.safetensors": (
+        "vae_approx",
+        "https://huggingface.co/madebyollin/taef2/resolve/main/taef2.safetensors",
+    ),
 }
+
+# Files the Missing Models dialog cannot offer: no safetensors copy of the official tensors on huggingface.co was
+# found (the frontend refuses other hosts and other suffixes), so they get no "models" entry and each workflow's
+# Note says where to get them.
+SELF_FORCING_URL = "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .graph import Graph, Node, Out
+from .graph import SELF_FORCING_URL, Graph, Node, Out
 
 PROMPT = "a red fox sitting in fresh snow at sunrise, soft golden light, detailed fur, shallow depth of field"
 FLUX_SIDE_FILES = """- text_encoders/t5xxl_fp16.safetensors and text_encoders/clip_l.safetensors
@@ -125,10 +125,12 @@ def first_block_gate(g: Graph, title: str, col: int, model: Out, threshold: floa
 
 VIDEO_PROMPT = "a corgi running along a beach at sunset, waves rolling in, tracking shot"
 VIDEO_PROMPT_2 = "the corgi stops and looks at the camera, waves splash around its paws"
-WAN_FILES = """- diffusion_models/self_forcing_dmd.pt (Self-Forcing, Wan2.1-T2V-1.3B student: huggingface.co/gdhe17/Self-Forcing)
-  or another CausVid / Self-Forcing checkpoint
+WAN_FILES = f"""- diffusion_models/self_forcing_dmd.pt (Self-Forcing, the Wan2.1-T2V-1.3B student): {SELF_FORCING_URL}
+  (download it yourself: a .pt, which the Missing Models dialog does not offer), or another CausVid / Self-Forcing
+  checkpoint
 - text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors (huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged)
-- vae_approx/taew2_1.pth (github.com/madebyollin/taehv)"""
+- vae_approx/taew2_1.safetensors (huggingface.co/Kijai/WanVideo_comfy; taew2_1.pth from github.com/madebyollin/taehv
+  loads too)"""
 
 
 def wan_text(g: Graph, col: int, text: str, title: str = "Prompt") -> tuple[Node, Node]:
@@ -177,7 +179,7 @@ def self_forcing_inputs(g: Graph) -> VideoInputs:
         "FewStepDiTLoader", "FewStep DiT Loader (Self-Forcing)", 1, model_name="self_forcing_dmd.pt"
     )
     _, cond = wan_text(g, 1, VIDEO_PROMPT)
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.pth")
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.safetensors")
     return VideoInputs(model[0], cond[0], tiny[0], col=3)
 
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from .graph import Graph, workflow
+from .graph import SELF_FORCING_URL, Graph, workflow
 
 
 @workflow("cost_plan")
 def cost_plan(g: Graph) -> None:
-    g.note = """The bill of a job before you queue it: FLOPs per DiT forward, number of forwards, weight and
+    g.note = f"""The bill of a job before you queue it: FLOPs per DiT forward, number of forwards, weight and
 KV-cache bytes, and predicted seconds on a chosen GPU at a chosen efficiency (MFU).
 
 Left: FLUX.1-schnell at 1024x1024 in 4 steps on an H200. Right: causal Wan 2.1-1.3B, 81 frames at 832x480,
 chunks of 3 latent frames, a 21-frame window, KV in int8. Width / height / steps 0 mean "the model's usual".
 The planner reads only the model's configuration (load the file you would sample with).
 
-Files (ComfyUI/models/diffusion_models/): flux1-schnell.safetensors, self_forcing_dmd.pt.
+Files (ComfyUI/models/diffusion_models/): flux1-schnell.safetensors, self_forcing_dmd.pt ({SELF_FORCING_URL}:
+a .pt, which the Missing Models dialog does not offer; download it yourself).
 No files? Open cost_plan_dummy.json."""
     flux = g.add(
         "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"

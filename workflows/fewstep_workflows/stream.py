@@ -6,7 +6,7 @@ from .graph import Graph, Node, Out, workflow
 from .parts import flux_text, save_video
 
 STREAM_FILES = """- diffusion_models/flux1-schnell.safetensors
-- vae_approx/taef1_encoder.pth and taef1_decoder.pth (github.com/madebyollin/taesd): both halves are used
+- vae_approx/taef1.safetensors (both halves in one file: huggingface.co/madebyollin/taef1's diffusion_pytorch_model.safetensors, saved under this name; taef1_encoder.pth + taef1_decoder.pth from github.com/madebyollin/taesd load too): both halves are used
 - text_encoders/t5xxl_fp16.safetensors and text_encoders/clip_l.safetensors
 - input/: a short video to stylise (frames of equal size, multiples of 16 px)"""
 
@@ -40,7 +40,7 @@ def stylize_frames(g: Graph, model: Out, cond: Out, dummy: bool, prefix: str, **
     else:
         video = g.add("LoadVideo", "Input video", 1, file="input.mp4")
         frames = g.add("GetVideoComponents", "Video frames", 2, video=video[0])
-        tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 2, vae_name="taef1_encoder.pth")
+        tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 2, vae_name="taef1.safetensors")
     out = stream_batch(
         g,
         model,

@@ -16,13 +16,13 @@ progress bar (preview = true).
 
 Files (ComfyUI/models/...):
 - diffusion_models/flux1-schnell.safetensors
-- vae_approx/taef1_decoder.pth and taef1_encoder.pth (github.com/madebyollin/taesd)
+- vae_approx/taef1.safetensors (both halves in one file: huggingface.co/madebyollin/taef1's diffusion_pytorch_model.safetensors, saved under this name; taef1_encoder.pth + taef1_decoder.pth from github.com/madebyollin/taesd load too)
 {FLUX_SIDE_FILES.splitlines()[0]}
 {FLUX_SIDE_FILES.splitlines()[1]}
 
 No files? Open flux_schnell_tiny_decode_dummy.json."""
     inputs = schnell_inputs(g, 1024)
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", inputs.col, vae_name="taef1_decoder.pth")
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", inputs.col, vae_name="taef1.safetensors")
     tiny_decoded_image(
         g, inputs, tiny[0], "FewStep Sampler (4 steps, previews)", "Tiny decode", 420, "fewstep/schnell_tiny"
     )
@@ -63,10 +63,10 @@ Shows what the tiny autoencoder keeps: compare the saved image with the input. S
 taesd / taesdxl / taesd3 / taef2 to try other latent spaces; the LATENT in between is ComfyUI's raw VAE
 latent, so ComfyUI's own VAEDecode with ae.safetensors decodes it too.
 
-Files: vae_approx/taef1_encoder.pth and taef1_decoder.pth (github.com/madebyollin/taesd); an image in
+Files: vae_approx/taef1.safetensors (both halves in one file: huggingface.co/madebyollin/taef1's diffusion_pytorch_model.safetensors, saved under this name; taef1_encoder.pth + taef1_decoder.pth from github.com/madebyollin/taesd load too); an image in
 ComfyUI/input (height and width divisible by 8)."""
     picture = g.add("LoadImage", "Image", 1, image="example.png")
-    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 1, vae_name="taef1_encoder.pth")
+    tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", 1, vae_name="taef1.safetensors")
     round_trip(g, picture[0], tiny[0], 420, "fewstep/round_trip")
 
 

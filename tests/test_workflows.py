@@ -471,8 +471,9 @@ LOADER_FOLDERS = {
     ("DualCLIPLoader", "clip_name1"): "text_encoders",
     ("DualCLIPLoader", "clip_name2"): "text_encoders",
 }
-# Files with no copy the dialog accepts (no safetensors of the official tensors on huggingface.co): not listed
-# (the dialog would only show its refusal), the workflow's Note says where to get them instead.
+# Files with no copy the dialog downloads (no safetensors of the official tensors on huggingface.co): listed all
+# the same, so the dialog names them as missing (with "Copy URL" beside its suffix refusal), and the workflow's
+# Note says where to get them.
 NOT_OFFERED = {
     "self_forcing_dmd.pt": "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"
 }
@@ -520,13 +521,15 @@ def test_every_model_file_is_offered_by_the_missing_models_dialog(path, specs):
             folder = LOADER_FOLDERS.get((node["type"], widget.name))
             assert folder is not None, f"{where}: a model-file input this test does not know the folder of"
             assert widget.opts.get("model_files", folder) == folder, where
-            if value in NOT_OFFERED:
-                assert value not in offered and value in note and NOT_OFFERED[value] in note, where
-                continue
             named.add(value)
             assert value in offered, f"{where}: not in the node's properties.models"
             assert offered[value]["directory"] == folder, where
-            assert wc.frontend_download_refusal(value, offered[value]["url"]) is None, where
+            refusal = wc.frontend_download_refusal(value, offered[value]["url"])
+            if value in NOT_OFFERED:
+                assert offered[value]["url"] == NOT_OFFERED[value] and NOT_OFFERED[value] in note, where
+                assert refusal == "Only allowed suffixes are: '.safetensors', '.sft'", where
+                continue
+            assert refusal is None, where
         assert set(offered) == named, (path.name, node["title"])  # nothing listed that the node does not load
 
 

@@ -77,10 +77,12 @@ MODELS = {
     ),
 }
 
-# Files the Missing Models dialog cannot offer: no safetensors copy of the official tensors on huggingface.co was
-# found (the frontend refuses other hosts and other suffixes), so they get no "models" entry and each workflow's
-# Note says where to get them.
+# Files the Missing Models dialog cannot download: no safetensors copy of the official tensors on huggingface.co
+# was found (the frontend downloads only .safetensors / .sft names). They are still listed, so the dialog names
+# them as missing with their folder and a "Copy URL" button (beside its refusal), and each workflow's Note says
+# where to get them.
 SELF_FORCING_URL = "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"
+MODELS["self_forcing_dmd.pt"] = ("diffusion_models", SELF_FORCING_URL)
 
 
 @dataclass(frozen=True)

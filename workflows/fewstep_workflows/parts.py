@@ -126,7 +126,7 @@ def first_block_gate(g: Graph, title: str, col: int, model: Out, threshold: floa
 VIDEO_PROMPT = "a corgi running along a beach at sunset, waves rolling in, tracking shot"
 VIDEO_PROMPT_2 = "the corgi stops and looks at the camera, waves splash around its paws"
 WAN_FILES = f"""- diffusion_models/self_forcing_dmd.pt (Self-Forcing, the Wan2.1-T2V-1.3B student): {SELF_FORCING_URL}
-  (download it yourself: a .pt, which the Missing Models dialog does not offer), or another CausVid / Self-Forcing
+  (download it yourself: the Missing Models dialog lists it but cannot download a .pt; Copy URL), or another CausVid / Self-Forcing
   checkpoint
 - text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors (huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged)
 - vae_approx/taew2_1.safetensors (huggingface.co/Kijai/WanVideo_comfy; taew2_1.pth from github.com/madebyollin/taehv

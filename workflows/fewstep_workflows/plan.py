@@ -15,7 +15,7 @@ chunks of 3 latent frames, a 21-frame window, KV in int8. Width / height / steps
 The planner reads only the model's configuration (load the file you would sample with).
 
 Files (ComfyUI/models/diffusion_models/): flux1-schnell.safetensors, self_forcing_dmd.pt ({SELF_FORCING_URL}:
-a .pt, which the Missing Models dialog does not offer; download it yourself).
+the Missing Models dialog lists it but cannot download a .pt; download it yourself).
 No files? Open cost_plan_dummy.json."""
     flux = g.add(
         "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"

@@ -36,7 +36,7 @@ class FewStepSampler:
         "Samples a FEWSTEP_MODEL with a few-step schedule. CFG runs only when a negative is connected and cfg != 1 "
         "(otherwise exactly one DiT forward per step). Latents are in ComfyUI's raw VAE space in and out, so "
         "ComfyUI's VAEDecode decodes the result. The report lists sigmas, forwards and per-step times, and with a "
-        "FewStepCacheGate attached what the step cache decided and did (steps computed / skipped, change per step)."
+        "FewStepCacheGate attached what the step cache decided and did (steps computed / skipped, the score compared with the threshold per step)."
     )
     CATEGORY = f"{CATEGORY}/sampling"
     RETURN_TYPES = ("LATENT", "STRING")

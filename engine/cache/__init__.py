@@ -10,7 +10,7 @@ it does. Usage::
     gate.check_model(handle.model)
     handle = handle.with_feature(STEP_CACHE_FEATURE, gate)  # the model object is shared, not changed
     latent, report = sample_latent(handle, [cond], latent, steps=28, schedule="flux.1-dev")
-    print(report.summary())  # the decision, steps computed / skipped, the change per step
+    print(report.summary())  # the decision, steps computed / skipped, the score compared per step
 
 Modules: :mod:`.policy` (the gate's rules), :mod:`.methods` (the per-method holders), :mod:`.run` (per-run
 state), :mod:`.gate` (the handle feature), :mod:`.coefficients` (TeaCache's published polynomials),

@@ -33,7 +33,9 @@ HELP = "run the showcase on dummy weights (CPU, ~1 minute) and write outputs + r
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default="out/demo", help="output folder")
+    p.add_argument(
+        "--out", default="out/demo", help="output folder: report.md, report.json, latents, images and a video"
+    )
     p.add_argument(
         "--model", default="flux-mid", help="dummy preset to showcase (flux-mid: FLUX blocks, 1024 wide)"
     )

@@ -116,10 +116,10 @@ def test_stream_reports_chunks_and_kv_bytes(tmp_path):
 
 
 def test_stream_bad_input():
-    r = _cli("stream", "--frames", "7", "--chunk-frames", "3")
+    r = _cli("stream", "--latent-frames", "7", "--chunk-frames", "3")
     assert (
         r.returncode == 2
-        and "input '--frames': 7 latent frames is not a positive multiple of the chunk (3)" in r.stderr
+        and "input '--latent-frames': 7 latent frames is not a positive multiple of the chunk (3)" in r.stderr
     )
     r = _cli("stream", "--window-frames", "2")
     assert (

@@ -156,7 +156,9 @@ def open_video(stem: str, width: int, height: int, fps: int = VIDEO_FPS, backend
             import PIL  # noqa: F401
         except ImportError as exc:
             raise InputError(
-                "--out", "writing a video needs PyAV or Pillow: pip install 'comfyui-fewstep[video]'"
+                "--out",
+                "writing a video needs PyAV (pip install 'comfyui-fewstep[video]') or Pillow "
+                "(pip install 'comfyui-fewstep[images]')",
             ) from exc
     cls = Mp4Writer if kind == "mp4" else WebPWriter
     return cls(stem + cls.suffix, width, height, fps)

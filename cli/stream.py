@@ -202,7 +202,7 @@ def run(args) -> int:
                 if step is not None:
                     step_bar.update(step - step_bar.n)
 
-            for chunk in session.chunks(n_chunks, before_forward):
+            for chunk in session.chunks(n_chunks, before_forward=before_forward):
                 step_bar.update(step_bar.total - step_bar.n)
                 chunk_bar.update()
                 rows.append(

@@ -57,36 +57,22 @@ def global_arguments(defaults: bool) -> argparse.ArgumentParser:
     return parent
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fewstep",
-        description=DESCRIPTION,
-        parents=[global_arguments(defaults=True)],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
-    after = global_arguments(defaults=False)
-    for name, module in COMMANDS.items():
-        module.add_arguments(
-            sub.add_parser(
-                name,
-                help=module.HELP,
-                description=getattr(module, "DESCRIPTION", module.HELP),
-                parents=[after],
-                formatter_class=HelpFormatter,
-            )
-        )
-    return parser
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends with its default (argparse's ArgumentDefaultsHelpFormatter), unless the help
-    already says it in words (a default of None means "decided at run time": the help tells by what)."""
+    already gives it in words, "(default: ...)" (a default of None means "decided at run time": the help says
+    by what); a required option has none."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if (
+            "(default" in text
+            or action.default is argparse.SUPPRESS
+            or action.required
+            or not action.option_strings
+        ):
             return text
+        if isinstance(action, argparse._StoreTrueAction) and action.default is False:
+            return f"{text} (default: off)"
         return super()._get_help_string(action)
 
 
@@ -132,3 +118,25 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if args.verbose else " (an internal error; -v shows the traceback)"
         print(f"error: fewstep {args.command}: {type(err).__name__}: {first}{hint}", file=sys.stderr)
         return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fewstep",
+        description=DESCRIPTION,
+        parents=[global_arguments(defaults=True)],
+        formatter_class=HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    after = global_arguments(defaults=False)
+    for name, module in COMMANDS.items():
+        module.add_arguments(
+            sub.add_parser(
+                name,
+                help=module.HELP,
+                description=getattr(module, "DESCRIPTION", module.HELP),
+                parents=[after],
+                formatter_class=HelpFormatter,
+            )
+        )
+    return parser

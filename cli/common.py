@@ -71,7 +71,7 @@ def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1
         "--dtype",
         default="auto",
         choices=list(COMPUTE_DTYPES),
-        help="compute dtype of the DiT (auto: bf16 on a GPU that has it, float32 on the CPU)",
+        help="compute dtype of the DiT (auto: bf16 on a GPU, fp16 on one without bf16, fp32 on the CPU)",
     )
     p.add_argument(
         "--weight-dtype",
@@ -86,7 +86,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1
         "--attention",
         default="auto",
         choices=["auto", "sdpa", "flash-attn"],
-        help="attention kernel (auto: flash-attn when installed and the GPU takes it, else PyTorch SDPA)",
+        help="attention kernel (auto: flash-attn when installed, on CUDA in fp16/bf16 without a mask; else PyTorch "
+        "SDPA)",
     )
 
 
@@ -103,7 +104,9 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         choices=list(SCHEDULES) + ["custom"],
         help="sigma schedule (default: the model's few-step schedule)",
     )
-    p.add_argument("--sigmas", default="", help="with --schedule custom: the sigmas, comma separated")
+    p.add_argument(
+        "--sigmas", default="", help="with --schedule custom: the sigmas, comma separated (default: none)"
+    )
     p.add_argument(
         "--sampler", default=None, choices=list(SAMPLERS), help="sampler (default: the schedule's sampler)"
     )

@@ -18,7 +18,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help=f"model preset (required, no default): {', '.join(known_models())}; a 'dummy:' prefix is accepted",
+        help=f"model preset (required): {', '.join(known_models())}; a 'dummy:' prefix is accepted",
     )
     p.add_argument(
         "--height", type=int, default=None, help="height in pixels (default: 1024 for images, 480 for Wan)"

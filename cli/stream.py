@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
         "--dtype",
         default="auto",
         choices=list(COMPUTE_DTYPES),
-        help="compute dtype of the DiT (auto: bf16 on a GPU that has it, float32 on the CPU)",
+        help="compute dtype of the DiT (auto: bf16 on a GPU, fp16 on one without bf16, fp32 on the CPU)",
     )
     p.add_argument(
         "--weight-dtype",
@@ -94,13 +94,18 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")
     p.add_argument("--schedule", default="wan-dmd-4step", help="sigma schedule of each chunk's denoising")
     p.add_argument(
-        "--context-noise", type=float, default=0.0, help="timestep of the clean commit pass (0..1000)"
+        "--context-noise",
+        type=float,
+        default=0.0,
+        help="timestep (0..1000) of the pass that commits a finished chunk to the KV cache; 0: clean",
     )
     p.add_argument(
         "--rope",
         default="cache",
         choices=list(ROPE_MODES),
-        help="rotary positions of cached keys: as written (cache) or re-based to the window",
+        help="RoPE of cached keys: cache stores them unrotated and rotates them by their slot in the window "
+        "when read (runs past any position table); absolute rotates them once at their frame index "
+        "(Self-Forcing, CausVid)",
     )
     p.add_argument(
         "--kv-dtype",

@@ -45,9 +45,9 @@ def test_every_flag_has_a_sentence_and_its_default(command):
         shown = formatter._get_help_string(action) % {**vars(action), "prog": "x"}
         if len(text.split()) < 3:
             problems.append(f"{flag}: no sentence ({text!r})")
-        if "default" not in shown:
+        if "(default" not in shown and not (action.required and "(required)" in shown):
             problems.append(f"{flag}: no default in {shown!r}")
-        if "default: None" in shown:
+        if "default: None" in shown or "(default: )" in shown:
             problems.append(f"{flag}: the default says None instead of what decides it")
         if "``" in shown:
             problems.append(f"{flag}: reST markup in {shown!r}")

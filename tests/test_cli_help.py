@@ -167,3 +167,17 @@ def test_verbose_on_either_side_of_the_command_logs_at_info(where):
         env=dict(os.environ),
     )
     assert f"LEVEL 0 {logging.WARNING}" in quiet.stderr
+
+
+def test_plan_errors_name_the_video_frames_flag(capsys):
+    """The engine's ``frames`` argument is plan's --video-frames (the one irregular name left in plan)."""
+    from fewstep.cli import main
+
+    assert main(["plan", "--model", "wan-tiny", "--video-frames", "80", "--no-vae"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "error: fewstep plan: input '--video-frames': 80 video frames: the Wan VAE makes 4k + 1"
+    )
+    assert main(["stream", "--kv-dtype", "int8", "--keep-recent", "9"]) == 2  # the old spelling, the new name
+    err = capsys.readouterr().err
+    assert "fewstep stream: input '--keep-recent-chunks': 9 recent chunks" in err

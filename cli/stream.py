@@ -198,14 +198,18 @@ def run(args) -> int:
     output = StreamOutput(args.out, session, p.in_dim, n_chunks, args.chunk_frames, vae is not None,
                           args.width, args.height) if args.out else None  # fmt: skip
     rows = []
+    steps_per_chunk = len(session.sigmas) - 1
     try:
-        with progress_bar("chunks", n_chunks) as chunk_bar, progress_bar("steps", args.steps, 1) as step_bar:
+        with (
+            progress_bar("chunks", n_chunks) as chunk_bar,
+            progress_bar("steps", steps_per_chunk, position=1) as step_bar,
+        ):
 
-            def before_forward(index, step):  # the commit pass (step None) opens a chunk's denoising steps
-                if step is None or step == 0 and step_bar.n:
-                    step_bar.reset(total=len(session.sigmas) - 1)
-                if step is not None:
-                    step_bar.update(step - step_bar.n)
+            def before_forward(index, step):  # before every DiT forward; step None: the commit pass
+                if step == 0:
+                    step_bar.reset(total=steps_per_chunk)  # a chunk's denoising starts
+                elif step is not None:
+                    step_bar.update(step - step_bar.n)  # the steps done before this forward
 
             for chunk in session.chunks(n_chunks, before_forward=before_forward):
                 step_bar.update(step_bar.total - step_bar.n)

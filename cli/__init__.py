@@ -2,7 +2,8 @@
 
 Commands: ``generate`` (one text-to-image sample, latent + per-stage timings), ``stream`` (causal video chunk by
 chunk), ``queue`` (run a workflow on a ComfyUI server), ``plan`` (the cost bill of a configuration), ``worker``
-(join a sequence-parallel worker pool), ``demo`` (the showcase on dummy weights). Each command lives in its own module and registers its arguments here.
+(join a sequence-parallel worker pool), ``demo`` (the showcase on dummy weights). Each command lives in its own
+module and registers its arguments here.
 """
 
 from __future__ import annotations
@@ -34,23 +35,55 @@ IRREGULAR_FLAGS = {
         "latent": "--height/--width/--batch",
         "backend": "--compile-backend",
     },
-    "stream": {"keep_recent_chunks": "--keep-recent", "context": "--cond", "backend": "--compile-backend"},
+    "stream": {"context": "--cond", "backend": "--compile-backend"},
+    "plan": {"frames": "--video-frames"},
 }
 
+DESCRIPTION = "FewStep: few-step image and causal video sampling, on dummy weights or checkpoints."
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fewstep", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
-    return parser
+
+def global_arguments(defaults: bool) -> argparse.ArgumentParser:
+    """The flags every command takes, before or after the command's name (``fewstep plan -v`` as ``fewstep -v
+    plan``). The sub-commands' copy has no defaults (SUPPRESS), so a flag given before the command is not reset
+    by the sub-parser, which fills its defaults into the same namespace."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False if defaults else argparse.SUPPRESS,
+        help="log at INFO level and print the traceback of an internal error (default: off)",
+    )
+    return parent
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default (argparse's ArgumentDefaultsHelpFormatter), unless the help
+    already gives it in words, "(default: ...)" (a default of None means "decided at run time": the help says
+    by what); a required option has none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "(default" in text
+            or action.default is argparse.SUPPRESS
+            or action.required
+            or not action.option_strings
+        ):
+            return text
+        if isinstance(action, argparse._StoreTrueAction) and action.default is False:
+            return f"{text} (default: off)"
+        return super()._get_help_string(action)
 
 
 def _flags_of(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
     """dest -> long option of one sub-command (``window_frames`` -> ``--window-frames``)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-    return {a.dest: a.option_strings[-1] for a in sub._actions if a.option_strings and a.dest != "help"}
+    return {
+        a.dest: a.option_strings[-1]
+        for a in sub._actions
+        if a.option_strings and a.dest != "help" and a.help is not argparse.SUPPRESS  # not an old spelling
+    }
 
 
 def as_flag_error(err: InputError, command: str, flags: dict[str, str]) -> InputError:
@@ -85,3 +118,25 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if args.verbose else " (an internal error; -v shows the traceback)"
         print(f"error: fewstep {args.command}: {type(err).__name__}: {first}{hint}", file=sys.stderr)
         return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fewstep",
+        description=DESCRIPTION,
+        parents=[global_arguments(defaults=True)],
+        formatter_class=HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    after = global_arguments(defaults=False)
+    for name, module in COMMANDS.items():
+        module.add_arguments(
+            sub.add_parser(
+                name,
+                help=module.HELP,
+                description=getattr(module, "DESCRIPTION", module.HELP),
+                parents=[after],
+                formatter_class=HelpFormatter,
+            )
+        )
+    return parser

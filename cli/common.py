@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import sys
 
 import torch
 
@@ -19,43 +21,103 @@ from ..engine.sampling import SAMPLERS, SCHEDULES
 from ..engine.vae.tiny import variants_for
 
 
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a renamed flag: same meaning, stored under the new flag's dest, with a warning. Hidden
+    from --help (the new name is the one documented)."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+class RenamedUnit(argparse.Action):
+    """An old flag whose name now means another unit elsewhere: refused, naming the flag to use, instead of
+    being read silently in a unit the user did not mean."""
+
+    def __init__(self, option_strings, dest, message: str, **kwargs):
+        super().__init__(option_strings, argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                         **kwargs)  # fmt: skip
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(self.message.format(value=values))
+
+
+def add_deprecated_alias(p: argparse.ArgumentParser, old: str, new: str, dest: str, type=int) -> None:
+    p.add_argument(old, dest=dest, type=type, action=DeprecatedAlias, new=new)
+
+
+def add_text_tokens_argument(p: argparse.ArgumentParser, help: str) -> None:
+    """``--text-tokens`` (plan's name for the same count; ``--tokens`` before)."""
+    p.add_argument("--text-tokens", type=int, default=64, help=help)
+    add_deprecated_alias(p, "--tokens", "--text-tokens", "text_tokens")
+
+
 def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1-schnell") -> None:
     p.add_argument(
         "--model",
         default=default_model,
         choices=sorted(all_presets()),
-        help="model preset (architecture for dummy weights, and the default schedule)",
+        help="model preset: the architecture built for dummy weights, and the default schedule",
     )
-    p.add_argument("--weights", default="dummy", help="'dummy' (seeded random weights) or a checkpoint path")
-    p.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES), help="compute dtype")
+    p.add_argument(
+        "--weights", default="dummy", help="'dummy' (seeded random weights of --model) or a checkpoint path"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(COMPUTE_DTYPES),
+        help="compute dtype of the DiT (auto: bf16 on a GPU, fp16 on one without bf16, fp32 on the CPU)",
+    )
     p.add_argument(
         "--weight-dtype",
         default="default",
         choices=[k for k, v in WEIGHT_DTYPES.items() if k == "default" or v],
-        help="storage dtype of linear weights",
+        help="storage dtype of the linear weights (default: as the compute dtype)",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (auto: cuda when available)")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "flash-attn"])
+    p.add_argument(
+        "--device", default="auto", help="torch device: cpu, cuda, cuda:1 ... (auto: cuda when available)"
+    )
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "sdpa", "flash-attn"],
+        help="attention kernel (auto: flash-attn when installed, on CUDA in fp16/bf16 without a mask; else PyTorch "
+        "SDPA)",
+    )
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--height", type=int, default=256, help="image height in pixels (multiple of 16)")
     p.add_argument("--width", type=int, default=256, help="image width in pixels (multiple of 16)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="default: the schedule's own step count")
+    p.add_argument("--batch", type=int, default=1, help="images sampled together in one job")
     p.add_argument(
-        "--schedule", default=None, choices=list(SCHEDULES) + ["custom"], help="default: the model's schedule"
+        "--steps", type=int, default=None, help="denoising steps (default: the schedule's own step count)"
     )
-    p.add_argument("--sigmas", default="", help="with --schedule custom: comma separated sigmas")
-    p.add_argument("--sampler", default=None, choices=list(SAMPLERS), help="default: the schedule's sampler")
-    p.add_argument("--cfg", type=float, default=1.0, help="CFG scale (needs --negative-seed)")
+    p.add_argument(
+        "--schedule",
+        default=None,
+        choices=list(SCHEDULES) + ["custom"],
+        help="sigma schedule (default: the model's few-step schedule)",
+    )
+    p.add_argument(
+        "--sigmas", default="", help="with --schedule custom: the sigmas, comma separated (default: none)"
+    )
+    p.add_argument(
+        "--sampler", default=None, choices=list(SAMPLERS), help="sampler (default: the schedule's sampler)"
+    )
+    p.add_argument("--cfg", type=float, default=1.0, help="CFG scale; other than 1 it needs --negative-seed")
     p.add_argument(
         "--guidance",
         type=float,
         default=None,
         help="distilled guidance of guidance-embedded models (default: the model's, 3.5 FLUX.1-dev, 4 FLUX.2-dev)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="noise seed: the same seed gives the same latent")
     p.add_argument(
         "--cond",
         default=None,
@@ -63,9 +125,12 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         "the model's context width for FLUX.2 (7680 klein-4b, 12288 klein-9b, 15360 dev), 2560 for Z-Image "
         "(default: seeded synthetic embeddings; the engine has no text encoder)",
     )
-    p.add_argument("--tokens", type=int, default=64, help="token count of synthetic embeddings")
+    add_text_tokens_argument(p, "text tokens per prompt of the synthetic embeddings")
     p.add_argument(
-        "--negative-seed", type=int, default=None, help="synthetic negative embeddings (enables CFG)"
+        "--negative-seed",
+        type=int,
+        default=None,
+        help="seed of synthetic negative embeddings, which enable CFG (default: none, no CFG)",
     )
 
 
@@ -186,7 +251,7 @@ def load_condition(path: str, guidance: float | None) -> TextCondition:
 
 
 def check_at_least(args, **minimums: int) -> None:
-    """Counts the CLI builds tensors from (``--batch``, ``--tokens``...) before any engine function sees them."""
+    """Counts the CLI builds tensors from (--batch, --text-tokens...) before any engine function sees them."""
     for dest, low in minimums.items():
         value = getattr(args, dest)
         if value is not None and value < low:
@@ -218,3 +283,26 @@ def write_json(path: str, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str, total: int | None, position: int = 0):
+    """A tqdm bar on stderr, shown only when stderr is a terminal (tqdm's ``disable=None``): a run piped to a
+    file or another program gets no bar characters in its output. Removed from the screen when done (the
+    command prints its own summary)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit=desc.rstrip("s"), disable=None, leave=False, file=sys.stderr,
+               position=position, dynamic_ncols=True)  # fmt: skip
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def say(line: str) -> None:
+    """A result line on stdout that does not tear a progress bar drawn on the same terminal."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -31,6 +32,7 @@ from .common import (
     latent_shape,
     load_condition,
     prepare_out,
+    progress_bar,
     source_of,
     synthetic_condition,
     with_compile,
@@ -46,16 +48,22 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p)
     add_compile_arguments(p)
-    p.add_argument("--out", default="out/generate", help="output folder")
     p.add_argument(
-        "--json", action="store_true", help="print the report (timings.json, compile telemetry) as JSON"
+        "--out",
+        default="out/generate",
+        help="output folder: latent.safetensors, timings.json and, with --decode, image.png",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report (timings.json, with the compile telemetry) as JSON instead of the summary",
     )
     p.add_argument(
         "--decode",
         default="none",
         choices=["none", "tiny", "full"],
-        help="also write image.png: tiny (TAEF1; TAEF2 for FLUX.2) or full (the FLUX.1 autoencoder, which "
-        "FLUX.1 and Z-Image share)",
+        help="also write image.png: none, tiny (TAEF1; TAEF2 for FLUX.2) or full (the FLUX.1 autoencoder, "
+        "which FLUX.1 and Z-Image share)",
     )
     p.add_argument(
         "--tiny-vae",
@@ -64,7 +72,9 @@ def add_arguments(p) -> None:
         "(default: dummy:taef1, dummy:taef2 for FLUX.2)",
     )
     p.add_argument(
-        "--ae", default="dummy:flux1-ae", help="with --decode full: ae.safetensors or dummy:flux1-ae"
+        "--ae",
+        default="dummy:flux1-ae",
+        help="with --decode full: the autoencoder, ae.safetensors or dummy:flux1-ae",
     )
 
 
@@ -75,7 +85,7 @@ def run(args) -> int:
     preset_family = family_of_preset(args.model) if dummy else None
     image_preset = preset_family is not None and preset_family.is_image
     check_size(args.height, args.width, preset_family if image_preset else None)
-    check_at_least(args, batch=1, tokens=1, steps=1)
+    check_at_least(args, batch=1, text_tokens=1, steps=1)
     check_seed(args.seed)
     if args.negative_seed is not None:
         check_seed(args.negative_seed, "--negative-seed")
@@ -114,10 +124,10 @@ def run(args) -> int:
     if args.cond:
         positive = load_condition(args.cond, args.guidance)
     else:
-        positive = synthetic_condition(family, params, args.tokens, args.seed + 1, args.guidance)
+        positive = synthetic_condition(family, params, args.text_tokens, args.seed + 1, args.guidance)
     negative = None
     if args.negative_seed is not None:
-        negative = [synthetic_condition(family, params, args.tokens, args.negative_seed, args.guidance)]
+        negative = [synthetic_condition(family, params, args.text_tokens, args.negative_seed, args.guidance)]
     schedule = check_schedule(args.schedule or default_schedule(family, params))
     sampler = args.sampler or (SCHEDULES[schedule].sampler if schedule in SCHEDULES else "euler")
     latent = torch.zeros(latent_shape(family, args.batch, args.height, args.width))
@@ -127,7 +137,9 @@ def run(args) -> int:
         [positive], latent, negative=negative, seed=args.seed, steps=args.steps, schedule=schedule,
         sampler=sampler, cfg=args.cfg, custom_sigmas=args.sigmas,
     )  # fmt: skip
-    out, report = sample(handle, request)
+    request.check(handle)  # the bar's length is the schedule's; bad inputs are still said first
+    with progress_bar("steps", len(request.schedule_for(handle)) - 1) as steps_bar:
+        out, report = sample(handle, replace(request, callback=lambda info: steps_bar.update()))
     timings["sampling_s"] = report.seconds_total
     timings["per_step_s"] = report.seconds_per_step
 
@@ -161,6 +173,9 @@ def run(args) -> int:
         f"wrote {os.path.join(args.out, 'latent.safetensors')} {list(out.shape)}; "
         f"load {timings['load_s']:.2f} s, sampling {timings['sampling_s']:.2f} s"
     )
+    for path in images:
+        print(f"wrote {path} ({args.width}x{args.height} px, {args.decode} decode)")
+    print(f"wrote {os.path.join(args.out, 'timings.json')}")
     return 0
 
 

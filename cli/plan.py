@@ -6,6 +6,7 @@ import json
 
 from ..engine.checks import check_image_size
 from ..engine.plan import DEFAULT_MFU, GPUS, KV_LAYOUTS, WEIGHT_DTYPE_BYTES, known_models, plan_preset
+from .common import add_deprecated_alias
 
 HELP = (
     "cost plan of a job: FLOPs per DiT forward, forwards, KV-cache and weight bytes, predicted seconds on a GPU "
@@ -17,24 +18,29 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help=f"model preset: {', '.join(known_models())} (a 'dummy:' prefix is accepted)",
+        help=f"model preset (required): {', '.join(known_models())}; a 'dummy:' prefix is accepted",
     )
-    p.add_argument("--height", type=int, default=None, help="px (default: 1024 for images, 480 for Wan)")
-    p.add_argument("--width", type=int, default=None, help="px (default: 1024 for images, 832 for Wan)")
+    p.add_argument(
+        "--height", type=int, default=None, help="height in pixels (default: 1024 for images, 480 for Wan)"
+    )
+    p.add_argument(
+        "--width", type=int, default=None, help="width in pixels (default: 1024 for images, 832 for Wan)"
+    )
     p.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="default: the family's schedule preset: 4 (schnell, klein, Wan students), 8 (Z-Image-Turbo), "
-        "28 (FLUX.1-dev), 50 (FLUX.2-dev)",
+        help="denoising steps (default: the family's schedule preset: 4 for schnell, klein and the Wan students, "
+        "8 Z-Image-Turbo, "
+        "28 FLUX.1-dev, 50 FLUX.2-dev)",
     )
     p.add_argument(
         "--cfg",
         type=float,
         default=1.0,
-        help="CFG scale; != 1 means a negative prompt too: 2 rows per step (image models only)",
+        help="CFG scale; other than 1 means a negative prompt too: 2 rows per step (image models only)",
     )
-    p.add_argument("--batch", type=int, default=1, help="images / videos per job")
+    p.add_argument("--batch", type=int, default=1, help="images or videos sampled together in one job")
     p.add_argument(
         "--text-tokens",
         type=int,
@@ -42,23 +48,43 @@ def add_arguments(p) -> None:
         help="image models: text tokens per prompt (default: what the pipeline feeds; FLUX.1 256 without a "
         "guidance embedding, 512 with; FLUX.2 512; Z-Image at most 512); Wan always reads 512",
     )
-    p.add_argument("--frames", type=int, default=None, help="Wan: video frames, 4k + 1 (default 81)")
-    p.add_argument("--latent-frames", type=int, default=None, help="Wan: latent frames instead of --frames")
-    p.add_argument("--chunk-frames", type=int, default=None, help="Wan: latent frames per chunk (default 3)")
     p.add_argument(
-        "--window-frames", type=int, default=None, help="Wan: latent frames a chunk sees (default 21)"
+        "--video-frames",
+        type=int,
+        default=None,
+        help="Wan: video frames, 4k + 1 (default: 81, 21 latent frames)",
     )
-    p.add_argument("--sink-frames", type=int, default=None, help="Wan: first frames kept forever (default 0)")
+    add_deprecated_alias(p, "--frames", "--video-frames", "video_frames")
+    p.add_argument(
+        "--latent-frames",
+        type=int,
+        default=None,
+        help="Wan: latent frames instead of --video-frames; n latent frames are 4n - 3 video frames "
+        "(default: from --video-frames)",
+    )
+    p.add_argument("--chunk-frames", type=int, default=None, help="Wan: latent frames per chunk (default: 3)")
+    p.add_argument(
+        "--window-frames",
+        type=int,
+        default=None,
+        help="Wan: latent frames of the rolling KV window a chunk attends to (default: 21)",
+    )
+    p.add_argument(
+        "--sink-frames",
+        type=int,
+        default=None,
+        help="Wan: first latent frames kept in the KV window forever (default: 0)",
+    )
     p.add_argument(
         "--kv-dtype",
         default=None,
-        help=f"Wan: KV cache storage, {'/'.join(KV_LAYOUTS)} (default bf16, the compute dtype)",
+        help=f"Wan: KV cache storage, {'/'.join(KV_LAYOUTS)} (default: bf16, the compute dtype)",
     )
     p.add_argument(
         "--keep-recent-chunks",
         type=int,
         default=None,
-        help="Wan, int8/int4: completed chunks kept unquantized besides the current one (default 1)",
+        help="Wan, int8/int4: completed chunks kept unquantized besides the current one (default: 1)",
     )
     p.add_argument(
         "--weight-dtype",
@@ -70,12 +96,14 @@ def add_arguments(p) -> None:
         "--mfu",
         type=float,
         default=DEFAULT_MFU,
-        help=f"model FLOP utilisation assumed for predicted seconds (default {DEFAULT_MFU})",
+        help="model FLOP utilisation assumed for the predicted seconds",
     )
     p.add_argument(
-        "--no-vae", action="store_true", help="skip the VAE decode FLOPs (counted on the meta device)"
+        "--no-vae",
+        action="store_true",
+        help="leave out the VAE decode FLOPs (counted on the meta device when included)",
     )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of the table")
 
 
 def run(args) -> int:
@@ -86,7 +114,7 @@ def run(args) -> int:
         "cfg": args.cfg,
         "batch": args.batch,
         "text_tokens": args.text_tokens,
-        "frames": args.frames,
+        "frames": args.video_frames,
         "latent_frames": args.latent_frames,
         "chunk_frames": args.chunk_frames,
         "window_frames": args.window_frames,

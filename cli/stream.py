@@ -19,15 +19,21 @@ from ..engine.models.registry import FAMILIES
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.vae import load_tiny_vae
 from .common import (
+    RenamedUnit,
     add_compile_arguments,
+    add_deprecated_alias,
+    add_text_tokens_argument,
     check_at_least,
     compile_config,
     compile_report,
     load_condition,
     prepare_out,
+    progress_bar,
+    say,
     with_compile,
     write_json,
 )
+from .images import VIDEO_FPS, WEBP_MAX_BYTES, open_video, write_video
 
 HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
 
@@ -37,76 +43,128 @@ def add_arguments(p) -> None:
         "--model",
         default="wan-tiny",
         choices=sorted(FAMILIES["wan"].presets),
-        help="Wan preset (architecture for dummy weights)",
+        help="Wan preset: the architecture built for dummy weights",
     )
     p.add_argument(
-        "--weights", default="dummy", help="'dummy' or a checkpoint path (Self-Forcing, CausVid, ComfyUI)"
+        "--weights",
+        default="dummy",
+        help="'dummy' (seeded random weights of --model) or a checkpoint path (Self-Forcing, CausVid, ComfyUI)",
     )
-    p.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES))
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(COMPUTE_DTYPES),
+        help="compute dtype of the DiT (auto: bf16 on a GPU, fp16 on one without bf16, fp32 on the CPU)",
+    )
     p.add_argument(
         "--weight-dtype",
         default="default",
         choices=[k for k, v in WEIGHT_DTYPES.items() if k == "default" or v],
+        help="storage dtype of the linear weights (default: as the compute dtype)",
     )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--height", type=int, default=64, help="video height in px (multiple of 16)")
-    p.add_argument("--width", type=int, default=96, help="video width in px (multiple of 16)")
-    p.add_argument("--chunks", type=int, default=None, help="chunks to generate (default 4)")
     p.add_argument(
-        "--frames",
+        "--device", default="auto", help="torch device: cpu, cuda, cuda:1 ... (auto: cuda when available)"
+    )
+    p.add_argument("--height", type=int, default=64, help="video height in pixels (multiple of 16)")
+    p.add_argument("--width", type=int, default=96, help="video width in pixels (multiple of 16)")
+    p.add_argument("--chunks", type=int, default=None, help="chunks to generate (default: 4)")
+    p.add_argument(
+        "--latent-frames",
         type=int,
         default=None,
-        help="latent frames to generate instead of --chunks (a multiple of --chunk-frames)",
+        help="latent frames to generate instead of --chunks, a multiple of --chunk-frames (default: 4 chunks); "
+        "n latent frames decode to 4n - 3 video frames",
     )
-    p.add_argument("--chunk-frames", type=int, default=3)
-    p.add_argument("--window-frames", type=int, default=21)
-    p.add_argument("--sink-frames", type=int, default=0)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--schedule", default="wan-dmd-4step")
     p.add_argument(
-        "--context-noise", type=float, default=0.0, help="timestep of the clean commit pass (0..1000)"
+        "--frames",
+        action=RenamedUnit,
+        message="--frames was latent frames here; use --latent-frames {value} (plan names video frames "
+        "--video-frames)",
     )
-    p.add_argument("--rope", default="cache", choices=list(ROPE_MODES))
+    p.add_argument("--chunk-frames", type=int, default=3, help="latent frames denoised together as one chunk")
+    p.add_argument(
+        "--window-frames",
+        type=int,
+        default=21,
+        help="latent frames of the rolling KV window a chunk attends to",
+    )
+    p.add_argument(
+        "--sink-frames", type=int, default=0, help="first latent frames kept in the KV window forever"
+    )
+    p.add_argument("--steps", type=int, default=4, help="denoising steps per chunk")
+    p.add_argument("--schedule", default="wan-dmd-4step", help="sigma schedule of each chunk's denoising")
+    p.add_argument(
+        "--context-noise",
+        type=float,
+        default=0.0,
+        help="timestep (0..1000) of the pass that commits a finished chunk to the KV cache; 0: clean",
+    )
+    p.add_argument(
+        "--rope",
+        default="cache",
+        choices=list(ROPE_MODES),
+        help="RoPE of cached keys: cache stores them unrotated and rotates them by their slot in the window "
+        "when read (runs past any position table); absolute rotates them once at their frame index "
+        "(Self-Forcing, CausVid)",
+    )
     p.add_argument(
         "--kv-dtype",
         default="bf16",
         choices=list(KV_DTYPES),
-        help="KV storage: bf16 = the compute dtype, unquantized; int8 / int4 quantize completed chunks older than "
-        "--keep-recent",
+        help="KV storage: bf16 is the compute dtype, unquantized; int8 / int4 quantize completed chunks older "
+        "than --keep-recent-chunks",
     )
     p.add_argument(
-        "--keep-recent",
+        "--keep-recent-chunks",
         type=int,
         default=1,
-        help="with int8/int4: completed chunks kept unquantized (default 1)",
+        help="with int8/int4: completed chunks kept unquantized besides the current one",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=64, help="token count of the synthetic umT5 prompt")
+    add_deprecated_alias(p, "--keep-recent", "--keep-recent-chunks", "keep_recent_chunks")
+    p.add_argument("--seed", type=int, default=0, help="noise seed: the same seed gives the same video")
+    add_text_tokens_argument(p, "text tokens of the synthetic umT5 prompt")
     p.add_argument(
-        "--cond", default=None, help="safetensors with 'context' [B, L, 4096] (default: synthetic)"
+        "--cond",
+        default=None,
+        help="safetensors with 'context' [B, L, 4096] (default: a seeded synthetic prompt)",
     )
-    p.add_argument("--tiny-vae", default=None, help="decode each chunk: dummy:taew2_1 or taew2_1.pth")
+    p.add_argument(
+        "--tiny-vae",
+        default=None,
+        help="decode each chunk to frames as it lands: dummy:taew2_1 or taew2_1.pth (default: no decode, "
+        "latents only); with --out the frames are written as a video",
+    )
     add_compile_arguments(p)
-    p.add_argument("--out", default=None, help="folder for latents.safetensors (and frames)")
     p.add_argument(
-        "--json", action="store_true", help="print the report (with the compile telemetry) as JSON"
+        "--out",
+        default=None,
+        help="folder to write into (default: nothing written): latents.safetensors and stream.json; with "
+        f"--tiny-vae also video.mp4 (PyAV) or video.webp (Pillow, when PyAV is absent) at {VIDEO_FPS} fps and "
+        "chunks/chunk_NNNN.* as each chunk lands. The MP4 is encoded frame by frame (flat memory); Pillow "
+        f"assembles a WebP in memory, so video.webp keeps at most {WEBP_MAX_BYTES // 2**20} MiB of frames and "
+        "longer streams are complete only in the chunk files",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report (with the compile telemetry) as JSON instead of a line per chunk",
     )
 
 
 def chunk_count(args) -> int:
-    if args.frames is not None:
-        if args.frames < 1 or args.frames % args.chunk_frames:
+    if args.latent_frames is not None:
+        if args.latent_frames < 1 or args.latent_frames % args.chunk_frames:
             raise InputError(
-                "--frames",
-                f"{args.frames} latent frames is not a positive multiple of the chunk ({args.chunk_frames})",
+                "--latent-frames",
+                f"{args.latent_frames} latent frames is not a positive multiple of the chunk ({args.chunk_frames})",
             )
-        return args.frames // args.chunk_frames
+        return args.latent_frames // args.chunk_frames
     return 4 if args.chunks is None else args.chunks
 
 
 def run(args) -> int:
     n_chunks = chunk_count(args)
-    check_at_least(args, tokens=1, chunks=1)
+    check_at_least(args, text_tokens=1, chunks=1)
     check_seed(args.seed)
     compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading
     if args.out:
@@ -121,12 +179,12 @@ def run(args) -> int:
         context = load_condition(args.cond, None).context
     else:
         context = torch.randn(
-            1, args.tokens, p.text_dim, generator=torch.Generator().manual_seed((args.seed + 1) % 2**64)
+            1, args.text_tokens, p.text_dim, generator=torch.Generator().manual_seed((args.seed + 1) % 2**64)
         )
     config = CausalConfig(
         chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
         schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,
-        kv_dtype=args.kv_dtype, keep_recent_chunks=args.keep_recent,
+        kv_dtype=args.kv_dtype, keep_recent_chunks=args.keep_recent_chunks,
     )  # fmt: skip
     vae = (
         load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
@@ -137,44 +195,50 @@ def run(args) -> int:
         handle, context, args.height, args.width, config, args.seed, vae, "stream"
     )
     # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
-    writer = None
-    if args.out:
-        latent_frames = n_chunks * args.chunk_frames
-        tensors = {"latent": ((session.batch, p.in_dim, latent_frames, *session.latent_hw), 2)}
-        if vae is not None:
-            tensors["frames"] = ((session.batch, 4 * latent_frames - 3, 3, args.height, args.width), 1)
-        writer = ChunkedSafetensors(os.path.join(args.out, "latents.safetensors"), tensors)
+    output = StreamOutput(args.out, session, p.in_dim, n_chunks, args.chunk_frames, vae is not None,
+                          args.width, args.height) if args.out else None  # fmt: skip
     rows = []
+    steps_per_chunk = len(session.sigmas) - 1
     try:
-        for chunk in session.chunks(n_chunks):
-            rows.append(
-                {"index": chunk.index, "start_frame": chunk.start_frame, "seconds": chunk.seconds,
-                 "commit_seconds": chunk.commit_seconds, "kv_bytes": chunk.kv_bytes,
-                 "kv_bytes_used": chunk.kv_bytes_used}
-            )  # fmt: skip
-            if writer is not None:
-                writer.append("latent", chunk.raw)
-                if chunk.frames is not None:
-                    writer.append("frames", chunk.frames)
-            if not args.json:
-                print(
-                    f"chunk {chunk.index}: frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}, "
-                    f"{chunk.seconds:.3f} s, KV {chunk.kv_bytes_used}/{chunk.kv_bytes} B",
-                    flush=True,
-                )
-            del chunk
-        if writer is not None:
-            writer.finish()
+        with (
+            progress_bar("chunks", n_chunks) as chunk_bar,
+            progress_bar("steps", steps_per_chunk, position=1) as step_bar,
+        ):
+
+            def before_forward(index, step):  # before every DiT forward; step None: the commit pass
+                if step == 0:
+                    step_bar.reset(total=steps_per_chunk)  # a chunk's denoising starts
+                elif step is not None:
+                    step_bar.update(step - step_bar.n)  # the steps done before this forward
+
+            for chunk in session.chunks(n_chunks, before_forward=before_forward):
+                step_bar.update(step_bar.total - step_bar.n)
+                chunk_bar.update()
+                rows.append(
+                    {"index": chunk.index, "start_frame": chunk.start_frame, "seconds": chunk.seconds,
+                     "commit_seconds": chunk.commit_seconds, "kv_bytes": chunk.kv_bytes,
+                     "kv_bytes_used": chunk.kv_bytes_used}
+                )  # fmt: skip
+                written = output.append(chunk) if output is not None else []
+                if not args.json:
+                    say(
+                        f"chunk {chunk.index}: frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}"
+                        f", {chunk.seconds:.3f} s, KV {chunk.kv_bytes_used}/{chunk.kv_bytes} B"
+                        + "".join(f"; wrote {path}" for path in written)
+                    )
+                del chunk
+        if output is not None:
+            output.finish()
     finally:
-        if writer is not None:
-            writer.abandon()  # an interrupted run leaves no half-written file
+        if output is not None:
+            output.abandon()  # an interrupted run leaves no half-written file
         telemetry = compiled.finish() if compiled is not None else None
     report = {
         "model": handle.describe(),
         "chunks": rows,
         "first_chunk_seconds": session.stats.first_chunk_seconds,
         "kv_dtype": args.kv_dtype,
-        "keep_recent_chunks": args.keep_recent,
+        "keep_recent_chunks": args.keep_recent_chunks,
         "kv_bytes_per_token": session.cache.bytes_per_token(),
         "kv_quantized_bytes_per_token": session.cache.quantized_bytes_per_token(),
         "kv_frames_quantized": session.cache.frames_quantized,
@@ -185,11 +249,84 @@ def run(args) -> int:
         "compile": compile_report(telemetry),
     }
     if args.out:
+        report["files"] = output.files
         write_json(os.path.join(args.out, "stream.json"), report)
     if args.json:
         print(json.dumps(report, indent=2))
+    elif output is not None:
+        for line in output.summary():
+            print(line)
+        print(f"wrote {os.path.join(args.out, 'stream.json')}")
     session.dispose()
     return 0
+
+
+class StreamOutput:
+    """What ``--out`` gets, written as each chunk lands: the latents (and decoded frames) into one
+    latents.safetensors, and with frames the whole video (video.mp4 through PyAV, else video.webp through
+    Pillow) plus each chunk as its own small video, watchable while the stream goes on (an MP4 is playable
+    only once closed)."""
+
+    def __init__(self, out: str, session, channels: int, n_chunks: int, chunk_frames: int, frames: bool,
+                 width: int, height: int):  # fmt: skip
+        latent_frames = n_chunks * chunk_frames
+        tensors = {"latent": ((session.batch, channels, latent_frames, *session.latent_hw), 2)}
+        if frames:
+            tensors["frames"] = ((session.batch, 4 * latent_frames - 3, 3, height, width), 1)
+        self.out = out
+        self.latents = ChunkedSafetensors(os.path.join(out, "latents.safetensors"), tensors)
+        self.videos = []
+        self.files: dict = {"latents": self.latents.path, "video": [], "chunks": []}
+        if frames:
+            os.makedirs(os.path.join(out, "chunks"), exist_ok=True)
+            self.videos = [
+                open_video(os.path.join(out, "video" if session.batch == 1 else f"video_{b}"), width, height)
+                for b in range(session.batch)
+            ]
+
+    def append(self, chunk) -> list[str]:
+        """Write one chunk; the chunk files it wrote."""
+        self.latents.append("latent", chunk.raw)
+        written = []
+        if chunk.frames is not None:
+            self.latents.append("frames", chunk.frames)
+            for b, (video, frames) in enumerate(zip(self.videos, chunk.frames)):
+                video.append(frames)
+                stem = f"chunk_{chunk.index:04d}" + ("" if len(self.videos) == 1 else f"_{b}")
+                written.append(write_video(os.path.join(self.out, "chunks", stem), frames))
+        self.files["chunks"] += written
+        return written
+
+    def finish(self) -> None:
+        self.latents.finish()
+        for video in self.videos:
+            video.close()
+            self.files["video"].append(video.path)
+
+    def abandon(self) -> None:
+        self.latents.abandon()
+        for video in self.videos:
+            video.abandon()
+
+    def summary(self) -> list[str]:
+        lines = [f"wrote {self.latents.path}"]
+        for video in self.videos:
+            lines.append(f"wrote {video.path} ({video.frames} frames at {VIDEO_FPS} fps)")
+            if getattr(video, "dropped", 0):
+                lines.append(
+                    f"  {video.dropped} later frames are not in {os.path.basename(video.path)}: without PyAV the "
+                    f"WebP is assembled in memory, bounded at {WEBP_MAX_BYTES // 2**20} MiB; they are in "
+                    "the chunk files (pip install 'comfyui-fewstep[video]' for a full MP4)"
+                )
+        if self.videos:
+            lines.append(
+                f"wrote {len(self.files['chunks'])} chunk videos in {os.path.join(self.out, 'chunks')}"
+            )
+        else:
+            lines.append(
+                "no video: decoding frames needs --tiny-vae (taew2_1.pth; dummy:taew2_1 with dummy weights)"
+            )
+        return lines
 
 
 class ChunkedSafetensors:

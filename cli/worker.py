@@ -39,9 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--local-rank", type=int, default=None, help="GPU index on this machine (default: $LOCAL_RANK or 0)"
     )
-    p.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds to wait for the host's store (default 60)"
-    )
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the host's store")
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: the pool's setting)"
     )

@@ -221,7 +221,7 @@ def test_generate_default_model_is_refused_with_the_estimate_and_a_hint(capsys, 
         ),
         (["--batch", "-1"], "input '--batch': expected at least 1, got -1"),
         (["--batch", "0"], "input '--batch': expected at least 1, got 0"),
-        (["--tokens", "0"], "input '--tokens': expected at least 1, got 0"),
+        (["--text-tokens", "0"], "input '--text-tokens': expected at least 1, got 0"),
         (
             ["--seed", str(2**64)],
             "input '--seed': expected an integer in [0, 2^64 - 1], got 18446744073709551616",
@@ -272,7 +272,7 @@ def test_stream_cond_file_errors(capsys, tmp_path):
         (["generate", "--negative-seed", str(2**64)], "input '--negative-seed': expected an integer in"),
         (["generate", "--out", "README.md"], "input '--out': README.md exists and is not a folder"),
         (["stream", "--seed", str(2**64)], "input '--seed': expected an integer in [0, 2^64 - 1]"),
-        (["stream", "--tokens", "0"], "input '--tokens': expected at least 1, got 0"),
+        (["stream", "--text-tokens", "0"], "input '--text-tokens': expected at least 1, got 0"),
         (["stream", "--chunks", "0"], "input '--chunks': expected at least 1, got 0"),
         (["stream", "--context-noise", "nan"], "input '--context-noise': expected a finite number, got nan"),
         (
@@ -321,8 +321,9 @@ def test_video_node_errors_name_its_inputs(pack):
 def test_cli_errors_name_the_flag_not_the_engine_argument(capsys):
     status, err = _cli(capsys, "stream", "--window-frames", "2")
     assert status == 2 and "fewstep stream: input '--window-frames': the window" in _one_error_line(err)
-    status, err = _cli(capsys, "stream", "--kv-dtype", "int8", "--keep-recent", "9")
-    assert status == 2 and "fewstep stream: input '--keep-recent': 9 recent chunks" in _one_error_line(err)
+    status, err = _cli(capsys, "stream", "--kv-dtype", "int8", "--keep-recent-chunks", "9")
+    assert status == 2
+    assert "fewstep stream: input '--keep-recent-chunks': 9 recent chunks" in _one_error_line(err)
     status, err = _cli(capsys, "plan", "--model", "wan-tiny", "--window-frames", "2")
     assert status == 2 and "fewstep plan: input '--window-frames':" in _one_error_line(err)
 

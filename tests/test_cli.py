@@ -82,10 +82,24 @@ def test_help_lists_commands():
 
 
 def test_demo_writes_report(tmp_path):
-    r = _cli("demo", "--model", "flux-tiny", "--size", "64", "--out", str(tmp_path / "demo"))
+    r = _cli(
+        "demo", "--model", "flux-tiny", "--size", "64", "--repeats", "2", "--out", str(tmp_path / "demo")
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "demo" / "report.json").read_text())
-    assert report["CFG"]["rows"] == [4, 4, 8]
+    assert report["CFG"]["rows"] == {
+        "no negative: forwards, rows": "4, 4",
+        "no negative seconds": report["few-step vs many-step"]["rows"][
+            "flux.1-schnell schedule, 4 steps (4 forwards)"
+        ],
+        "negative, cfg 1: forwards, rows": "4, 4 (negative skipped)",
+        "negative, cfg 1 seconds": report["CFG"]["rows"]["negative, cfg 1 seconds"],
+        "negative, cfg 3.5: forwards, rows": "4, 8",
+        "negative, cfg 3.5 seconds": report["CFG"]["rows"]["negative, cfg 3.5 seconds"],
+        "cfg 3.5 / no negative, medians": report["CFG"]["rows"]["cfg 3.5 / no negative, medians"],
+    }
+    assert report["CFG"]["rows"]["cfg 3.5 / no negative, medians"].endswith("(rows: 2x)")
+    assert report["CFG"]["forwards"] == [4, 4, 4] and report["CFG"]["rows_evaluated"] == [4, 4, 8]
     assert len(report["causal video stream"]["seconds"]) == 5
     assert report["weight storage"]["bytes"][2] < report["weight storage"]["bytes"][1]
     assert (tmp_path / "demo" / "report.md").read_text().startswith("# fewstep demo report")
@@ -98,6 +112,83 @@ def test_demo_writes_report(tmp_path):
     assert (tmp_path / "demo" / "flux2-tiny_tiny.png").exists() and (
         tmp_path / "demo" / "zimage-tiny_tiny.png"
     ).exists()
+    _demo_report_json_matches_md(report, (tmp_path / "demo" / "report.md").read_text())
+    _demo_timings_are_medians_of_the_repeats(report, 2)
+    _demo_states_the_machine(report, r.stdout)
+    _demo_video_is_watchable(report, tmp_path / "demo")
+
+
+def _md_sections(md: str) -> dict[str, dict[str, str]]:
+    sections, title = {}, None
+    for line in md.splitlines():
+        if line.startswith("## "):
+            title = line[3:]
+            sections[title] = {}
+        elif line.startswith("| ") and title is not None and line != "| | |":
+            label, value = line[2:-2].split(" | ", 1)
+            sections[title][label] = value
+    return sections
+
+
+def _demo_report_json_matches_md(report: dict, md: str) -> None:
+    """Every figure report.md shows is in report.json, under the same section and label: a timing's median and
+    range (and each run), any other value as the same text."""
+    sections = _md_sections(md)
+    assert list(sections) == list(report)
+    for title, rows in sections.items():
+        assert list(rows) == list(report[title]["rows"]), title
+        for label, shown in rows.items():
+            value = report[title]["rows"][label]
+            if isinstance(value, dict):  # a timing
+                runs = len(value["runs_s"])
+                spread = (
+                    f"({value['min_s']:.2f}-{value['max_s']:.2f}, {runs} runs)" if runs > 1 else "(1 run)"
+                )
+                assert shown == f"{value['median_s']:.2f} s {spread}", (title, label)
+            else:
+                assert shown == value, (title, label)
+
+
+def _demo_timings_are_medians_of_the_repeats(report: dict, repeats: int) -> None:
+    import statistics
+
+    timings = [v for section in report.values() for v in section["rows"].values() if isinstance(v, dict)]
+    repeated = [t for t in timings if len(t["runs_s"]) == repeats]
+    assert len(repeated) >= 12  # every sampling and decode figure; the stream's later chunks are 4 runs
+    for t in timings:
+        assert t["median_s"] == statistics.median(t["runs_s"])
+        assert (t["min_s"], t["max_s"]) == (min(t["runs_s"]), max(t["runs_s"]))
+    # one measurement quoted wherever the same run is shown, not a second run of it
+    four = report["few-step vs many-step"]["rows"]["flux.1-schnell schedule, 4 steps (4 forwards)"]
+    assert report["samplers (4 steps)"]["rows"]["euler seconds"] == four
+    assert report["weight storage"]["rows"]["fp32 sampling seconds"] == four
+    assert (
+        report["decode: tiny vs full autoencoder"]["rows"]["4-step sampling seconds (the run above)"] == four
+    )
+
+
+def _demo_states_the_machine(report: dict, stdout: str) -> None:
+    machine = report["machine"]
+    assert set(machine["before"]) == set(machine["after"]) == {"cores", "torch_threads", "load_average"}
+    assert (
+        machine["after"]["cores"] == os.cpu_count()
+        and machine["after"]["torch_threads"] == torch.get_num_threads()
+    )
+    loads = [machine["before"]["load_average"][0], machine["after"]["load_average"][0]]
+    assert machine["busy"] == (max(loads) > os.cpu_count())
+    assert machine["rows"]["busy machine"].startswith("yes: the load" if machine["busy"] else "no")
+    assert ("warning: busy machine" in stdout) == machine["busy"]
+
+
+def _demo_video_is_watchable(report: dict, out) -> None:
+    stream = report["causal video stream"]
+    assert stream["video_frames"] == 57 and stream["video"] == str(
+        out / "stream.mp4"
+    )  # 5 chunks x 3: 4 * 15 - 3
+    av = pytest.importorskip("av")
+    with av.open(stream["video"]) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 57 and frames[0].shape == (64, 96, 3)
 
 
 def test_stream_reports_chunks_and_kv_bytes(tmp_path):
@@ -116,10 +207,10 @@ def test_stream_reports_chunks_and_kv_bytes(tmp_path):
 
 
 def test_stream_bad_input():
-    r = _cli("stream", "--frames", "7", "--chunk-frames", "3")
+    r = _cli("stream", "--latent-frames", "7", "--chunk-frames", "3")
     assert (
         r.returncode == 2
-        and "input '--frames': 7 latent frames is not a positive multiple of the chunk (3)" in r.stderr
+        and "input '--latent-frames': 7 latent frames is not a positive multiple of the chunk (3)" in r.stderr
     )
     r = _cli("stream", "--window-frames", "2")
     assert (

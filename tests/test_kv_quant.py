@@ -313,7 +313,7 @@ def test_stream_cli_reports_quantized_kv(capsys):
 
     common = ["stream", "--model", "wan-tiny", "--height", "32", "--width", "48", "--chunks", "4", "--chunk-frames",
               "1", "--window-frames", "4", "--steps", "1", "--json"]  # fmt: skip
-    assert main([*common, "--kv-dtype", "int8", "--keep-recent", "0"]) == 0
+    assert main([*common, "--kv-dtype", "int8", "--keep-recent-chunks", "0"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (
         report["kv_dtype"] == "int8"
@@ -326,5 +326,5 @@ def test_stream_cli_reports_quantized_kv(capsys):
     assert main(common) == 0
     full = json.loads(capsys.readouterr().out)
     assert report["kv_bytes_window"] < 0.6 * full["kv_bytes_window"]
-    assert main([*common, "--kv-dtype", "int4", "--keep-recent", "4"]) == 2
-    assert "fewstep stream: input '--keep-recent': 4 recent chunks" in capsys.readouterr().err
+    assert main([*common, "--kv-dtype", "int4", "--keep-recent-chunks", "4"]) == 2
+    assert "fewstep stream: input '--keep-recent-chunks': 4 recent chunks" in capsys.readouterr().err

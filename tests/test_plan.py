@@ -500,7 +500,8 @@ def _plan_cli(*argv):
 
 
 def test_cli_json_and_table(capsys):
-    assert _plan_cli("--model", "wan2.1-1.3b", "--frames", "81", "--gpu", "h200", "--json", "--no-vae") == 0
+    wan_480p = ("--model", "wan2.1-1.3b", "--video-frames", "81")
+    assert _plan_cli(*wan_480p, "--gpu", "h200", "--json", "--no-vae") == 0
     fields = json.loads(capsys.readouterr().out)
     assert fields["kv_bytes_per_token"] == 184_320 and fields["gpu"] == "h200"
     assert fields["forwards"] == 34 and fields["tokens_per_chunk"] == 3 * 1560

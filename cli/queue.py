@@ -56,9 +56,15 @@ def add_arguments(p) -> None:
         action="append",
         default=[],
         metavar="NODE.INPUT=VALUE",
-        help='override an input; VALUE is JSON (numbers, true, "text") or a bare string',
+        help='override an input; VALUE is JSON (numbers, true, "text") or a bare string; repeat for several '
+        "(default: none)",
     )
-    p.add_argument("--out", default=None, help="download the output files here")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="download the output files into DIR (default: none, the outputs are listed, not downloaded)",
+    )
     p.add_argument(
         "--stream-dir",
         default=None,

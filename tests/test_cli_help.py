@@ -28,8 +28,7 @@ def test_every_command_is_registered():
     }  # fmt: skip
 
 
-# queue's own help (cli/queue.py) is reworked on its own branch; its --out still shows "default: None"
-HELP_CHECKED = sorted(set(COMMANDS) - {"queue"})
+HELP_CHECKED = sorted(COMMANDS)
 
 
 @pytest.mark.parametrize("command", HELP_CHECKED)

@@ -121,7 +121,7 @@ def test_the_video_node_checks_cancel_before_every_forward(pack, wan, monkeypatc
     try:
         with pytest.raises(InterruptError):
             _run(m["FewStepCausalVideoSampler"], model=handle, positive=cond, width=48, height=32, num_chunks=3,
-                 chunk_frames=2, window_frames=4, unique_id="cancel")  # fmt: skip
+                 chunk_frames=2, window_frames=4)  # fmt: skip
     finally:
         hook.remove()
     assert len(calls) == 1  # Cancel before the second forward: one forward ran
@@ -252,7 +252,7 @@ def test_the_node_refuses_outputs_that_cannot_fit(pack, monkeypatch):
         r"refused before allocating",
     ):
         _run(m["FewStepCausalVideoSampler"], model=handle, positive=cond, width=64, height=64, num_chunks=10000,
-             chunk_frames=2, window_frames=4, tiny_vae=tiny, unique_id="big")  # fmt: skip
+             chunk_frames=2, window_frames=4, tiny_vae=tiny)  # fmt: skip
 
 
 # -- 1. prompt history -------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def test_prompt_history_is_bounded_and_a_rebuild_past_it_says_why(pack):
     (handle,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
     (cond,) = _run(m["FewStepSyntheticConditioning"], pooled_width=0, tokens=64)
     out = _run(m["FewStepCausalVideoSampler"], model=handle, positive=cond, width=48, height=32, num_chunks=1,
-               chunk_frames=1, window_frames=2, steps=1, unique_id="prompts")  # fmt: skip
+               chunk_frames=1, window_frames=2, steps=1)  # fmt: skip
     prompt_bytes = cond[0][0].nbytes
     refs = [out[2]]
     for i in range(30):
@@ -298,7 +298,7 @@ def test_sessions_of_a_compiled_model_are_freed_when_comfyui_unloads_it(pack, mo
         m["FewStepCompile"], model=handle, compile="off", cuda_graph="whole", allow_fallback=True
     )
     out = _run(m["FewStepCausalVideoSampler"], model=compiled, positive=cond, width=48, height=32, num_chunks=1,
-               chunk_frames=2, window_frames=4, unique_id="compiled")  # fmt: skip
+               chunk_frames=2, window_frames=4)  # fmt: skip
     store = sys.modules[f"{pack.__name__}.nodes.video"].SESSIONS
     assert store.alive(out[2].key)
     (on_detach,) = callbacks[("on_detach_after", "fewstep-sessions")]

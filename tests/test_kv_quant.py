@@ -297,7 +297,7 @@ def test_video_node_takes_the_kv_storage_inputs(pack):
     (wan,) = _node(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
     (cond,) = _node(m["FewStepSyntheticConditioning"], pooled_width=0)
     args = dict(model=wan, positive=cond, width=48, height=32, num_chunks=4, chunk_frames=1, window_frames=4,
-                steps=2, unique_id="kv-quant-test")  # fmt: skip
+                steps=2)  # fmt: skip
     latent, _, ref, report = _node(sampler, **args, kv_dtype="int8", keep_recent_chunks=0)
     assert latent["samples"].shape == (1, 16, 4, 4, 6) and "KV cache" in report
     live = sys.modules[f"{pack.__name__}.nodes.video"].SESSIONS.get(ref.key)

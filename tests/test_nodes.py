@@ -92,7 +92,7 @@ def test_each_function_returns_its_return_types(pack, monkeypatch):
     (wan,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")
     (video_vae,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taew2_1")
     video = _run(m["FewStepCausalVideoSampler"], model=wan, positive=cond, width=48, height=32, num_chunks=2,
-                 chunk_frames=2, window_frames=4, tiny_vae=video_vae, unique_id="7")  # fmt: skip
+                 chunk_frames=2, window_frames=4, tiny_vae=video_vae)  # fmt: skip
     outputs.update(
         FewStepCausalVideoSampler=video,
         FewStepCausalContinue=_run(m["FewStepCausalContinue"], session=video[2], num_chunks=1),

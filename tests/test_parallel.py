@@ -515,8 +515,8 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     vargs = dict(model=wan, positive=wcond, width=48, height=32, num_chunks=2, chunk_frames=2, window_frames=4,
                  sink_frames=0, schedule="wan-dmd-4step", steps=4, seed=0)  # fmt: skip
     local, remote = (
-        video.generate(**vargs, unique_id="v1"),
-        video.generate(**vargs, parallel=config, unique_id="v2"),
+        video.generate(**vargs),
+        video.generate(**vargs, parallel=config),
     )
     assert (remote[0]["samples"] - local[0]["samples"]).abs().max() <= TOL
     more = m["FewStepCausalContinue"]().extend(remote[2], 1)

@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the test suite).
+# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the fast tests).
+# `make test-all` is what CI runs: every test, the slow ones and the end-to-end ones (with COMFYUI_DIR) included.
 # Both create ./.venv first. TORCH_SPEC pins the torch build (on the project's CI machines
 # torch==2.13.0 resolves to a local CPU wheel; elsewhere set TORCH_SPEC to the build you want).
 PYTHON ?= python3
@@ -7,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fewstep-installed
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test test-slow test-e2e test-all lint format bench clean
 
 venv: $(STAMP)
 
@@ -21,7 +22,19 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(BIN)/python -m fewstep demo --out out/demo
 
+# The fast set: everything but the tests marked `slow` and the end-to-end ones (tests/e2e).
 test: venv
+	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/e2e
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow --ignore=tests/e2e
+
+# Needs COMFYUI_DIR (a ComfyUI checkout); without it every test there is skipped with that reason.
+test-e2e: venv
+	$(BIN)/python -m pytest -q tests/e2e
+
+# One pytest run over all of tests/ (so one summary line for CI).
+test-all: venv
 	$(BIN)/python -m pytest -q
 
 lint: venv

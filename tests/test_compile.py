@@ -211,6 +211,7 @@ def flux_full():
     return {"handle": handle, "compiled": compiled, "out": out, "report": report}
 
 
+@pytest.mark.slow
 def test_full_flux_equals_eager_and_compiles_the_forward(flux_full):
     ref, _ = run(flux_full["handle"])
     assert max_diff(flux_full["out"], ref) <= TOL
@@ -220,6 +221,7 @@ def test_full_flux_equals_eager_and_compiles_the_forward(flux_full):
     assert len(top) == 1  # Flux.forward itself, as one frame
 
 
+@pytest.mark.slow
 def test_fp8_storage_after_compile_recompiles_with_the_reason(flux_full):
     handle, compiled = flux_full["handle"], flux_full["compiled"]
     store_linear_weights(handle.model, torch.float8_e4m3fn)  # what weight_dtype=fp8 does at load time
@@ -252,6 +254,7 @@ def wan_regional():
     return {"model": model, "compiled": compiled, "out": out, "frames": watch.frames}
 
 
+@pytest.mark.slow
 def test_regional_wan_equals_eager(wan_regional):
     model = wan_regional["model"]
     with torch.inference_mode():
@@ -259,6 +262,7 @@ def test_regional_wan_equals_eager(wan_regional):
     assert max_diff(wan_regional["out"], ref) <= TOL
 
 
+@pytest.mark.slow
 def test_regional_wan_compiles_its_block_once(wan_regional):
     frames = [f for f in wan_regional["frames"] if f.file.endswith("wan_layers.py") and f.name == "forward"]
     block_line = first_line(WanAttentionBlock.forward)
@@ -294,6 +298,7 @@ def causal_stream(model, forward, chunks: int = 5, window: WindowSpec = ROLLING,
     return outs
 
 
+@pytest.mark.slow
 def test_regional_wan_follows_a_growing_kv_cache_without_recompiling(wan_regional):
     """The cache's per-chunk state is in device tensors and a layer's view holds that layer's tensors (no layer
     index), so the block graph traces attend and no chunk or layer is a new guard. The window filling (masked)
@@ -329,6 +334,7 @@ def test_one_flux_step_compiles_as_one_graph(tiny):
     assert [f.recompile_reason for f in watch.frames] == [None] and watch.graph_breaks == {}
 
 
+@pytest.mark.slow
 def test_one_causal_wan_step_compiles_as_one_graph_over_a_stream_past_the_window():
     """12 chunks through a 9-frame window (full from chunk 4 on), the whole step compiled with fullgraph=True (a
     graph break raises): two frames, the masked step (causal_step_filling) and the unmasked one
@@ -415,6 +421,7 @@ def test_graph_off_with_reason_when_a_step_cache_is_on(tiny):
     )
 
 
+@pytest.mark.slow
 def test_whole_graph_replays_every_chunk_of_a_causal_stream_past_the_window():
     """A causal step is one graph: replay equals eager for every chunk of 12 (a 9-frame window filled at chunk 4,
     then rolling). Keys (the caches' capture_state()): the masked step while the window fills and the unmasked
@@ -595,6 +602,7 @@ def test_cuda_graph_on_cpu_needs_allow_fallback(tiny):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback of the shipped settings")
+@pytest.mark.slow
 def test_shipped_dummy_workflow_settings_fall_back_on_the_cpu_with_the_reason(tiny):
     """workflows/flux_schnell_compiled_dummy: regional compile + whole CUDA graph with allow_fallback, on a CPU."""
     import json
@@ -731,6 +739,7 @@ def test_engine_api_takes_the_node_text_forms():
         CompileConfig(buckets="10x10")
 
 
+@pytest.mark.slow
 def test_telemetry_counts_frames_when_the_pack_is_a_symlink(tmp_path):
     """README allows installing the pack as a symlink in custom_nodes; dynamo then records the link's paths,
     which the frame filter resolves before comparing them with the package root (it read 0 frames before)."""

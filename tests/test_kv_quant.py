@@ -186,6 +186,7 @@ def _video(model, config, chunks, seed=3):
     return torch.cat([c.latents for c in results], dim=2), session, results
 
 
+@pytest.mark.slow
 def test_quantized_stream_memory_is_preallocated_flat_and_accounted(wan):
     config = CausalConfig(
         chunk_frames=2, window_frames=6, sink_frames=1, kv_dtype="int4", keep_recent_chunks=1
@@ -225,6 +226,7 @@ def _psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
         dict(chunk_frames=1, window_frames=6, sink_frames=1, rope="absolute"),
     ],
 )
+@pytest.mark.slow
 def test_quantized_generation_stays_close_to_the_unquantized_one(wan, window):
     reference, full_session, _ = _video(wan, CausalConfig(**window), 6)
     psnr = {}

@@ -431,6 +431,7 @@ def test_video_node_errors(pack):
         )
 
 
+@pytest.mark.slow
 def test_causal_video_runs_the_compiled_model_and_reports_it(pack):
     m = pack.NODE_CLASS_MAPPINGS
     (wan,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")

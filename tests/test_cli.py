@@ -155,6 +155,7 @@ def test_generate_flux2_writes_its_128_channel_latent_and_decodes_with_taef2(tmp
     assert Image.open(tmp_path / "image.png").size == (96, 64)
 
 
+@pytest.mark.slow
 def test_generate_flux2_refuses_a_decoder_of_another_latent_space(tmp_path):
     r = _generate(
         tmp_path, "--model", "flux2-tiny", "--steps", "1", "--decode", "tiny", "--tiny-vae", "dummy:taef1"

@@ -86,12 +86,14 @@ def flux_regional():
     return {"handle": handle, "compiled": compiled, "out": out, "report": report, "after_step": after_step}
 
 
+@pytest.mark.slow
 def test_regional_flux_equals_eager(flux_regional):
     ref, _ = run(flux_regional["handle"])
     assert max_diff(flux_regional["out"], ref) <= TOL
     assert flux_regional["report"].compile.frames_compiled > 0  # it did compile (inductor)
 
 
+@pytest.mark.slow
 def test_compile_leaves_the_shared_model_alone(flux_regional):
     model = flux_regional["handle"].model
     assert flux_regional["compiled"].model is model
@@ -104,6 +106,7 @@ def test_compile_leaves_the_shared_model_alone(flux_regional):
     assert view.double_blocks[0].img_mod is model.double_blocks[0].img_mod  # attributes read through
 
 
+@pytest.mark.slow
 def test_regional_compiles_one_graph_per_block_class(flux_regional):
     report = flux_regional["report"]
     model = flux_regional["handle"].model
@@ -117,6 +120,7 @@ def test_regional_compiles_one_graph_per_block_class(flux_regional):
     assert frames[double] <= 1 and frames[single] <= 1, frames
 
 
+@pytest.mark.slow
 def test_regional_flux_block_is_one_graph_without_breaks(flux_regional):
     compile_report = flux_regional["report"].compile
     assert compile_report.graph_breaks == {} and compile_report.recompiles == 0, (
@@ -127,6 +131,7 @@ def test_regional_flux_block_is_one_graph_without_breaks(flux_regional):
     )  # one graph per block class: DoubleStreamBlock, SingleStreamBlock
 
 
+@pytest.mark.slow
 def test_no_recompilation_across_steps_and_seeds(flux_regional):
     after_step = flux_regional["after_step"]
     assert len(after_step) == 4 and after_step[0] > 0
@@ -139,6 +144,7 @@ def test_no_recompilation_across_steps_and_seeds(flux_regional):
         assert max_diff(out, ref) <= TOL
 
 
+@pytest.mark.slow
 def test_three_prompt_lengths_recompile_at_most_once(flux_regional):
     compiled, handle = flux_regional["compiled"], flux_regional["handle"]
     recompiles = frames = 0
@@ -153,6 +159,7 @@ def test_three_prompt_lengths_recompile_at_most_once(flux_regional):
     assert frames <= 1
 
 
+@pytest.mark.slow
 def test_report_shows_compile_telemetry(flux_regional):
     report = flux_regional["report"]
     text = report.summary()
@@ -162,6 +169,7 @@ def test_report_shows_compile_telemetry(flux_regional):
     assert report.compile.as_dict()["frames_compiled"] == report.compile.frames_compiled
 
 
+@pytest.mark.slow
 def test_regional_compile_runs_under_a_step_cache(flux_regional):
     compiled, handle = flux_regional["compiled"], flux_regional["handle"]
     gate = make_gate("first_block", 1.0, force=True)  # skips whenever block 0 changed by < 100%
@@ -173,6 +181,7 @@ def test_regional_compile_runs_under_a_step_cache(flux_regional):
     assert report.compile.frames_compiled == 0  # the step cache's block runner reuses the compiled blocks
 
 
+@pytest.mark.slow
 def test_weights_changed_after_compile_are_used_without_recompiling(flux_regional):
     compiled, handle = flux_regional["compiled"], flux_regional["handle"]
     model = handle.model

@@ -240,6 +240,7 @@ def test_quantized_generation_stays_close_to_the_unquantized_one(wan, window):
 
 
 @pytest.mark.parametrize("kv_dtype", ("int8", "int4"))
+@pytest.mark.slow
 def test_quantized_cache_is_exact_until_a_frame_ages_out(wan, kv_dtype):
     """With room for every chunk in full precision nothing is quantized: the no-cache reference still holds."""
     config = CausalConfig(chunk_frames=2, window_frames=8, kv_dtype=kv_dtype, keep_recent_chunks=3)

@@ -583,6 +583,7 @@ IMAGE_LATENTS = {
 
 @pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
 @pytest.mark.parametrize("preset", list(IMAGE_LATENTS))
+@pytest.mark.slow
 def test_flux2_and_zimage_sampling_on_two_ranks_equals_single_process(pool, preset, degrees):
     handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
     cond, neg = _image_cond(handle, 7, seed=1), _image_cond(handle, 7, seed=2)

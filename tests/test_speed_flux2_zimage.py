@@ -187,6 +187,7 @@ def test_buckets_count_image_tokens_through_the_family_geometry():
 
 
 @pytest.mark.parametrize("preset", list(LATENTS))
+@pytest.mark.slow
 def test_emulated_whole_graph_replays_exactly(preset):
     handle = fresh(preset)
     graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)

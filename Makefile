@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the test suite).
+# Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the fast tests).
+# `make test-all` is what CI runs: every test, the slow ones and the end-to-end ones (with COMFYUI_DIR) included.
 # Both create ./.venv first. TORCH_SPEC pins the torch build (on the project's CI machines
 # torch==2.13.0 resolves to a local CPU wheel; elsewhere set TORCH_SPEC to the build you want).
 PYTHON ?= python3
@@ -7,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fewstep-installed
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv demo test test-slow test-e2e test-all streamdiffusion lint format bench clean
 
 venv: $(STAMP)
 
@@ -21,8 +22,32 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(BIN)/python -m fewstep demo --out out/demo
 
+# The fast set: everything but the tests marked `slow` and the end-to-end ones (tests/e2e).
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/e2e
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow --ignore=tests/e2e
+
+# Needs COMFYUI_DIR (a ComfyUI checkout); without it every test there is skipped with that reason.
+test-e2e: venv
+	$(BIN)/python -m pytest -q tests/e2e
+
+# One pytest run over all of tests/ (so one summary line for CI), with StreamDiffusion's own code for the
+# stream-batch cross-check when it could be installed.
+test-all: venv streamdiffusion
+	FEWSTEP_STREAMDIFFUSION_DIR="$(FEWSTEP_STREAMDIFFUSION_DIR)" $(BIN)/python -m pytest -q
+
+# StreamDiffusion 0.1.1 (PyPI) pins diffusers==0.24.0 while the test extra pins diffusers==0.42.1, so it cannot
+# be in the extra: pip refuses the pair. The cross-check only runs its pure-torch code (predict_x0_batch,
+# SimilarImageFilter), which imports and runs with diffusers 0.42.1, so it goes into a folder of its own
+# without its dependencies and tests/test_stream_batch.py finds it through FEWSTEP_STREAMDIFFUSION_DIR.
+# Offline, the install fails with a loud line and those tests skip with their reason.
+FEWSTEP_STREAMDIFFUSION_DIR ?= $(abspath $(VENV))/streamdiffusion-0.1.1
+streamdiffusion: venv
+	test -f "$(FEWSTEP_STREAMDIFFUSION_DIR)/streamdiffusion/pipeline.py" || \
+	  $(BIN)/python -m pip install -q --no-deps --target "$(FEWSTEP_STREAMDIFFUSION_DIR)" streamdiffusion==0.1.1 || \
+	  echo "== streamdiffusion 0.1.1 did not install: its cross-checks in tests/test_stream_batch.py will be skipped" >&2
 
 lint: venv
 	$(BIN)/ruff check .

@@ -98,6 +98,7 @@ def test_two_threads_run_one_model_with_their_own_backends():
 
 
 # -- one run, one composition point ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_run_composes_the_handles_features_each_switchable_off():
     """open_run takes the handle's compile feature and step-cache gate; RunOptions switches each off on its own,
     and the sampled latent is the same either way (aot_eager compile, a gate forced on at 12 steps)."""

@@ -342,6 +342,7 @@ def test_bad_settings_do_not_stop_the_pack_from_importing():
 
 
 # -- 1. the stream CLI drops each chunk once written ----------------------------------------------------------------
+@pytest.mark.slow
 def test_the_stream_cli_keeps_no_chunk_after_handling_it(tmp_path, monkeypatch):
     from fewstep.cli import stream as stream_cli
 

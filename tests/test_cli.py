@@ -81,6 +81,7 @@ def test_help_lists_commands():
     assert r.returncode == 0 and "generate" in r.stdout and "demo" in r.stdout
 
 
+@pytest.mark.slow
 def test_demo_writes_report(tmp_path):
     r = _cli(
         "demo", "--model", "flux-tiny", "--size", "64", "--repeats", "2", "--out", str(tmp_path / "demo")
@@ -245,6 +246,7 @@ def test_generate_flux2_writes_its_128_channel_latent_and_decodes_with_taef2(tmp
     assert Image.open(tmp_path / "image.png").size == (96, 64)
 
 
+@pytest.mark.slow
 def test_generate_flux2_refuses_a_decoder_of_another_latent_space(tmp_path):
     r = _generate(
         tmp_path, "--model", "flux2-tiny", "--steps", "1", "--decode", "tiny", "--tiny-vae", "dummy:taef1"
@@ -306,6 +308,7 @@ COMPILE_KEYS = {"config", "frames_compiled", "compile_seconds", "recompiles", "r
                 "graph_breaks_total", "failures", "graph_mode", "graphs", "graph_hits", "graph_misses", "notes"}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_generate_json_carries_the_compile_telemetry(tmp_path):
     common = ("generate", "--model", "flux-tiny", "--height", "64", "--width", "64", "--steps", "2")
     r = _cli(*common, "--compile", "regional", "--compile-backend", "aot_eager", "--json",
@@ -330,6 +333,7 @@ def test_generate_json_carries_the_compile_telemetry(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["regional", "full"])
+@pytest.mark.slow
 def test_stream_json_carries_the_compile_telemetry_past_the_window(mode):
     # 12 chunks of 3 frames through a 9-frame window (the defaults, 4 chunks in 21 frames, never fill it): the
     # cache fills, then rolls. The step (full) or the block (regional) compiles once masked, while the window
@@ -358,6 +362,7 @@ def test_stream_json_carries_the_compile_telemetry_past_the_window(mode):
          "breakable"),
     ],
 )  # fmt: skip
+@pytest.mark.slow
 def test_compile_flags_bad_values_are_one_line_errors(tmp_path, command, flag, value, message):
     model = ("--model", "flux-tiny", "--out", str(tmp_path)) if command == "generate" else ()
     r = _cli(command, *model, flag, value)
@@ -368,6 +373,7 @@ def test_compile_flags_bad_values_are_one_line_errors(tmp_path, command, flag, v
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA graphs run on this machine")
 @pytest.mark.parametrize("command", ["generate", "stream"])
 @pytest.mark.parametrize("mode", ["whole", "breakable"])
+@pytest.mark.slow
 def test_cuda_graph_without_a_gpu_is_refused_as_the_engine_refuses_it(tmp_path, command, mode):
     """The CLI keeps the engine's allow_fallback off: graphs asked for on a CPU are an error, not an eager run."""
     model = ("--model", "flux-tiny", "--height", "64", "--width", "64", "--out", str(tmp_path))

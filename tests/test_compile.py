@@ -86,12 +86,14 @@ def flux_regional():
     return {"handle": handle, "compiled": compiled, "out": out, "report": report, "after_step": after_step}
 
 
+@pytest.mark.slow
 def test_regional_flux_equals_eager(flux_regional):
     ref, _ = run(flux_regional["handle"])
     assert max_diff(flux_regional["out"], ref) <= TOL
     assert flux_regional["report"].compile.frames_compiled > 0  # it did compile (inductor)
 
 
+@pytest.mark.slow
 def test_compile_leaves_the_shared_model_alone(flux_regional):
     model = flux_regional["handle"].model
     assert flux_regional["compiled"].model is model
@@ -104,6 +106,7 @@ def test_compile_leaves_the_shared_model_alone(flux_regional):
     assert view.double_blocks[0].img_mod is model.double_blocks[0].img_mod  # attributes read through
 
 
+@pytest.mark.slow
 def test_regional_compiles_one_graph_per_block_class(flux_regional):
     report = flux_regional["report"]
     model = flux_regional["handle"].model
@@ -117,6 +120,7 @@ def test_regional_compiles_one_graph_per_block_class(flux_regional):
     assert frames[double] <= 1 and frames[single] <= 1, frames
 
 
+@pytest.mark.slow
 def test_regional_flux_block_is_one_graph_without_breaks(flux_regional):
     compile_report = flux_regional["report"].compile
     assert compile_report.graph_breaks == {} and compile_report.recompiles == 0, (
@@ -127,6 +131,7 @@ def test_regional_flux_block_is_one_graph_without_breaks(flux_regional):
     )  # one graph per block class: DoubleStreamBlock, SingleStreamBlock
 
 
+@pytest.mark.slow
 def test_no_recompilation_across_steps_and_seeds(flux_regional):
     after_step = flux_regional["after_step"]
     assert len(after_step) == 4 and after_step[0] > 0
@@ -139,6 +144,7 @@ def test_no_recompilation_across_steps_and_seeds(flux_regional):
         assert max_diff(out, ref) <= TOL
 
 
+@pytest.mark.slow
 def test_three_prompt_lengths_recompile_at_most_once(flux_regional):
     compiled, handle = flux_regional["compiled"], flux_regional["handle"]
     recompiles = frames = 0
@@ -153,6 +159,7 @@ def test_three_prompt_lengths_recompile_at_most_once(flux_regional):
     assert frames <= 1
 
 
+@pytest.mark.slow
 def test_report_shows_compile_telemetry(flux_regional):
     report = flux_regional["report"]
     text = report.summary()
@@ -162,6 +169,7 @@ def test_report_shows_compile_telemetry(flux_regional):
     assert report.compile.as_dict()["frames_compiled"] == report.compile.frames_compiled
 
 
+@pytest.mark.slow
 def test_regional_compile_runs_under_a_step_cache(flux_regional):
     compiled, handle = flux_regional["compiled"], flux_regional["handle"]
     gate = make_gate("first_block", 1.0, force=True)  # skips whenever block 0 changed by < 100%
@@ -173,6 +181,7 @@ def test_regional_compile_runs_under_a_step_cache(flux_regional):
     assert report.compile.frames_compiled == 0  # the step cache's block runner reuses the compiled blocks
 
 
+@pytest.mark.slow
 def test_weights_changed_after_compile_are_used_without_recompiling(flux_regional):
     compiled, handle = flux_regional["compiled"], flux_regional["handle"]
     model = handle.model
@@ -211,6 +220,7 @@ def flux_full():
     return {"handle": handle, "compiled": compiled, "out": out, "report": report}
 
 
+@pytest.mark.slow
 def test_full_flux_equals_eager_and_compiles_the_forward(flux_full):
     ref, _ = run(flux_full["handle"])
     assert max_diff(flux_full["out"], ref) <= TOL
@@ -220,6 +230,7 @@ def test_full_flux_equals_eager_and_compiles_the_forward(flux_full):
     assert len(top) == 1  # Flux.forward itself, as one frame
 
 
+@pytest.mark.slow
 def test_fp8_storage_after_compile_recompiles_with_the_reason(flux_full):
     handle, compiled = flux_full["handle"], flux_full["compiled"]
     store_linear_weights(handle.model, torch.float8_e4m3fn)  # what weight_dtype=fp8 does at load time
@@ -252,6 +263,7 @@ def wan_regional():
     return {"model": model, "compiled": compiled, "out": out, "frames": watch.frames}
 
 
+@pytest.mark.slow
 def test_regional_wan_equals_eager(wan_regional):
     model = wan_regional["model"]
     with torch.inference_mode():
@@ -259,6 +271,7 @@ def test_regional_wan_equals_eager(wan_regional):
     assert max_diff(wan_regional["out"], ref) <= TOL
 
 
+@pytest.mark.slow
 def test_regional_wan_compiles_its_block_once(wan_regional):
     frames = [f for f in wan_regional["frames"] if f.file.endswith("wan_layers.py") and f.name == "forward"]
     block_line = first_line(WanAttentionBlock.forward)
@@ -294,6 +307,7 @@ def causal_stream(model, forward, chunks: int = 5, window: WindowSpec = ROLLING,
     return outs
 
 
+@pytest.mark.slow
 def test_regional_wan_follows_a_growing_kv_cache_without_recompiling(wan_regional):
     """The cache's per-chunk state is in device tensors and a layer's view holds that layer's tensors (no layer
     index), so the block graph traces attend and no chunk or layer is a new guard. The window filling (masked)
@@ -329,6 +343,7 @@ def test_one_flux_step_compiles_as_one_graph(tiny):
     assert [f.recompile_reason for f in watch.frames] == [None] and watch.graph_breaks == {}
 
 
+@pytest.mark.slow
 def test_one_causal_wan_step_compiles_as_one_graph_over_a_stream_past_the_window():
     """12 chunks through a 9-frame window (full from chunk 4 on), the whole step compiled with fullgraph=True (a
     graph break raises): two frames, the masked step (causal_step_filling) and the unmasked one
@@ -415,6 +430,7 @@ def test_graph_off_with_reason_when_a_step_cache_is_on(tiny):
     )
 
 
+@pytest.mark.slow
 def test_whole_graph_replays_every_chunk_of_a_causal_stream_past_the_window():
     """A causal step is one graph: replay equals eager for every chunk of 12 (a 9-frame window filled at chunk 4,
     then rolling). Keys (the caches' capture_state()): the masked step while the window fills and the unmasked
@@ -595,6 +611,7 @@ def test_cuda_graph_on_cpu_needs_allow_fallback(tiny):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback of the shipped settings")
+@pytest.mark.slow
 def test_shipped_dummy_workflow_settings_fall_back_on_the_cpu_with_the_reason(tiny):
     """workflows/flux_schnell_compiled_dummy: regional compile + whole CUDA graph with allow_fallback, on a CPU."""
     import json
@@ -731,6 +748,7 @@ def test_engine_api_takes_the_node_text_forms():
         CompileConfig(buckets="10x10")
 
 
+@pytest.mark.slow
 def test_telemetry_counts_frames_when_the_pack_is_a_symlink(tmp_path):
     """README allows installing the pack as a symlink in custom_nodes; dynamo then records the link's paths,
     which the frame filter resolves before comparing them with the package root (it read 0 frames before)."""

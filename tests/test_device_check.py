@@ -36,6 +36,7 @@ def smoke(tmp_path_factory):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+@pytest.mark.slow
 def test_smoke_report_structure(smoke):
     report, _ = smoke
     assert report["mode"] == "smoke" and report["stopped_early"] is False
@@ -55,6 +56,7 @@ def test_smoke_report_structure(smoke):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+@pytest.mark.slow
 def test_smoke_measurements_are_plausible(smoke):
     report, _ = smoke
     checks = {c["name"]: c["results"] for c in report["checks"]}
@@ -76,6 +78,7 @@ def test_smoke_measurements_are_plausible(smoke):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+@pytest.mark.slow
 def test_smoke_markdown_lists_every_check_and_metric(smoke):
     report, md = smoke
     assert md.startswith("# Device check (`bench/device_check --smoke`)")
@@ -85,6 +88,7 @@ def test_smoke_markdown_lists_every_check_and_metric(smoke):
         assert f"| {r['metric']} | {r['value']} |" in md
 
 
+@pytest.mark.slow
 def test_spent_budget_stops_before_any_check(tmp_path):
     r = _run("--smoke", "--budget", "0", "--only", "matmul_rate,schnell_speed,wan_graph_equals_eager",
              "--out", str(tmp_path))  # fmt: skip

@@ -294,6 +294,7 @@ def test_models_with_triton_kernels_equal_the_references(tk):
     assert (fast - wan(x, t, ctx, backends=Backends(kernel_mode="reference"))).abs().max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_causal_stream_with_triton_kernels_equals_the_references(tk):
     """The whole int8 stream through the Triton kernels: RMSNorm, adaLN, RoPE, KV quantization and the attention
     that dequantizes (and rotates) the quantized keys inside the kernel."""

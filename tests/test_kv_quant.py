@@ -186,6 +186,7 @@ def _video(model, config, chunks, seed=3):
     return torch.cat([c.latents for c in results], dim=2), session, results
 
 
+@pytest.mark.slow
 def test_quantized_stream_memory_is_preallocated_flat_and_accounted(wan):
     config = CausalConfig(
         chunk_frames=2, window_frames=6, sink_frames=1, kv_dtype="int4", keep_recent_chunks=1
@@ -225,6 +226,7 @@ def _psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
         dict(chunk_frames=1, window_frames=6, sink_frames=1, rope="absolute"),
     ],
 )
+@pytest.mark.slow
 def test_quantized_generation_stays_close_to_the_unquantized_one(wan, window):
     reference, full_session, _ = _video(wan, CausalConfig(**window), 6)
     psnr = {}
@@ -238,6 +240,7 @@ def test_quantized_generation_stays_close_to_the_unquantized_one(wan, window):
 
 
 @pytest.mark.parametrize("kv_dtype", ("int8", "int4"))
+@pytest.mark.slow
 def test_quantized_cache_is_exact_until_a_frame_ages_out(wan, kv_dtype):
     """With room for every chunk in full precision nothing is quantized: the no-cache reference still holds."""
     config = CausalConfig(chunk_frames=2, window_frames=8, kv_dtype=kv_dtype, keep_recent_chunks=3)

@@ -9,6 +9,7 @@ import ctypes.util
 import gc
 import os
 
+import pytest
 import torch
 
 from fewstep.engine import load_dit, load_tiny_vae
@@ -31,6 +32,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.slow
 def test_a_200_chunk_stream_keeps_rss_flat_after_the_window_fills():
     model = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
     vae = load_tiny_vae("dummy:taew2_1", device="cpu", dtype=torch.float32)

@@ -353,6 +353,7 @@ def _video_nodes(pack):
     return m, wan, cond
 
 
+@pytest.mark.slow
 def test_continue_from_a_stale_reference_rebuilds_the_same_video(pack):
     """ComfyUI re-runs a Continue on the sampler's cached output after the session has moved on."""
     m, wan, cond = _video_nodes(pack)
@@ -431,6 +432,7 @@ def test_video_node_errors(pack):
         )
 
 
+@pytest.mark.slow
 def test_causal_video_runs_the_compiled_model_and_reports_it(pack):
     m = pack.NODE_CLASS_MAPPINGS
     (wan,) = _run(m["FewStepDiTLoader"], model_name="dummy:wan-tiny")

@@ -140,6 +140,7 @@ def test_sequence_parallel_attention_equals_single_process(pool, degrees, text):
     assert out["comm"]["bytes_sent"] == expected
 
 
+@pytest.mark.slow
 def test_usp_on_four_ranks_equals_single_process():
     """2 x 2 (Ulysses inside pairs, ring across them), and the pool's other splits, with joint text tokens."""
     pool4 = WorkerPool(_config(ulysses_degree=2, ring_degree=2)).start()
@@ -401,6 +402,7 @@ def _free_port() -> int:
     ids=["killed", "hung"],
 )
 @pytest.mark.parametrize("job", ["sleep", "sampling"])
+@pytest.mark.slow
 def test_a_lost_worker_is_an_error_naming_it_and_leaves_no_process(flux, sig, message, job):
     """``sampling``: rank 0 is inside the all-to-alls when rank 1 goes, so it fails too (peer lost, or the
     collective's timeout); the error still names rank 1, the cause."""
@@ -468,6 +470,7 @@ def test_a_cancelled_start_stops_the_ranks_it_started(monkeypatch):
 
 
 @pytest.mark.parametrize("ending", ["exit", "killed"])
+@pytest.mark.slow
 def test_no_worker_outlives_its_host(tmp_path, ending):
     """Interpreter exit runs the atexit shutdown; a host killed outright is noticed by its workers."""
     script = tmp_path / "host.py"
@@ -488,6 +491,7 @@ def test_no_worker_outlives_its_host(tmp_path, ending):
 
 
 # -- nodes --------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_the_pool(monkeypatch):
     pack = load_pack_as_comfyui()
     nodes = importlib.import_module(f"{pack.__name__}.nodes.parallel")
@@ -579,6 +583,7 @@ IMAGE_LATENTS = {
 
 @pytest.mark.parametrize("degrees", [(2, 1), (1, 2)], ids=["ulysses", "ring"])
 @pytest.mark.parametrize("preset", list(IMAGE_LATENTS))
+@pytest.mark.slow
 def test_flux2_and_zimage_sampling_on_two_ranks_equals_single_process(pool, preset, degrees):
     handle = open_model(f"dummy:{preset}", device="cpu", dtype=torch.float32)
     cond, neg = _image_cond(handle, 7, seed=1), _image_cond(handle, 7, seed=2)

@@ -187,6 +187,7 @@ def test_wan_forward_flops_equal_the_flop_counter(wan):
     ("chunk", "window", "sinks", "chunks", "steps"),
     [(2, 4, 0, 3, 4), (2, 5, 1, 3, 2), (1, 3, 0, 4, 1), (3, 12, 0, 2, 2)],
 )
+@pytest.mark.slow
 def test_causal_video_flops_equal_a_counted_session(wan, chunk, window, sinks, chunks, steps):
     """The whole stream: prompt once, chunk k's forwards read min((k+1) chunk, window) frames, the last chunk's
     clean pass deferred (never run)."""

@@ -112,6 +112,7 @@ def regional(request):
     return {"preset": preset, "handle": handle, "compiled": compiled, "out": out, "report": report}
 
 
+@pytest.mark.slow
 def test_regional_compile_equals_eager(regional):
     latent, tokens, _, _ = COMPILED_RUNS[regional["preset"]]
     ref, _ = run(regional["handle"], regional["preset"], tokens=tokens, latent=latent)
@@ -119,6 +120,7 @@ def test_regional_compile_equals_eager(regional):
     assert regional["report"].compile.frames_compiled > 0  # it did compile
 
 
+@pytest.mark.slow
 def test_regional_compiles_one_graph_per_block_class_and_stack(regional):
     report, model = regional["report"].compile, regional["handle"].model
     expected = EXPECTED_CALLERS[regional["preset"]]
@@ -130,6 +132,7 @@ def test_regional_compiles_one_graph_per_block_class_and_stack(regional):
     assert blocks > len(expected)  # a graph is reused by every block of its class / stack, not one per layer
 
 
+@pytest.mark.slow
 def test_the_compiled_view_shares_the_model_blocks(regional):
     model = regional["handle"].model
     view = regional["compiled"].feature("compile").compiled.view
@@ -146,6 +149,7 @@ def test_the_compiled_view_shares_the_model_blocks(regional):
         assert view.layers[0].adaLN_modulation is model.layers[0].adaLN_modulation  # read through
 
 
+@pytest.mark.slow
 def test_other_prompt_lengths_and_sizes_reuse_the_compiled_blocks(regional):
     preset, compiled, handle = regional["preset"], regional["compiled"], regional["handle"]
     latent, tokens, other_latent, other_tokens = COMPILED_RUNS[preset]
@@ -156,6 +160,7 @@ def test_other_prompt_lengths_and_sizes_reuse_the_compiled_blocks(regional):
         assert max_diff(out, ref) <= TOL
 
 
+@pytest.mark.slow
 def test_regional_compile_runs_under_a_step_cache(regional):
     preset, compiled, handle = regional["preset"], regional["compiled"], regional["handle"]
     latent, tokens, _, _ = COMPILED_RUNS[preset]
@@ -182,6 +187,7 @@ def test_buckets_count_image_tokens_through_the_family_geometry():
 
 
 @pytest.mark.parametrize("preset", list(LATENTS))
+@pytest.mark.slow
 def test_emulated_whole_graph_replays_exactly(preset):
     handle = fresh(preset)
     graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)

@@ -243,6 +243,7 @@ def _euler_cfg_reference(handle, pos, neg, cfg, sigmas, cutoff_step, seed=1):
     return fmt.process_out(x)
 
 
+@pytest.mark.slow
 def test_cfg_gating_drops_the_unconditional_rows_after_the_cutoff(smooth_handle):
     p = smooth_handle.params
     pos, neg = make_cond(p), make_cond(p, seed=9)

@@ -194,7 +194,9 @@ def _official_streamdiffusion():
     root = os.environ.get("FEWSTEP_STREAMDIFFUSION_DIR")
     if not root or not os.path.isfile(os.path.join(root, "streamdiffusion", "pipeline.py")):
         pytest.skip(
-            "set FEWSTEP_STREAMDIFFUSION_DIR to StreamDiffusion's src/ folder for the official cross-check"
+            "set FEWSTEP_STREAMDIFFUSION_DIR to StreamDiffusion's src/ folder, or to a `pip install --no-deps "
+            "--target` folder of PyPI streamdiffusion 0.1.1 (`make test-all` makes one), for the official "
+            "cross-check; it is not in the test extra because it pins diffusers==0.24.0 and the extra pins 0.42.1"
         )
     stubs = []
     try:

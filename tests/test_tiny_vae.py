@@ -45,6 +45,7 @@ def _psnr(a, b) -> float:
     not (WEIGHTS / "taef2_encoder.pth").exists(), reason=f"real taef2 weights not found in {WEIGHTS}"
 )
 @pytest.mark.parametrize("photo,floor", [("astronaut", 29.0), ("coffee", 29.0), ("chelsea", 29.0)])
+@pytest.mark.slow
 def test_real_taef2_round_trip_psnr(photo, floor):
     # measured: astronaut 31.19 dB, coffee 29.62 dB (400x592), chelsea 32.70 dB (288x448)
     vae = load_tiny_vae(WEIGHTS / "taef2_decoder.pth", device="cpu", dtype=torch.float32)
@@ -279,6 +280,7 @@ def test_bad_inputs_name_what_was_expected():
 
 
 @pytest.mark.parametrize("variant", ["taew2_1", "taew2_2"])
+@pytest.mark.slow
 def test_stream_decoder_equals_whole_video_decode(variant):
     vae = load_tiny_vae(f"dummy:{variant}", device="cpu", dtype=torch.float32)
     c = vae.variant.channels

@@ -95,6 +95,7 @@ def taef2_real():
 
 
 @needs_taef2
+@pytest.mark.slow
 def test_real_taef2_round_trip_through_the_128_channel_latent_is_the_32_channel_one(taef2_real):
     """The patching is a permutation, so the 128-channel path decodes to the very same pixels (same PSNR: measured
     31.19 dB on astronaut, 512x512, as the 32-channel path)."""

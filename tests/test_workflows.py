@@ -403,6 +403,7 @@ def run_in_process(api: dict) -> dict:
         ("zimage_turbo_t2i_dummy", (1, 128, 128, 3), (1, 16, 16, 16), "8 steps"),
     ],
 )
+@pytest.mark.slow
 def test_new_family_dummy_workflows_run_through_the_nodes(name, image_shape, latent_shape, report):
     outputs = run_in_process(load(f"{name}.api.json"))
     sampled = next(out for title, out in outputs.items() if title.startswith("FewStep Sampler"))

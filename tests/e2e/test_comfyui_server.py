@@ -163,9 +163,8 @@ def test_freeing_memory_stops_the_parallel_workers(server):
     assert not workers & _descendants(server["pid"]), "worker processes left after POST /free"
 
 
-@pytest.mark.skipif(not PROBE.exists(), reason=f"the probe pack with a tiny native model is not at {PROBE}")
-@pytest.mark.parametrize("steps,decision", [(28, "on"), (4, "off")])
-def test_native_cache_gate_on_a_native_model(server, steps, decision):
+def _gated_native_graph(steps: int, prefix: str) -> dict:
+    """The native graph with FewStepCacheGateNative (node 10) on its model and a ``steps``-step schedule."""
     graph = _native_graph("euler")
     graph["10"] = {"class_type": "FewStepCacheGateNative",
                    "inputs": {"model": ["1", 0], "method": "input_change", "threshold": 0.1, "start": 0.1,
@@ -174,7 +173,14 @@ def test_native_cache_gate_on_a_native_model(server, steps, decision):
     graph["11"] = {"class_type": "BasicScheduler",
                    "inputs": {"model": ["10", 0], "scheduler": "simple", "steps": steps, "denoise": 1.0}}  # fmt: skip
     graph["8"]["inputs"]["sigmas"] = ["11", 0]
-    graph["9"]["inputs"]["filename_prefix"] = f"native_gate_{steps}"
+    graph["9"]["inputs"]["filename_prefix"] = prefix
+    return graph
+
+
+@pytest.mark.skipif(not PROBE.exists(), reason=f"the probe pack with a tiny native model is not at {PROBE}")
+@pytest.mark.parametrize("steps,decision", [(28, "on"), (4, "off")])
+def test_native_cache_gate_on_a_native_model(server, steps, decision):
+    graph = _gated_native_graph(steps, f"native_gate_{steps}")
     before = (server["base"] / "server.log").read_text()
     code, out = queue(server, graph, "--quiet")
     assert code == 0, out
@@ -218,15 +224,7 @@ def _run_collecting_node_texts(server, graph: dict) -> list[tuple[str, str]]:
 
 @pytest.mark.skipif(not PROBE.exists(), reason=f"the probe pack with a tiny native model is not at {PROBE}")
 def test_native_cache_gate_shows_its_report_on_its_node(server):
-    graph = _native_graph("euler")
-    graph["10"] = {"class_type": "FewStepCacheGateNative",
-                   "inputs": {"model": ["1", 0], "method": "input_change", "threshold": 0.1, "start": 0.1,
-                              "end": 1.0, "force": False, "cfg_cutoff": 1.0}}  # fmt: skip
-    graph["3"]["inputs"]["model"] = ["10", 0]
-    graph["11"] = {"class_type": "BasicScheduler",
-                   "inputs": {"model": ["10", 0], "scheduler": "simple", "steps": 28, "denoise": 1.0}}  # fmt: skip
-    graph["8"]["inputs"]["sigmas"] = ["11", 0]
-    graph["9"]["inputs"]["filename_prefix"] = "native_gate_text"
+    graph = _gated_native_graph(28, "native_gate_text")
     texts = [(node, text) for node, text in _run_collecting_node_texts(server, graph) if node == "10"]
     assert len(texts) == 1, texts
     text = texts[0][1]

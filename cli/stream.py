@@ -222,7 +222,7 @@ def run(args) -> int:
                 written = output.append(chunk) if output is not None else []
                 if not args.json:
                     say(
-                        f"chunk {chunk.index}: frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}"
+                        f"chunk {chunk.index}: latent frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}"
                         f", {chunk.seconds:.3f} s, KV {chunk.kv_bytes_used}/{chunk.kv_bytes} B"
                         + "".join(f"; wrote {path}" for path in written)
                     )

@@ -145,7 +145,7 @@ def test_stream_out_writes_a_video_and_each_chunk(tmp_path):
     for i, name in enumerate(chunk_files):
         _assert_mp4_matches(_mp4_frames(tmp_path / "chunks" / name), saved[starts[i] : starts[i + 1]])
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("chunk 0: frames 0-1, ") and lines[0].endswith(
+    assert lines[0].startswith("chunk 0: latent frames 0-1, ") and lines[0].endswith(
         f"; wrote {tmp_path / 'chunks' / 'chunk_0000.mp4'}"
     )
     assert f"wrote {tmp_path / 'video.mp4'} (21 frames at 16 fps)" in lines
@@ -228,7 +228,7 @@ def test_progress_bars_show_steps_and_chunks_on_a_terminal(tmp_path):
                                         "--chunk-frames", "2", "--window-frames", "4")  # fmt: skip
     assert code == 0, err
     assert "chunks:" in err and "/2 [" in err and "steps:" in err and "/4 [" in err
-    assert out.splitlines()[0].startswith("chunk 0: frames 0-1, ")
+    assert out.splitlines()[0].startswith("chunk 0: latent frames 0-1, ")
 
 
 def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):

@@ -3,8 +3,7 @@
 A FEWSTEP_SESSION is a reference to a live stream kept in a bounded LRU (``FEWSTEP_MAX_SESSIONS``, default 4;
 ``FEWSTEP_SESSION_GB``, default half of the memory of the device the sessions run on). Sessions are freed when
 ComfyUI unloads their model (its "free memory" endpoint, or another model needing the memory; a FewStepCompile'd
-model included) and when they fall out of the LRU; continuing a freed session is an error that says so, and the
-sampler that made it runs again on the next queue.
+model included) and when they fall out of the LRU; a Continue on a freed session rebuilds it (below).
 
 ComfyUI caches node outputs like any other node's (the same inputs run once), while a session is a live object
 that FewStepCausalContinue moves forward. Each reference therefore records the frame position it was made at and

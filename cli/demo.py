@@ -33,7 +33,8 @@ from .common import (
     write_json,
 )
 from .files import save_tensors
-from .images import VIDEO_FPS, open_video, save_png
+from .images import save_png
+from .video import VIDEO_FPS, open_video
 
 HELP = "run the showcase on dummy weights (CPU, a few minutes) and write outputs + report"
 

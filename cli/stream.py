@@ -33,7 +33,7 @@ from .common import (
     with_compile,
     write_json,
 )
-from .images import VIDEO_FPS, WEBP_MAX_BYTES, open_video, write_video
+from .video import VIDEO_FPS, WEBP_MAX_BYTES, open_video, write_video
 
 HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
 

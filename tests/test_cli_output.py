@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from fewstep.cli import images
-from fewstep.cli.images import WebPWriter, open_video, to_uint8_frames, video_backend, write_video
+from fewstep.cli import video
+from fewstep.cli.video import WebPWriter, open_video, to_uint8_frames, video_backend, write_video
 
 av = pytest.importorskip("av")
 
@@ -35,7 +35,7 @@ def _cli(*args, env=None):
 def _mp4_frames(path) -> np.ndarray:
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
-        assert stream.average_rate == images.VIDEO_FPS
+        assert stream.average_rate == video.VIDEO_FPS
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
 
 
@@ -113,7 +113,7 @@ def test_without_pyav_the_video_is_a_lossless_webp(tmp_path, monkeypatch):
     with Image.open(path) as im:
         assert (im.n_frames, im.size) == (5, (48, 32))
         im.load()  # a frame's duration is read with the frame
-        assert im.info["duration"] == round(1000 / images.VIDEO_FPS)
+        assert im.info["duration"] == round(1000 / video.VIDEO_FPS)
     np.testing.assert_array_equal(_webp_frames(path), to_uint8_frames(frames))
 
 

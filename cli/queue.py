@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 
+from ..engine.units import format_bytes
 from .comfy_client import (
     ChunkEvent,
     ComfyClient,
@@ -339,23 +340,13 @@ class ChunkStream:
                 " (no file: the node decodes no frames)" if not event.files else " (no file saved, see above)"
             )
         print(f"{label}: frames {event.frames[0]}-{event.frames[1]}, {event.seconds:.2f} s, "
-              f"KV {binary_size(event.kv_bytes)}{where}", flush=True)  # fmt: skip
+              f"KV {format_bytes(event.kv_bytes, 1)}{where}", flush=True)  # fmt: skip
 
     def label(self, event: ChunkEvent) -> str:
         """The chunk's place in this node run, as "chunk 3/7 (node 12)": the event's index counts across the
         session (a FewStepCausalContinue goes on from the sampler's), its ``chunks`` only this node run."""
         first = self.first_index.setdefault(event.node, event.chunk)
         return f"chunk {event.chunk - first + 1}/{event.chunks} (node {event.node})"
-
-
-def binary_size(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps the number >= 1: "512 B", "1.2 MiB"."""
-    if n < 1024:
-        return f"{n} B"
-    size, units = n / 1024, ["KiB", "MiB", "GiB", "TiB", "PiB"]
-    while size >= 1024 and len(units) > 1:
-        size, units = size / 1024, units[1:]
-    return f"{size:.1f} {units[0]}"
 
 
 def _collect(client: ComfyClient, prompt_id: str, args) -> int:

@@ -56,17 +56,15 @@ class ChunkStream:
         self.chunks, self.chunk_frames = chunks, chunk_frames
         self.folder = os.path.join(folder, SUBFOLDER) if folder is not None else ""
         self.run_id = uuid.uuid4().hex[:8]  # file names of one run never collide with another's
-        self._first_chunk_seconds: float | None = None
-        self._seconds = 0.0
+        self._first_chunk_seconds: float | None = None  # this node run's first chunk
         self._writer: ThreadPoolExecutor | None = None
         self._pending: deque[Future] = deque()
 
     def publish(self, chunk: ChunkResult, frames_before: int) -> None:
         """Announce ``chunk`` (after writing its clip, on the writer thread). ``frames_before``: video frames the
         session had decoded before this chunk (its clip's first frame number)."""
-        self._seconds += chunk.seconds
         if self._first_chunk_seconds is None:
-            self._first_chunk_seconds = self._seconds
+            self._first_chunk_seconds = chunk.seconds
         if not self.enabled:
             return
         if chunk.frames is not None:

@@ -37,6 +37,7 @@ from ..engine.errors import InputError
 from ..engine.plan.preflight import check_fits
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import env_float, env_int
+from ..engine.units import format_bytes
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
 from .chunk_stream import ChunkStream
 from .host import Progress, check_interrupt, comfy_module, preview_payload
@@ -156,7 +157,7 @@ def _report(session: VideoSession, recent: list[ChunkTiming]) -> str:
         f"RoPE {c.rope}, {len(session.sigmas) - 1} steps",
         "seconds per chunk: " + ", ".join(f"{r.seconds:.2f}" for r in recent),
         f"first chunk latency: {session.stats.first_chunk_seconds:.2f} s",
-        f"KV cache: {human_bytes(recent[-1].kv_bytes)} allocated, {human_bytes(recent[-1].kv_bytes_used)} used "
+        f"KV cache: {format_bytes(recent[-1].kv_bytes, 1)} allocated, {format_bytes(recent[-1].kv_bytes_used, 1)} used "
         f"({session.cache.bytes_per_token()} B/token, {session.cache.tokens_per_frame} tokens/frame)",
     ]
     if session.cache_decision is not None:
@@ -164,14 +165,6 @@ def _report(session: VideoSession, recent: list[ChunkTiming]) -> str:
     if getattr(session, "parallel_summary", None):  # a RemoteVideoSession: computed by a worker pool
         lines.append(f"parallel: {session.parallel_summary}")
     return "\n".join(lines)
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _check_wan(model, node: str) -> None:

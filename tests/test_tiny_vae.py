@@ -298,3 +298,14 @@ def test_stream_decoder_equals_whole_video_decode(variant):
         assert (streamed - whole).abs().max() <= 1e-5, chunks
     with pytest.raises(InputError, match="is an image autoencoder; streaming decode is for video"):
         load_tiny_vae("dummy:taef1").stream_decoder()
+
+
+def test_a_file_with_malformed_diffusers_names_is_a_clear_error(tmp_path):
+    """``encoder.layers.x.weight`` (no index) is not diffusers' layout: refused by the strict loader, naming the
+    file, not a bare ValueError from the renumbering."""
+    from safetensors.torch import save_file
+
+    save_file({"encoder.layers.x.weight": torch.zeros(1), "decoder.layers.1": torch.zeros(1)},
+              str(tmp_path / "bad.safetensors"))  # fmt: skip
+    with pytest.raises(InputError, match="bad.safetensors"):
+        load_tiny_vae(tmp_path / "bad.safetensors", device="cpu")

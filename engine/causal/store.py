@@ -13,7 +13,8 @@ import threading
 from collections import OrderedDict
 
 from ..errors import InputError
-from ..plan.preflight import format_bytes, total_bytes
+from ..plan.preflight import total_bytes
+from ..units import format_bytes
 from .session import VideoSession
 
 log = logging.getLogger(__name__)

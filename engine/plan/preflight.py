@@ -16,6 +16,7 @@ import torch
 
 from ..errors import InputError
 from ..settings import env_float
+from ..units import format_bytes
 
 # Keep a margin for what the estimate does not see (allocator fragmentation, the host's own working set).
 USABLE_FRACTION = 0.9
@@ -87,13 +88,6 @@ def available_bytes(device: torch.device | str | None = None) -> int:
     if limit_gb is not None:
         budget = min(budget, int(limit_gb * 2**30))
     return budget
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def check_fits(

@@ -16,6 +16,7 @@ Image variants (TAESD family) and video variants (TAEHV) share the :class:`TinyV
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -349,18 +350,18 @@ def _split_prefixed(sd: dict) -> dict[str, dict]:
     return {part: _from_diffusers(part, sub) for part, sub in parts.items()}
 
 
+_DIFFUSERS_KEY = re.compile(r"layers\.(\d+)\.(.+)")  # diffusers AutoencoderTiny: layers.<index>.<rest>
+
+
 def _from_diffusers(part: str, sd: dict) -> dict:
     """A part in diffusers' AutoencoderTiny layout (``layers.N.<rest>``: madebyollin's taef1 / taef2 safetensors on
     Hugging Face) renumbered as the TAESD Sequential: the decoder's soft clamp, index 0 of the Sequential, is no
     module in diffusers, so the decoder's indices there are one lower (the remap on the taef2 model card)."""
-    if not sd or not all(k.startswith("layers.") for k in sd):
+    numbered = [_DIFFUSERS_KEY.fullmatch(k) for k in sd]
+    if not sd or not all(numbered):  # not that layout: the strict loader names what does not fit
         return sd
     shift = 1 if part == "decoder" else 0
-    renamed = {}
-    for key, value in sd.items():
-        _, index, rest = key.split(".", 2)
-        renamed[f"{int(index) + shift}.{rest}"] = value
-    return renamed
+    return {f"{int(m[1]) + shift}.{m[2]}": value for m, value in zip(numbered, sd.values())}
 
 
 def _load_module(module: nn.Module, sd: dict, source: str, input_name: str) -> None:

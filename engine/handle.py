@@ -26,6 +26,9 @@ class ModelHandle:
     dtype: torch.dtype
     attention_backend: str = "auto"
     features: tuple[tuple[str, object], ...] = field(default=())
+    # LoRA patches (engine.lora.LoraPatch), in order: merged into the shared model by each run that uses this
+    # handle, never by building the handle (apply_lora); a handle without them runs the base weights.
+    loras: tuple = field(default=())
     # Opaque to the engine: the host application's memory-manager object for this model (ComfyUI's
     # ModelPatcher), shared by every handle derived from this one.
     host: object = field(default=None, compare=False, repr=False)
@@ -60,6 +63,7 @@ class ModelHandle:
         p = self.params
         name = self.preset or "custom"
         mb = weight_bytes(self.model) / 2**20
+        lora = "".join(f"; LoRA {p.describe()}" for p in self.loras)
         wdt = {str(t.dtype).replace("torch.", "") for t in self.model.state_dict().values()}
         layout = getattr(self.model, "checkpoint_layout", None)
         where = f"{self.source} ({layout} layout)" if layout else self.source
@@ -69,7 +73,7 @@ class ModelHandle:
         return (
             f"{self.family.name} [{name}] from {where}: hidden {width}, heads {heads}, "
             f"{mb:.1f} MiB weights ({'/'.join(sorted(wdt))}), compute {str(self.dtype).replace('torch.', '')}, "
-            f"attention {self.attention_backend}, device {self.device}"
+            f"attention {self.attention_backend}, device {self.device}{lora}"
         )
 
 

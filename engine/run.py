@@ -7,6 +7,9 @@ else decides how the model computes:
 * ``backends`` (``engine.backends.Backends``): the attention backend (the options', else the handle's) and the
   kernel mode (the options', else ``FEWSTEP_KERNELS``, else ``auto``); handed to every forward, so the models read
   no process-global or thread-local switch;
+* ``loras``: the handle's LoRA patches are merged into the model's weights before anything else reads them
+  (``engine.lora.merge``), and a handle without patches gets the base weights back; :meth:`Run.ensure_weights`
+  repeats that at the entry of every later call of a run that spans several;
 * ``sharding``: this rank's sequence-parallel layout in a worker pool (``engine.parallel.sharding``): its block
   runner shards the tokens and puts the mesh's plan into the blocks' backends (``Backends.with_parallel``), around
   the run's own block runner (a step cache's); :meth:`Run.blocks` composes them;
@@ -32,6 +35,7 @@ from .attention import check_backend
 from .backends import Backends
 from .cache import STEP_CACHE_FEATURE
 from .compile.feature import start_compile_run
+from .lora.merge import ensure_patches
 from .settings import env_choice
 
 
@@ -71,6 +75,12 @@ class Run:
     sharding: object = None  # this rank's sequence-parallel layout, or None
     _cache_run: object = field(default=None, repr=False)  # started, active or not (its telemetry says why)
 
+    def ensure_weights(self) -> None:
+        """Merge the handle's LoRA patches into the shared model (or restore its base weights) if another run
+        changed them since; a no-op otherwise. Runs that span several calls (a video session's chunks, a stream's
+        frames) call it at each entry, since another handle on the same model may have run in between."""
+        ensure_patches(self.handle.model, self.handle.loras)
+
     @property
     def base_model(self):
         """The engine model itself (what ``model`` stands for when it is a compiled wrapper)."""
@@ -106,6 +116,7 @@ def open_run(
     sampling run, for the step-cache gate to decide on (without them the gate is passed on unstarted)."""
     options = options or RunOptions()
     backends = options.backends_for(handle)
+    ensure_patches(handle.model, handle.loras)
     gate = handle.feature(STEP_CACHE_FEATURE) if options.step_cache else None
     cache_run = None
     if gate is not None and sigmas is not None:

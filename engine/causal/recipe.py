@@ -33,7 +33,8 @@ def open_session(handle, context: torch.Tensor, height: int, width: int, config:
         return remote(handle, context, height, width, config, seed, tiny_vae, where), None
     run = open_run(handle, options)
     session = VideoSession(run.model, context, height, width, config, seed, tiny_vae, where=where,
-                           step_cache=run.gate, base_model=run.base_model, backends=run.backends)  # fmt: skip
+                           step_cache=run.gate, base_model=run.base_model, backends=run.backends,
+                           ensure_weights=run.ensure_weights)  # fmt: skip
     return session, run.compiled
 
 

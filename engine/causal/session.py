@@ -139,13 +139,17 @@ class VideoSession:
         parallel=None,
         base_model=None,
         backends: Backends = DEFAULT_BACKENDS,
+        ensure_weights=None,
     ):
         """``backends``: how the session's forwards compute attention, norms, RoPE and KV quantization (the run's
         ``engine.backends.Backends``). ``parallel``: a sequence-parallel layout (``engine.parallel.CausalSharding``) when this session is one
         rank of a worker pool; its cache then holds this rank's share of each frame's tokens and of the heads.
         ``base_model``: the engine model ``model`` stands for when it is a wrapper (a compiled run), so a host can
-        free the sessions of a model it unloads; ``model`` itself by default."""
+        free the sessions of a model it unloads; ``model`` itself by default. ``ensure_weights``: the run's
+        ``Run.ensure_weights``, called before the session's weights are read (each prompt and each call of
+        :meth:`chunks`), so the handle's LoRA stays merged when another handle ran the model in between."""
         p = model.params
+        self._ensure_weights = ensure_weights or (lambda: None)
         config = config or CausalConfig()
         self.model, self.config, self.where, self.backends = model, config, where, backends
         self.base_model = model if base_model is None else base_model
@@ -221,6 +225,7 @@ class VideoSession:
         self._claim()
         try:
             self._check_alive()
+            self._ensure_weights()
             with torch.inference_mode():
                 self._context = self.model.embed_context(context.to(self.device))
                 # every layer's text K/V now, outside the steps (a step only reads them: no host branch on it)
@@ -317,6 +322,7 @@ class VideoSession:
             raise InputError("chunks", f"expected at least 1 chunk, got {n}", self.where)
         self._claim()
         try:
+            self._ensure_weights()
             for _ in range(n):
                 self._check_alive()  # disposed by another caller between chunks
                 yield self._chunk(before_forward)

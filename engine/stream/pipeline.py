@@ -297,6 +297,7 @@ class StreamBatch:
         self.compile_run = run.compiled
         self._compile_telemetry = None
         self.model, self.backends = run.model, run.backends
+        self._ensure_weights = run.ensure_weights  # the handle's LoRA, merged again if another handle ran between
         self.family = handle.family
         self.device, self.dtype = handle.device, handle.dtype
         self.size = (height, width)
@@ -396,6 +397,7 @@ class StreamBatch:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Conditional velocity of every row of ``x`` and unconditional velocity of its first ``n_uncond`` rows,
         in one forward when the prompts allow it."""
+        self._ensure_weights()
         n = x.shape[0]
         conds = self._conds(n, n_uncond)
         if not n_uncond:

@@ -1,0 +1,63 @@
+"""``LoraPatch``: one LoRA file read for one model architecture, at one strength.
+
+A patch is immutable and holds its deltas on the CPU, in the dtype of the file. Building it validates every
+delta against the model (key and shape); applying it is :mod:`.merge`'s job, so a handle can carry any number of
+patches without touching the shared model until a run uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .delta import WeightDelta
+
+
+@dataclass(frozen=True, eq=False)
+class LoraPatch:
+    name: str  # the file name, for messages and describe()
+    path: str  # where it was read from (worker pools read the same file)
+    strength: float
+    format: str  # the naming the file used ("diffusers", "kohya", "comfyui", "xlabs", ...)
+    family: str  # the model family it was converted for
+    deltas: tuple[WeightDelta, ...] = field(repr=False)
+    digest: float = 0.0  # a checksum of the converted tensors (worker pools check they read the same LoRA)
+    text_encoder_keys: int = 0  # entries for the text encoder, reported and not applied
+
+    @property
+    def keys(self) -> set[str]:
+        return {d.key for d in self.deltas}
+
+    @property
+    def signature(self) -> tuple:
+        """What decides the merged weights: equal signatures merge to equal weights."""
+        return (self.path, self.digest, float(self.strength))
+
+    def with_strength(self, strength: float) -> LoraPatch:
+        return dataclasses.replace(self, strength=float(strength))
+
+    def nbytes(self) -> int:
+        return sum(d.nbytes() for d in self.deltas)
+
+    def describe(self) -> str:
+        low = sum(d.is_low_rank for d in self.deltas)
+        ranks = sorted({d.rank for d in self.deltas if d.is_low_rank})
+        rank = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no rank"
+        return (
+            f"{self.name} ({self.format} format, {low} low-rank and {len(self.deltas) - low} full deltas on "
+            f"{len(self.keys)} weights, {rank}) at strength {self.strength:g}"
+        )
+
+
+def deltas_digest(deltas) -> float:
+    """Cheap and order-independent enough: the first elements of every tensor, weighted by position."""
+    total = 0.0
+    for i, d in enumerate(sorted(deltas, key=lambda d: (d.key, d.source, d.rows or (0, 0)))):
+        for t in (d.up, d.down, d.diff):
+            if t is not None:
+                total += float(t.detach().flatten()[:32].to(torch.float64).sum()) * (1.0 + 0.01 * (i % 97))
+        total += 1e-3 * len(d.key) + (d.alpha or 0.0) * 1e-6
+    return total if math.isfinite(total) else 0.0

@@ -81,21 +81,27 @@ class Target:
     rows: tuple[int, int] | None = None
     # row permutation of the delta (diffusers' norm_out stores scale, shift; BFL shift, scale): "swap_halves"
     transform: str | None = None
+    # (start, length): only these rows of the file's delta, which spans several official weights (ComfyUI's
+    # fused Z-Image attention.qkv onto the official to_q / to_k / to_v)
+    take: tuple[int, int] | None = None
 
 
-def _split(key: str) -> tuple[str, str, str] | None:
-    """(prefix, module, suffix) of one entry, the module still in the prefix's spelling."""
-    suffix = next((s for s in sorted(SUFFIXES, key=len, reverse=True) if key.endswith(s)), None)
-    if suffix is None:
-        return None
-    body = key[: -len(suffix)]
-    for p in UNDERSCORE_PREFIXES:
-        if body.startswith(p):
-            return p, body[len(p) :], suffix
-    for p in DOT_PREFIXES:
-        if body.startswith(p):
-            return p, body[len(p) :], suffix
-    return "", body, suffix
+_SUFFIXES_LONGEST_FIRST = sorted(SUFFIXES, key=len, reverse=True)
+
+
+def _splits(key: str) -> list[tuple[str, str, str]]:
+    """Every (prefix, module, suffix) reading of one entry, the module still in the prefix's spelling, the
+    longest suffix first. Several readings exist where a module name ends like a suffix: XLabs'
+    ``processor.qkv_lora.up.weight`` is module ``processor.qkv_lora`` + ``.up.weight``, not ``processor.qkv`` +
+    ``_lora.up.weight``; the caller keeps the first reading whose module the model has."""
+    out = []
+    for suffix in _SUFFIXES_LONGEST_FIRST:
+        if not key.endswith(suffix):
+            continue
+        body = key[: -len(suffix)]
+        prefix = next((p for p in UNDERSCORE_PREFIXES + DOT_PREFIXES if body.startswith(p)), "")
+        out.append((prefix, body[len(prefix) :], suffix))
+    return out
 
 
 class NameResolver:
@@ -127,7 +133,7 @@ class NameResolver:
         return module if role in ("diff", "diff_m") and module in self.params else None
 
 
-def _style(prefixes: Counter, suffixes: Counter) -> str:
+def _style(prefixes: Counter, suffixes: Counter, modules) -> str:
     p = prefixes.most_common(1)[0][0] if prefixes else ""
     names = {
         "lora_unet_": "kohya",
@@ -141,7 +147,7 @@ def _style(prefixes: Counter, suffixes: Counter) -> str:
         "": "bare module names",
     }
     style = names.get(p, p)
-    if any(s in suffixes for s in (".up.weight", ".down.weight")) and "processor" in str(prefixes):
+    if any(".processor." in m for m in modules):
         style = "XLabs"
     if any(s in suffixes for s in (".diff", ".diff_b", ".diff_m")):
         style += " with full deltas (diff / diff_b)"
@@ -157,7 +163,9 @@ def key_patterns(keys, limit: int = 8) -> str:
     return ", ".join(shown)
 
 
-def convert(sd: dict[str, torch.Tensor], model: nn.Module, family: str, source: str, input_name: str) -> Converted:
+def convert(
+    sd: dict[str, torch.Tensor], model: nn.Module, family: str, source: str, input_name: str
+) -> Converted:
     from .names import foreign_names  # per-family name maps
 
     resolver = NameResolver(model, foreign_names(family, model))
@@ -172,11 +180,11 @@ def convert(sd: dict[str, torch.Tensor], model: nn.Module, family: str, source: 
         if bad is not None:
             unsupported.append((key, bad))
             continue
-        parts = _split(key)
-        if parts is None:
+        readings = _splits(key)
+        if not readings:
             unknown.append(key)
             continue
-        prefix, module, suffix = parts
+        prefix, module, suffix = next((r for r in readings if resolver.resolve(r[0], r[1])), readings[0])
         role = SUFFIXES[suffix]
         groups[(prefix, module)][role] = key
         prefixes[prefix] += 1
@@ -193,6 +201,12 @@ def convert(sd: dict[str, torch.Tensor], model: nn.Module, family: str, source: 
             input_name,
             f"{source} holds no diffusion-model LoRA entries"
             + (f" (only text-encoder ones: {key_patterns(text_encoder)})" if text_encoder else ""),
+        )
+    if not groups:
+        raise CheckpointError(
+            input_name,
+            f"{source} is not a LoRA in any naming this pack reads (no entry ends in lora_up / lora_down, "
+            f"lora_A / lora_B, alpha, diff or diff_b); key patterns found: {key_patterns(unknown)}",
         )
 
     deltas: list[WeightDelta] = []
@@ -214,7 +228,7 @@ def convert(sd: dict[str, torch.Tensor], model: nn.Module, family: str, source: 
             f"{source}: {len(unmatched)} of {len(sd)} entries match no weight of this {family} model; nothing was "
             f"applied.\n  unmatched: {key_patterns(unmatched)}\n  {_family_hint(unmatched, family)}",
         )
-    return Converted(_style(prefixes, suffixes), deltas, text_encoder)
+    return Converted(_style(prefixes, suffixes, [m for _, m in groups]), deltas, text_encoder)
 
 
 def _deltas(sd, where, roles, targets, resolver, source, input_name) -> list[WeightDelta] | None:
@@ -223,7 +237,9 @@ def _deltas(sd, where, roles, targets, resolver, source, input_name) -> list[Wei
     if "alpha" in roles:
         a = sd[roles["alpha"]]
         if a.numel() != 1:
-            raise CheckpointError(input_name, f"{source}: {roles['alpha']} should be one number, has shape {tuple(a.shape)}")
+            raise CheckpointError(
+                input_name, f"{source}: {roles['alpha']} should be one number, has shape {tuple(a.shape)}"
+            )
         alpha = float(a.float().item())
     if ("up" in roles) != ("down" in roles):
         have = "up" if "up" in roles else "down"
@@ -231,7 +247,9 @@ def _deltas(sd, where, roles, targets, resolver, source, input_name) -> list[Wei
             input_name, f"{source}: {roles[have]} has no matching {'down' if have == 'up' else 'up'} tensor"
         )
     if "alpha" in roles and "up" not in roles:
-        raise CheckpointError(input_name, f"{source}: {roles['alpha']} has no LoRA pair (lora_up / lora_down)")
+        raise CheckpointError(
+            input_name, f"{source}: {roles['alpha']} has no LoRA pair (lora_up / lora_down)"
+        )
     for target in targets:
         if "up" in roles:
             key = resolver.param_for(target.module, "up")
@@ -244,7 +262,8 @@ def _deltas(sd, where, roles, targets, resolver, source, input_name) -> list[Wei
                     f"{source}: {roles['up']} and {roles['down']} must be matrices (found shapes "
                     f"{tuple(up.shape)} and {tuple(down.shape)})",
                 )
-            out.append(WeightDelta(key, where, up=_transform(up, target), down=down, alpha=alpha, rows=target.rows))
+            up = _transform(up, target)
+            out.append(WeightDelta(key, where, up=up, down=down, alpha=alpha, rows=target.rows))
         for role in ("diff", "diff_b", "diff_m"):
             if role not in roles:
                 continue
@@ -257,9 +276,15 @@ def _deltas(sd, where, roles, targets, resolver, source, input_name) -> list[Wei
 
 
 def _transform(t: torch.Tensor, target: Target) -> torch.Tensor:
+    """The rows of the file's delta (an up matrix or a full delta) that land on ``target``, in its order."""
     if target.transform == "swap_halves":
         a, b = t.chunk(2, dim=0)
-        return torch.cat([b, a], dim=0)
+        t = torch.cat([b, a], dim=0)
+    if target.take is not None:
+        start, length = target.take
+        if start + length > t.shape[0]:
+            return t  # too short to split: the shape check names the entry and both shapes
+        t = t.narrow(0, start, length)
     return t
 
 

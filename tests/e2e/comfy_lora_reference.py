@@ -1,0 +1,87 @@
+"""Run inside ComfyUI's own Python (cwd = a ComfyUI checkout): ComfyUI's LoRA loader as a reference.
+
+``python comfy_lora_reference.py JOB.json``; the job names a family (``flux`` / ``wan``), ComfyUI's
+``unet_config`` for the tiny model, the base state dict (official names, safetensors) and a list of
+``[lora_file, strength, out_file]``. For each LoRA, ComfyUI builds its own model from the base weights, applies the
+file with ``comfy.sd.load_lora_for_models`` (its key maps, alpha scaling and strength), merges the patches with
+``ModelPatcher.patch_model`` and writes the patched diffusion-model state dict (float32) to ``out_file``, and the
+entries ComfyUI did not load (its ``lora key not loaded`` warnings) to ``out_file + ".json"``; with ``inputs`` (a
+safetensors file of ``x``, ``timestep``, ``context`` and, for FLUX, ``y``) also ComfyUI's forward output of the
+patched model to ``out_file + ".out.safetensors"``.
+
+Not part of the package: it imports ComfyUI, which the engine never does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import torch
+
+
+class _NotLoaded(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.keys: list[str] = []
+
+    def emit(self, record):
+        text = record.getMessage()
+        if text.startswith("lora key not loaded: "):
+            self.keys.append(text[len("lora key not loaded: ") :])
+
+
+def main(job_path: str) -> None:
+    sys.path.insert(0, ".")
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = (
+        True  # float32 on the CPU, as the test runs ours; read before model_management loads
+    )
+    import comfy.model_patcher
+    import comfy.sd
+    import comfy.supported_models
+    import comfy.utils
+    from safetensors.torch import load_file, save_file
+
+    with open(job_path) as f:
+        job = json.load(f)
+    config_class = {"flux": comfy.supported_models.Flux, "wan": comfy.supported_models.WAN21_T2V}[
+        job["family"]
+    ]
+    base = load_file(job["base"])
+    cpu = torch.device("cpu")
+    not_loaded = _NotLoaded()
+    logging.getLogger().addHandler(not_loaded)
+    for lora_file, strength, out_file in job["loras"]:
+        model_config = config_class(dict(job["unet_config"]))
+        model_config.set_inference_dtype(torch.float32, torch.float32)
+        model = model_config.get_model(base, "", device=cpu)
+        model.diffusion_model.load_state_dict(base, strict=True)
+        patcher = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+        lora = comfy.utils.load_torch_file(lora_file, safe_load=True)
+        not_loaded.keys = []
+        patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, strength, 0)
+        patched.patch_model(device_to=cpu)
+        merged = {
+            k: v.detach().float().contiguous() for k, v in patched.model.diffusion_model.state_dict().items()
+        }
+        save_file(merged, out_file)
+        if job.get("inputs"):
+            # ComfyUI's own forward with the patched weights, on the test's fixed inputs
+            inputs = load_file(job["inputs"])
+            with torch.no_grad():
+                if job["family"] == "flux":
+                    out = patched.model.diffusion_model(
+                        inputs["x"], inputs["timestep"], inputs["context"], inputs["y"]
+                    )
+                else:
+                    out = patched.model.diffusion_model(inputs["x"], inputs["timestep"], inputs["context"])
+            save_file({"out": out.float().contiguous()}, out_file + ".out.safetensors")
+        with open(out_file + ".json", "w") as f:
+            json.dump({"not_loaded": not_loaded.keys}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -227,7 +227,7 @@ def test_each_naming_merges_to_the_hand_computed_weights(tmp_path, model_name, s
     changed = {k for k, v in merged.items() if not torch.equal(v, model.get_parameter(k))}
     assert changed == {k for k, v in expected.items() if not torch.equal(v, model.get_parameter(k))}
     for key in changed:
-        assert (merged[key] - expected[key]).abs().max().item() <= 1e-5, key
+        assert (merged[key] - expected[key]).abs().max().item() <= 1e-6, key
     assert changed, "the case changes no weight"
 
 
@@ -390,7 +390,7 @@ def test_missing_file(tmp_path):
     path = tmp_path / "absent.safetensors"
     with pytest.raises(InputError) as err:
         read_lora(path, tiny("flux-tiny"))
-    assert str(err.value).startswith("input 'lora': ") and os.fspath(path) in str(err.value)
+    assert str(err.value) == f"input 'lora': weights file not found: {os.fspath(path)}"
 
 
 def test_empty_file(tmp_path):

@@ -23,18 +23,18 @@ def foreign_names(family: str, model: nn.Module) -> dict[str, list[Target]]:
     return {} if build is None else build(model)
 
 
-def _indices(model: nn.Module, prefix: str) -> list[int]:
+def _indices(names: frozenset[str], prefix: str) -> list[int]:
     pattern = re.compile(re.escape(prefix) + r"\.(\d+)$")
-    return sorted({int(m.group(1)) for name, _ in model.named_modules() if (m := pattern.match(name))})
+    return sorted({int(m.group(1)) for name in names if (m := pattern.match(name))})
 
 
-def _has(model: nn.Module, module: str) -> bool:
-    return any(name == module for name, _ in model.named_modules())
+def _module_names(model: nn.Module) -> frozenset[str]:
+    return frozenset(name for name, _ in model.named_modules())
 
 
-def _flux_double_single(model: nn.Module, hidden: int, mlp_hidden: int, out: dict) -> None:
+def _flux_double_single(names: frozenset[str], hidden: int, mlp_hidden: int, out: dict) -> None:
     """The diffusers (and XLabs) names FLUX.1 and FLUX.2 share: the split qkv projections of both block kinds."""
-    for i in _indices(model, "double_blocks"):
+    for i in _indices(names, "double_blocks"):
         p, q = f"transformer_blocks.{i}.attn.", f"double_blocks.{i}."
         for n, name in enumerate("qkv"):
             out[f"{p}to_{name}"] = [Target(q + "img_attn.qkv", rows=(n * hidden, hidden))]
@@ -48,7 +48,7 @@ def _flux_double_single(model: nn.Module, hidden: int, mlp_hidden: int, out: dic
         out[xl + "qkv_lora2"] = [Target(q + "txt_attn.qkv")]
         out[xl + "proj_lora1"] = [Target(q + "img_attn.proj")]
         out[xl + "proj_lora2"] = [Target(q + "txt_attn.proj")]
-    for i in _indices(model, "single_blocks"):
+    for i in _indices(names, "single_blocks"):
         q = f"single_blocks.{i}."
         # ComfyUI's name for the attention part of linear1 (model_lora_keys_unet: linear1_qkv)
         out[q + "linear1_qkv"] = [Target(q + "linear1", rows=(0, 3 * hidden))]
@@ -63,12 +63,13 @@ def _flux_double_single(model: nn.Module, hidden: int, mlp_hidden: int, out: dic
 
 
 def _flux(model: nn.Module) -> dict[str, list[Target]]:
+    names = _module_names(model)
     params = model.params
     hidden = params.hidden_size
     mlp_hidden = int(hidden * params.mlp_ratio)
     out: dict[str, list[Target]] = {}
-    _flux_double_single(model, hidden, mlp_hidden, out)
-    for i in _indices(model, "double_blocks"):
+    _flux_double_single(names, hidden, mlp_hidden, out)
+    for i in _indices(names, "double_blocks"):
         p, q = f"transformer_blocks.{i}.", f"double_blocks.{i}."
         for a, b in (
             ("norm1.linear", "img_mod.lin"),
@@ -79,7 +80,7 @@ def _flux(model: nn.Module) -> dict[str, list[Target]]:
             ("ff_context.net.2", "txt_mlp.2"),
         ):
             out[p + a] = [Target(q + b)]
-    for i in _indices(model, "single_blocks"):
+    for i in _indices(names, "single_blocks"):
         p, q = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
         out[p + "norm.linear"] = [Target(q + "modulation.lin")]
         out[p + "proj_out"] = [Target(q + "linear2")]
@@ -94,19 +95,20 @@ def _flux(model: nn.Module) -> dict[str, list[Target]]:
         "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
         "proj_out": "final_layer.linear",
     }
-    out.update({a: [Target(b)] for a, b in top.items() if _has(model, b)})
+    out.update({a: [Target(b)] for a, b in top.items() if b in names})
     # diffusers' AdaLayerNormContinuous emits (scale, shift); the official final layer (shift, scale)
     out["norm_out.linear"] = [Target("final_layer.adaLN_modulation.1", transform="swap_halves")]
     return out
 
 
 def _flux2(model: nn.Module) -> dict[str, list[Target]]:
+    names = _module_names(model)
     params = model.params
     hidden = params.hidden_size
     out: dict[str, list[Target]] = {}
     # FLUX.2's diffusers single block keeps linear1 fused (to_qkv_mlp_proj): no proj_mlp slice
-    _flux_double_single(model, hidden, 0, out)
-    for i in _indices(model, "double_blocks"):
+    _flux_double_single(names, hidden, 0, out)
+    for i in _indices(names, "double_blocks"):
         p, q = f"transformer_blocks.{i}.", f"double_blocks.{i}."
         for a, b in (
             ("ff.linear_in", "img_mlp.0"),
@@ -115,7 +117,7 @@ def _flux2(model: nn.Module) -> dict[str, list[Target]]:
             ("ff_context.linear_out", "txt_mlp.2"),
         ):
             out[p + a] = [Target(q + b)]
-    for i in _indices(model, "single_blocks"):
+    for i in _indices(names, "single_blocks"):
         p, q = f"single_transformer_blocks.{i}.attn.", f"single_blocks.{i}."
         out[p + "to_qkv_mlp_proj"] = [Target(q + "linear1")]
         out[p + "to_out"] = [Target(q + "linear2")]
@@ -131,21 +133,22 @@ def _flux2(model: nn.Module) -> dict[str, list[Target]]:
         "single_stream_modulation.linear": "single_stream_modulation.lin",
         "proj_out": "final_layer.linear",
     }
-    out.update({a: [Target(b)] for a, b in top.items() if _has(model, b)})
+    out.update({a: [Target(b)] for a, b in top.items() if b in names})
     out["norm_out.linear"] = [Target("final_layer.adaLN_modulation.1", transform="swap_halves")]
     return out
 
 
 def _wan(model: nn.Module) -> dict[str, list[Target]]:
+    names = _module_names(model)
     out: dict[str, list[Target]] = {}
-    for i in _indices(model, "blocks"):
+    for i in _indices(names, "blocks"):
         p, q = f"blocks.{i}.", f"blocks.{i}."
         for attn, official in (("attn1", "self_attn"), ("attn2", "cross_attn")):
             for a, b in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o")):
                 out[f"{p}{attn}.{a}"] = [Target(f"{q}{official}.{b}")]
             out[f"{p}{attn}.norm_q"] = [Target(f"{q}{official}.norm_q")]
             out[f"{p}{attn}.norm_k"] = [Target(f"{q}{official}.norm_k")]
-        if _has(model, q + "cross_attn.k_img"):  # image-to-video cross attention
+        if q + "cross_attn.k_img" in names:  # image-to-video cross attention
             out[p + "attn2.add_k_proj"] = [Target(q + "cross_attn.k_img")]
             out[p + "attn2.add_v_proj"] = [Target(q + "cross_attn.v_img")]
             out[p + "attn2.norm_added_k"] = [Target(q + "cross_attn.norm_k_img")]
@@ -170,12 +173,13 @@ def _wan(model: nn.Module) -> dict[str, list[Target]]:
 
 def _zimage(model: nn.Module) -> dict[str, list[Target]]:
     """diffusers' names are the official ones; ComfyUI's repack (Lumina-2 NextDiT names) fuses q, k, v."""
+    names = _module_names(model)
     params = model.params
     dim = params.dim
     kv = params.n_kv_heads * (params.dim // params.n_heads)
     out: dict[str, list[Target]] = {}
     for stack in ("noise_refiner", "context_refiner", "layers"):
-        for i in _indices(model, stack):
+        for i in _indices(names, stack):
             a = f"{stack}.{i}.attention."
             out[a + "qkv"] = [
                 Target(a + "to_q", take=(0, dim)),
@@ -186,7 +190,7 @@ def _zimage(model: nn.Module) -> dict[str, list[Target]]:
             out[a + "q_norm"] = [Target(a + "norm_q")]
             out[a + "k_norm"] = [Target(a + "norm_k")]
     # ComfyUI's repack keeps one patch configuration (2-1) and drops the all_*.2-1 wrapping
-    for name, _ in model.named_modules():
+    for name in names:
         if name == "all_x_embedder.2-1":
             out["x_embedder"] = [Target(name)]
         elif name.startswith("all_final_layer.2-1."):

@@ -6,9 +6,9 @@ float32 weights must agree to 1e-6 (measured: 0.0, bit-identical, in every namin
 its patched model must agree with ours to 1e-4 (measured max abs diff: FLUX.1 1.2e-6, Wan 1.4e-5; float32, CPU;
 the difference of two implementations of the same forward, not of the merge).
 
-Namings: FLUX.1 in ComfyUI / BFL names (lora_down / lora_up / alpha, plus ``linear1_qkv``, ``diff`` on a norm
-scale and ``diff_b`` on biases), kohya (``lora_unet_``), diffusers / PEFT (``transformer.`` lora_A / lora_B) and
-OneTrainer (``lora_transformer_``), every linear weight of the model; Wan in ComfyUI names with alpha, ``diff``
+Namings: FLUX.1 in ComfyUI / BFL names (lora_down / lora_up or lora.down / lora.up, alpha, plus ``linear1_qkv``,
+``diff`` on a norm scale and ``diff_b`` on biases), kohya (``lora_unet_``), diffusers / PEFT (``transformer.``
+lora_A / lora_B), OneTrainer (``lora_transformer_``) and SimpleTuner (``lycoris_``), every linear weight; Wan in ComfyUI names with alpha, ``diff``
 (norms) and ``diff_b`` (biases), as the CausVid / lightx2v files carry them, without full deltas of the
 modulation tables: lightx2v's ``blocks.N.diff_m`` ComfyUI 0.3.64 does not load ("lora key not loaded"), and
 ``blocks.N.modulation.diff`` / ``head.modulation.diff`` it loads but never merges (``ModelPatcher.load`` patches
@@ -157,19 +157,26 @@ def _flux_files(model, tmp: Path) -> dict[str, Path]:
     comfy["diffusion_model.img_in.diff_b"] = torch.randn(64, generator=gen)
     comfy["diffusion_model.single_blocks.1.linear1.diff_b"] = torch.randn(448, generator=gen)
     files["comfyui"], files["kohya"] = comfy, kohya
+    # the same entries with the .lora.down / .lora.up spelling some BFL-trained files use
+    files["comfyui-dot"] = {
+        k.replace(".lora_down.weight", ".lora.down.weight").replace(".lora_up.weight", ".lora.up.weight"): v
+        for k, v in comfy.items()
+    }
 
     hidden = model.params.hidden_size
     table = _flux_diffusers(
         hidden, int(hidden * model.params.mlp_ratio), model.params.depth, model.params.depth_single_blocks
     )
-    diffusers, onetrainer = {}, {}
+    diffusers, onetrainer, lycoris = {}, {}, {}
     for n, (m, (key, rows)) in enumerate(table.items()):
         up, down = _pair(gen, rows[1] if rows else params[key].shape[0], params[key].shape[1:])
         diffusers[f"transformer.{m}.lora_A.weight"], diffusers[f"transformer.{m}.lora_B.weight"] = down, up
         name = "lora_transformer_" + m.replace(".", "_")
         onetrainer[name + ".lora_down.weight"], onetrainer[name + ".lora_up.weight"] = down, up
         onetrainer[name + ".alpha"] = torch.tensor(float(2 + n % 5))
-    files["diffusers"], files["onetrainer"] = diffusers, onetrainer
+        lycoris["lycoris_" + m.replace(".", "_") + ".lora_down.weight"] = down  # SimpleTuner
+        lycoris["lycoris_" + m.replace(".", "_") + ".lora_up.weight"] = up
+    files["diffusers"], files["onetrainer"], files["lycoris"] = diffusers, onetrainer, lycoris
     return _save(files, tmp)
 
 
@@ -275,6 +282,11 @@ def test_flux_lora_namings_match_comfyui(tmp_path):
         "y": torch.randn(1, 768, generator=gen),
     }
     files = _flux_files(model, tmp_path)
+    with torch.no_grad():
+        base_out = model(
+            pack_latent(inputs["x"]), image_ids(1, h, w), inputs["context"], text_ids(1, tokens),
+            inputs["timestep"], inputs["y"],
+        )  # fmt: skip
     results = _comfy(tmp_path, "flux", unet_config, model, list(files.values()), inputs)
     for (name, path), theirs in zip(files.items(), results):
         assert theirs["not_loaded"] == [], name
@@ -287,6 +299,9 @@ def test_flux_lora_namings_match_comfyui(tmp_path):
             )  # fmt: skip
         output = (unpack_latent(ours, h, w) - theirs["out"]).abs().max().item()
         MEASURED[f"flux {name}"] = (weights, output)
+        assert (ours - base_out).abs().max().item() > 100 * OUTPUT_TOLERANCE, (
+            f"{name} changes nothing measurable"
+        )
         assert weights <= WEIGHT_TOLERANCE and output <= OUTPUT_TOLERANCE, (name, weights, output)
     print("max abs diff (weights, output):", MEASURED)
 
@@ -308,6 +323,8 @@ def test_wan_lora_namings_match_comfyui(tmp_path):
         "context": torch.randn(1, p.text_len, 4096, generator=gen),
     }
     files = _wan_files(model, tmp_path)
+    with torch.no_grad():
+        base_out = model(inputs["x"], inputs["timestep"], inputs["context"])
     # ComfyUI merges the ComfyUI-named file; both of our namings must give its weights
     (theirs,) = _comfy(tmp_path, "wan", unet_config, model, [files["comfyui"]], inputs)
     assert theirs["not_loaded"] == []
@@ -318,5 +335,8 @@ def test_wan_lora_namings_match_comfyui(tmp_path):
             ours = merged(inputs["x"], inputs["timestep"], inputs["context"])
         output = (ours - theirs["out"]).abs().max().item()
         MEASURED[f"wan {name}"] = (weights, output)
+        assert (ours - base_out).abs().max().item() > 100 * OUTPUT_TOLERANCE, (
+            f"{name} changes nothing measurable"
+        )
         assert weights <= WEIGHT_TOLERANCE and output <= OUTPUT_TOLERANCE, (name, weights, output)
     print("max abs diff (weights, output):", MEASURED)

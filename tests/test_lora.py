@@ -300,3 +300,53 @@ def test_fp8_stochastic_rounding_keeps_a_delta_below_one_step_in_expectation(tmp
     nearest = float(((base + c).to(torch.float8_e4m3fn).float() - base).mean())
     assert abs(stochastic - c) <= 0.1 * c, (stochastic, c)
     assert abs(nearest) <= 0.5 * c, (nearest, c)
+
+
+# -- compile and CUDA graphs (emulated on the CPU) -------------------------------------------------------------------
+def _run_flux(handle):
+    return sample_latent(
+        handle, [make_cond(handle.params, tokens=6, seed=1)], torch.zeros(1, 16, 8, 8), seed=2
+    )
+
+
+def test_a_compiled_handle_runs_a_lora_and_strength_changes_without_recompiling(tmp_path):
+    """The merge writes the same tensors: dynamo guards on their shapes and dtypes only (weights are graph inputs),
+    so applying, changing and removing a LoRA after the first compiled run compiles nothing."""
+    from fewstep.engine.compile import attach_compile
+
+    torch._dynamo.reset()  # counts independent of other tests' compilations
+    handle = handle_for("flux-tiny")
+    write_lora(tmp_path / "a.safetensors", handle.model, scale=0.2)
+    compiled = attach_compile(handle, "regional", backend="aot_eager")
+    _, first = _run_flux(compiled)
+    assert first.compile.frames_compiled > 0
+    refs = {}
+    for strength in (1.0, -0.5, 0.0):  # apply, change the strength, strength 0 (the base weights)
+        refs[strength], _ = _run_flux(apply_lora(handle, tmp_path / "a.safetensors", strength))  # eager
+        out, report = _run_flux(apply_lora(compiled, tmp_path / "a.safetensors", strength))
+        assert (out - refs[strength]).abs().max() <= 1e-4, strength
+        assert (report.compile.frames_compiled, report.compile.recompiles) == (0, 0), report.summary()
+    assert (refs[1.0] - refs[0.0]).abs().max() > 1e-2  # the LoRA matters
+    base_ref, _ = _run_flux(handle)
+    base_out, report = _run_flux(compiled)  # the LoRA removed: the compiled base handle
+    assert (base_out - base_ref).abs().max() <= 1e-4 and report.compile.recompiles == 0
+
+
+def test_a_captured_graph_replays_the_merged_weights_without_recapture(tmp_path):
+    """A CUDA graph reads the weights at their addresses: the in-place merge is seen by the next replay."""
+    from compile_doubles import EMULATED
+
+    from fewstep.engine.compile import attach_compile
+
+    handle = handle_for("flux-tiny")
+    write_lora(tmp_path / "a.safetensors", handle.model, scale=0.2)
+    graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)
+    _run_flux(graphed)
+    for strength in (1.0, 0.3):
+        ref, _ = _run_flux(apply_lora(handle, tmp_path / "a.safetensors", strength))
+        out, report = _run_flux(apply_lora(graphed, tmp_path / "a.safetensors", strength))
+        g = report.compile.graphs
+        assert torch.equal(out, ref), strength
+        assert (g.captures, g.invalidations, g.hits) == (0, 0, 4), report.summary()
+    base_ref, _ = _run_flux(handle)
+    assert torch.equal(_run_flux(graphed)[0], base_ref)

@@ -104,3 +104,16 @@ def test_a_lora_that_differs_on_the_workers_is_refused_naming_the_file(pool, lor
         parallel_sample(pool, flux.replace(loras=(gone,)), [cond], torch.zeros(1, 16, 8, 8), steps=1)
     assert pool.alive  # every rank refused before any collective
     assert merged_weights(flux.model).backup_bytes() == 0  # nothing merged on the host for a pool job
+
+
+def test_pool_sampling_of_an_fp8_model_with_a_lora_equals_the_single_process_run(pool, lora_dir):
+    """fp8 storage: every rank rounds its merge stochastically with the same per-weight seed as the host."""
+    fp8 = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32, weight_dtype=torch.float8_e4m3fn)
+    path = lora_dir / "fp8.safetensors"
+    write_lora(path, fp8.model, scale=0.2)
+    lora = apply_lora(fp8, path, 1.0)
+    cond = make_cond(fp8.params, tokens=7, seed=1)
+    latent = torch.zeros(1, 16, 8, 12)
+    ref, _ = sample_latent(lora, [cond], latent, seed=5, steps=2)
+    out, _ = parallel_sample(pool, lora, [cond], latent, seed=5, steps=2)
+    assert (out - ref).abs().max() <= TOL

@@ -63,7 +63,11 @@ def test_pool_sampling_with_a_lora_equals_the_single_process_run_and_a_base_job_
     other_ref, _ = sample_latent(other, [cond], latent, **kwargs)
     other_out, _ = parallel_sample(pool, other, [cond], latent, **kwargs)
     assert (other_out - other_ref).abs().max() <= TOL
-    assert pool.run({"kind": "task", "name": "ping"})["loras_read"] == 1
+    ping = pool.run({"kind": "task", "name": "ping"})
+    assert (ping["loras_read"], ping["models_loaded"]) == (
+        1,
+        1,
+    )  # neither the LoRA nor the base file read again
 
 
 def test_pool_video_with_a_lora_equals_the_single_process_session_across_a_base_job(pool, lora_dir):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -50,7 +51,8 @@ COMPILE_NOT_APPLIED = "compile: not applied on the pool's workers (they run the 
 
 def model_spec(handle: ModelHandle) -> dict:
     """How a worker loads the same model: source, dtypes, attention backend, a checksum to compare, and the
-    handle's LoRAs (each worker reads the same files and merges them itself, as this process does).
+    handle's LoRAs (each worker reads the same files, by absolute path, and merges them itself as this process
+    does).
 
     The checksum is of the BASE weights (``engine.lora.base_state_dict``: the host model may hold another
     handle's merged LoRA at this moment) and is taken for every job (not cached): weights changed in place outside
@@ -62,7 +64,8 @@ def model_spec(handle: ModelHandle) -> dict:
         "source": handle.source, "dtype": dtype_name(handle.dtype), "weight_dtype": dtype_name(linear),
         "attention": handle.attention_backend, "seed": 0, "fingerprint": fingerprint(model),
         "weight_bytes": weight_bytes(model),
-        "loras": [{"path": p.path, "strength": float(p.strength), "digest": float(p.digest)} for p in handle.loras],
+        "loras": [{"path": os.path.abspath(p.path), "strength": float(p.strength), "digest": float(p.digest)}
+                  for p in handle.loras],
     }  # fmt: skip
 
 

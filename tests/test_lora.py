@@ -309,13 +309,17 @@ def _run_flux(handle):
     )
 
 
-def test_a_compiled_handle_runs_a_lora_and_strength_changes_without_recompiling(tmp_path):
-    """The merge writes the same tensors: dynamo guards on their shapes and dtypes only (weights are graph inputs),
-    so applying, changing and removing a LoRA after the first compiled run compiles nothing."""
+@pytest.mark.parametrize(
+    "weight_dtype", [None, pytest.param(torch.float8_e4m3fn, marks=pytest.mark.slow)], ids=["fp32", "fp8"]
+)
+def test_a_compiled_handle_runs_a_lora_and_strength_changes_without_recompiling(tmp_path, weight_dtype):
+    """The merge writes the same tensors in their dtype (fp8 too: rounded back): dynamo guards on their shapes
+    and dtypes only (weights are graph inputs), so applying, changing and removing a LoRA after the first
+    compiled run compiles nothing."""
     from fewstep.engine.compile import attach_compile
 
     torch._dynamo.reset()  # counts independent of other tests' compilations
-    handle = handle_for("flux-tiny")
+    handle = handle_for("flux-tiny", weight_dtype=weight_dtype)
     write_lora(tmp_path / "a.safetensors", handle.model, scale=0.2)
     compiled = attach_compile(handle, "regional", backend="aot_eager")
     _, first = _run_flux(compiled)

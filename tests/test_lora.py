@@ -168,6 +168,24 @@ def test_a_video_session_of_a_lora_handle_continued_after_a_base_run_equals_an_u
     assert not torch.equal(base_chunk, uninterrupted[0])
 
 
+def test_a_file_rewritten_at_the_same_path_is_merged_again_even_if_only_its_last_element_changed(tmp_path):
+    handle = handle_for("flux-tiny")
+    base = weights(handle.model)
+    path = tmp_path / "a.safetensors"
+    entries, _ = lora_tensors(handle.model, seed=1)
+    save_file(entries, str(path))
+    output(apply_lora(handle, path, 1.0), "flux-tiny")
+    key = next(k for k in sorted(entries) if k.endswith("lora_down.weight"))
+    entries[key] = entries[key].clone()
+    entries[key].view(-1)[-1] += 0.5
+    save_file(entries, str(path))
+    output(apply_lora(handle, path, 1.0), "flux-tiny")
+    name = key.removeprefix("diffusion_model.").removesuffix(".lora_down.weight")
+    up = entries[f"diffusion_model.{name}.lora_up.weight"]
+    expected = base[f"{name}.weight"] + up @ entries[key]
+    assert (handle.model.get_parameter(f"{name}.weight") - expected).abs().max() <= 1e-6
+
+
 # -- in place, restore, nn.Module -----------------------------------------------------------------------------------
 def test_the_merge_is_in_place_and_restore_releases_the_backups(flux, tmp_path):
     before = {k: (p.data_ptr(), p.dtype) for k, p in flux.model.named_parameters()}

@@ -11,16 +11,20 @@ On a bare ``nn.Module`` (no handle to carry patches) it returns a merged copy an
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 from torch import nn
 
+from ..errors import CheckpointError
 from .file import read_lora
 from .merge import ensure_patches
 from .patch import LoraPatch
 
 
-def apply_lora(model_or_handle, path: str | os.PathLike | LoraPatch, strength: float = 1.0, input_name: str = "lora"):
+def apply_lora(
+    model_or_handle, path: str | os.PathLike | LoraPatch, strength: float = 1.0, input_name: str = "lora"
+):
     """``model_or_handle`` with the LoRA at ``path`` (or an already read :class:`LoraPatch`) at ``strength``."""
     from ..handle import ModelHandle
 
@@ -37,6 +41,9 @@ def apply_lora(model_or_handle, path: str | os.PathLike | LoraPatch, strength: f
 
 
 def _patch_for(model: nn.Module, path, strength, input_name) -> LoraPatch:
+    # read_lora checks it too, but a LoraPatch given here is not read again
+    if not math.isfinite(float(strength)):
+        raise CheckpointError("strength", f"{float(strength)} is not a finite number")
     if isinstance(path, LoraPatch):
         return path if float(strength) == path.strength else path.with_strength(strength)
     return read_lora(path, model, strength, input_name)

@@ -48,14 +48,14 @@ class MergedWeights:
             started = time.perf_counter()
             params = _tensors(model)
             keys = set().union(*(p.keys for p in active)) if active else set()
-            for key in [k for k in self.backups if k not in keys]:
-                params[key].data.copy_(self.backups.pop(key))
             new = [k for k in sorted(keys) if k not in self.backups]
-            if new:
+            if new:  # refused before anything changes: the weights keep matching self.signature
                 _check_backup_fits({k: params[k] for k in new}, input_name)
             # Until every patched weight is written the model is in between: a failure restores the base values.
             self.signature = ("partial",)
             try:
+                for key in [k for k in self.backups if k not in keys]:
+                    params[key].data.copy_(self.backups.pop(key))
                 for key in new:
                     self.backups[key] = params[key].detach().to("cpu", copy=True)
                 for key in sorted(keys):

@@ -24,7 +24,7 @@ class LoraPatch:
     format: str  # the naming the file used ("diffusers", "kohya", "comfyui", "xlabs", ...)
     family: str  # the model family it was converted for
     deltas: tuple[WeightDelta, ...] = field(repr=False)
-    digest: float = 0.0  # a checksum of the converted tensors (worker pools check they read the same LoRA)
+    digest: float = 0.0  # a checksum of the deltas (merge signatures; pools check they read the same)
     text_encoder_keys: int = 0  # entries for the text encoder, reported and not applied
 
     @property
@@ -45,7 +45,9 @@ class LoraPatch:
     def describe(self) -> str:
         low = sum(d.is_low_rank for d in self.deltas)
         ranks = sorted({d.rank for d in self.deltas if d.is_low_rank})
-        rank = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no rank"
+        rank = (
+            f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no rank"
+        )
         return (
             f"{self.name} ({self.format} format, {low} low-rank and {len(self.deltas) - low} full deltas on "
             f"{len(self.keys)} weights, {rank}) at strength {self.strength:g}"
@@ -53,11 +55,19 @@ class LoraPatch:
 
 
 def deltas_digest(deltas) -> float:
-    """Cheap and order-independent enough: the first elements of every tensor, weighted by position."""
+    """A checksum of every element (a sum and an absolute sum per tensor, float64) plus the first elements
+    weighted by position, order-independent over the deltas. It names the patch in merge signatures and pool
+    checks, so a file rewritten at the same path must change it even where only its last elements changed;
+    reading every element once costs far less than reading the file did."""
     total = 0.0
     for i, d in enumerate(sorted(deltas, key=lambda d: (d.key, d.source, d.rows or (0, 0)))):
-        for t in (d.up, d.down, d.diff):
+        weight = 1.0 + 0.01 * (i % 97)
+        for j, t in enumerate((d.up, d.down, d.diff)):
             if t is not None:
-                total += float(t.detach().flatten()[:32].to(torch.float64).sum()) * (1.0 + 0.01 * (i % 97))
+                flat = t.detach().flatten().to(torch.float64)
+                head = flat[:32] * torch.arange(1, min(32, flat.numel()) + 1, dtype=torch.float64)
+                total += weight * (
+                    float(head.sum()) + float(flat.sum()) * (2.0 + j) + float(flat.abs().sum()) * 0.5
+                )
         total += 1e-3 * len(d.key) + (d.alpha or 0.0) * 1e-6
     return total if math.isfinite(total) else 0.0

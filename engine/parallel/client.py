@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -49,16 +50,22 @@ COMPILE_NOT_APPLIED = "compile: not applied on the pool's workers (they run the 
 
 
 def model_spec(handle: ModelHandle) -> dict:
-    """How a worker loads the same model: source, dtypes, attention backend, and a checksum to compare.
+    """How a worker loads the same model: source, dtypes, attention backend, a checksum to compare, and the
+    handle's LoRAs (each worker reads the same files, by absolute path, and merges them itself as this process
+    does).
 
-    The checksum is taken for every job (not cached): weights patched in place since the last job (a merged LoRA)
-    must make the workers, which load the file, refuse the job rather than return the unpatched model's result."""
+    The checksum is of the BASE weights (``engine.lora.base_state_dict``: the host model may hold another
+    handle's merged LoRA at this moment) and is taken for every job (not cached): weights changed in place outside
+    a LoRA since the last job must make the workers, which load the file, refuse the job rather than return the
+    unchanged model's result."""
     model = handle.model
     linear = next((m.weight.dtype for m in model.modules() if isinstance(m, Linear)), handle.dtype)
     return {
         "source": handle.source, "dtype": dtype_name(handle.dtype), "weight_dtype": dtype_name(linear),
         "attention": handle.attention_backend, "seed": 0, "fingerprint": fingerprint(model),
         "weight_bytes": weight_bytes(model),
+        "loras": [{"path": os.path.abspath(p.path), "strength": float(p.strength), "digest": float(p.digest)}
+                  for p in handle.loras],
     }  # fmt: skip
 
 

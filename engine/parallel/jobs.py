@@ -27,6 +27,7 @@ from ..causal import CausalConfig, VideoSession
 from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle, open_model
+from ..lora import LoraPatch, read_lora
 from ..run import RunOptions, open_run
 from ..text_to_image import SampleRequest, sample
 from . import transport
@@ -43,14 +44,19 @@ SHUTDOWN = b"shutdown"  # written by the host in place of the next job's header 
 
 
 def fingerprint(model: torch.nn.Module) -> float:
-    """A cheap checksum of the weights (the first elements of every tensor): two processes that loaded the same
-    file in the same dtypes agree on it; a different file or dummy seed does not."""
-    items = sorted(model.state_dict().items())
+    """A cheap checksum of the base weights (the first elements of every tensor): two processes that loaded the
+    same file in the same dtypes agree on it, whatever LoRA either has merged at the moment (the values a LoRA
+    merge replaced count, from its backups); a different file or dummy seed does not."""
+    from ..lora import base_state_dict
+
+    items = sorted(base_state_dict(model).items())
     if not items:
         return 0.0
-    # summed where the weights live, read once: one device sync per call, not one per tensor
+    # summed where the weights live, read once: one device sync per call, not one per tensor (a LoRA's backups
+    # are on the CPU: their few elements join the others)
+    device = items[0][1].device
     parts = [
-        t.detach().flatten()[:32].to(torch.float64).sum() * (1.0 + 0.01 * (i % 97))
+        t.detach().flatten()[:32].to(device=device, dtype=torch.float64).sum() * (1.0 + 0.01 * (i % 97))
         for i, (_, t) in enumerate(items)
     ]
     return float(torch.stack(parts).sum()) + 1e-3 * sum(len(name) for name, _ in items)
@@ -81,6 +87,8 @@ class WorkerContext:
         self.handle: ModelHandle | None = None
         self.sessions: OrderedDict[str, VideoSession] = OrderedDict()
         self.models_loaded = 0
+        self.lora_patches: dict[tuple[str, float], LoraPatch] = {}  # (path, host digest): read once per model
+        self.loras_read = 0
         self.job = 0
 
     # -- the job loop ----------------------------------------------------------------------------------------------
@@ -166,6 +174,7 @@ class WorkerContext:
         if key != self.model_key:
             self.handle = self.model_key = self.model_fingerprint = None
             self.sessions.clear()
+            self.lora_patches.clear()
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -186,12 +195,33 @@ class WorkerContext:
                 raise InputError(
                     "model",
                     f"rank {self.rank} loaded {spec['source']} but its weights differ from the model on the host "
-                    "(weights patched in place on the host, e.g. a merged LoRA, which the workers cannot load; the "
-                    "file changed since the host loaded it; a different file at that path on this machine; or "
-                    "dummy weights with another seed)",
+                    "(weights patched in place on the host outside a LoRA, which the workers cannot load: apply "
+                    "LoRAs with apply_lora, which pools receive; the file changed since the host loaded it; a "
+                    "different file at that path on this machine; or dummy weights with another seed)",
                 )
+        handle = self.handle
+        loras = spec.get("loras") or ()
+        if loras:
+            handle = handle.replace(loras=tuple(self._lora(item) for item in loras))
         self.progress(step=False)  # the model is ready: the host's startup timeout ends here
-        return self.handle
+        return handle  # a run of it merges its LoRAs in place (engine.run), or restores the base weights
+
+    def _lora(self, item: dict) -> LoraPatch:
+        """The host's LoRA as this rank reads it: the same file, checked to hold the same deltas."""
+        path, digest = item["path"], float(item["digest"])
+        patch = self.lora_patches.get((path, digest))
+        if patch is None:
+            patch = read_lora(path, self.handle.model, 1.0, "lora")
+            self.loras_read += 1
+            if not math.isclose(patch.digest, digest, rel_tol=1e-9, abs_tol=1e-9):
+                raise InputError(
+                    "lora",
+                    f"rank {self.rank} read the LoRA {path} but it differs from the one on the host (the file "
+                    "changed since the host read it, or a different file at that path on this machine); load "
+                    "the LoRA again, or put the same file at that path on every machine of the pool",
+                )
+            self.lora_patches[(path, digest)] = patch
+        return patch.with_strength(item["strength"])
 
     def _check_memory(self, spec: dict) -> None:
         need = int(spec.get("weight_bytes", 0))
@@ -361,6 +391,7 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
         session = VideoSession(
             run.model, job["context"].to(ctx.device), job["height"], job["width"],
             CausalConfig(**job["config"]), job["seed"], parallel=run.sharding, backends=run.backends,
+            ensure_weights=run.ensure_weights,  # the LoRA merged again if a job of another handle ran between
         )  # fmt: skip
         ctx.sessions[key] = session
         while len(ctx.sessions) > MAX_SESSIONS:

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..backends import Backends
+from ..lora import ensure_patches
 from .sequence import SequenceParallelPlan
 from .sharding import wan_block_runner
 
@@ -22,6 +23,7 @@ def ping(ctx) -> dict:
         "backend": ctx.backend,
         "pid": os.getpid(),
         "models_loaded": ctx.models_loaded,
+        "loras_read": ctx.loras_read,
     }
 
 
@@ -59,6 +61,7 @@ def wan_forward(ctx, model, x, timestep, context, degrees=None) -> dict | None:
     """A whole (bidirectional) Wan forward with every frame's tokens sharded over the ranks: self-attention
     through the mesh, cross-attention to the replicated prompt locally; rank 0 returns the velocity."""
     handle = ctx.model(model)
+    ensure_patches(handle.model, handle.loras)  # no run here: merge the job's LoRAs (or restore) directly
     mesh = ctx.mesh(degrees)
     with torch.inference_mode():
         out = handle.model(

@@ -441,7 +441,9 @@ def test_zimage_stream_batch_dummy_runs_through_the_nodes():
     assert "frames skipped" in report
 
 
-NOT_OFFERED_SELF_FORCING = "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"
+NOT_OFFERED_SELF_FORCING = (
+    "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"
+)
 # The files each real workflow's Missing Models list must offer (ComfyUI's frontend downloads them from there).
 EXPECTED_MODELS = {
     "flux2_klein_tiny_decode.json": {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -182,3 +183,77 @@ def test_preset_settings_reach_the_sampler(no_comfy, handle):
     sigmas = schedule_sigmas("flux.1-dev", 8, image_seq_len=16)  # an 8x8 latent: 4x4 = 16 image tokens
     assert report.splitlines()[0] == f"euler, 8 steps, sigmas {[round(s, 4) for s in sigmas.tolist()]}"
     assert model.loras[0].strength == 0.125
+
+
+# -- the CLI's --lora ----------------------------------------------------------------------------------------------
+
+
+def test_lora_option_parses_file_and_strength():
+    from fewstep.cli.common import lora_option
+
+    assert lora_option("a/b.safetensors:0.5") == ("a/b.safetensors", 0.5)
+    assert lora_option("a/b.safetensors:-2") == ("a/b.safetensors", -2.0)
+    assert lora_option("a/b.safetensors") == ("a/b.safetensors", 1.0)
+    assert lora_option(r"C:\loras\b.safetensors") == (
+        r"C:\loras\b.safetensors",
+        1.0,
+    )  # a drive, not a strength
+
+
+def _generate(out, *extra):
+    from fewstep.cli import main
+
+    argv = ["generate", "--model", "flux-tiny", "--height", "32", "--width", "32", "--steps", "2"]
+    return main([*argv, "--device", "cpu", "--dtype", "fp32", "--out", str(out), *extra, "--json"])
+
+
+def test_generate_applies_each_lora_in_order(tmp_path, capsys):
+    model = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32).model
+    lora = write_dummy_lora(model, tmp_path / "l.safetensors", rank=4, seed=1, scale=0.05)
+    assert _generate(tmp_path / "base") == 0
+    assert _generate(tmp_path / "zero", "--lora", f"{lora}:0") == 0
+    assert _generate(tmp_path / "two", "--lora", f"{lora}:0.5", "--lora", lora) == 0
+    capsys.readouterr()
+    base, zero, two = (
+        load_file(tmp_path / d / "latent.safetensors")["latent"] for d in ("base", "zero", "two")
+    )
+    assert torch.equal(zero, base) and not torch.equal(two, base)
+    described = json.loads((tmp_path / "two" / "timings.json").read_text())["model"]
+    assert described.count("; LoRA l.safetensors") == 2 and "at strength 0.5; LoRA" in described
+
+
+def test_missing_or_bad_lora_is_refused_before_loading(tmp_path, capsys):
+    from fewstep.cli import main
+
+    assert _generate(tmp_path / "o", "--lora", str(tmp_path / "none.safetensors:0.5")) == 2
+    assert (
+        f"error: fewstep generate: input '--lora': weights file not found: {tmp_path / 'none.safetensors'}"
+        in (capsys.readouterr().err)
+    )
+    assert _generate(tmp_path / "o", "--lora", f"{tmp_path}/x.safetensors:nan") == 2
+    assert "input '--lora': expected a finite number, got nan" in capsys.readouterr().err
+    wan = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32).model
+    lora = write_dummy_lora(wan, tmp_path / "wan.safetensors", rank=2)
+    args = [
+        "stream",
+        "--chunks",
+        "1",
+        "--chunk-frames",
+        "1",
+        "--window-frames",
+        "2",
+        "--height",
+        "32",
+        "--json",
+    ]
+    out = ["--out", str(tmp_path / "s"), "--lora", f"{lora}:0.5"]
+    assert main([*args, "--width", "32", "--device", "cpu", "--dtype", "fp32", *out]) == 0
+    capsys.readouterr()
+    described = json.loads((tmp_path / "s" / "stream.json").read_text())["model"]
+    n = len(linear_layers(wan))  # a pair on every linear layer
+    assert described.endswith(
+        f"; LoRA wan.safetensors (ComfyUI / BFL format, {n} low-rank and 0 full deltas on {n} weights, rank 2) "
+        "at strength 0.5"
+    )
+    assert _generate(tmp_path / "o", "--lora", lora) == 2  # a Wan LoRA on the FLUX model
+    assert "input '--lora': wan.safetensors" in capsys.readouterr().err

@@ -82,9 +82,8 @@ class FewStepLoraLoader:
         if lora_name in DUMMY_LORAS:
             rank, seed = DUMMY_LORAS[lora_name]
             path = os.path.join(dummy_lora_folder(), dummy_lora_name(model.model, rank, seed))
-            if not os.path.isfile(
-                path
-            ):  # same model, rank and seed: the same bytes, so an existing file is kept
+            # the same model, rank and seed give the same bytes: a file already written is read as it is
+            if not os.path.isfile(path):
                 write_dummy_lora(model.model, path, rank=rank, seed=seed, scale=DUMMY_SCALE)
         else:
             path = model_file_path("loras", lora_name, "lora_name")

@@ -6,15 +6,19 @@ never overrides a setting behind the user's back. The schedules are the engine's
 (``engine.sampling.schedules``): ``flux.1-dev`` is FLUX.1-dev's flow-matching schedule with its
 resolution-dependent shift, ``wan-dmd-4step`` the timesteps [1000, 750, 500, 250] warped by shift 5.
 
-Sources (the model cards on huggingface.co, read for this table; see each preset's ``source``):
+Sources (each preset's ``source`` names the huggingface.co repository whose model card publishes the numbers;
+the model cards themselves could not be opened here, so the numbers are as issue 19 gives them, checked against
+other public material where noted):
 
-* ByteDance/Hyper-SD, ``Hyper-FLUX.1-dev-8steps-lora.safetensors``: 8 steps, guidance 3.5, LoRA scale 0.125.
+* ByteDance/Hyper-SD, ``Hyper-FLUX.1-dev-8steps-lora.safetensors``: 8 steps, guidance 3.5, LoRA scale 0.125 (the
+  0.125 checked: a Hyper-SD usage guide and published code that apply the file at 0.125).
 * alimama-creative/FLUX.1-Turbo-Alpha (its file is ``diffusion_pytorch_model.safetensors``): 8 steps, guidance
   3.5, LoRA scale 1.0, FLUX.1-dev's own scheduler.
 * lightx2v/Wan2.1-T2V-14B-StepDistill-CfgDistill (a LoRA of it for the 14B base is published too): 4 steps
-  (denoising list 1000, 750, 500, 250), shift 5, no CFG (CFG-distilled: guidance 1), strength 1.0.
+  (denoising list 1000, 750, 500, 250), shift 5, no CFG (CFG-distilled: guidance 1), strength 1.0 (4 steps
+  without CFG checked: the lightx2v step-distillation documentation).
 * Kijai/WanVideo_comfy ``Wan21_CausVid_*_lora_rank32``: CausVid extracted as LoRAs; users run 4 to 8 steps at
-  cfg 1 and strength 0.3 to 1 (lower strengths with more steps). The preset takes the 4-step end at strength 1.0.
+  cfg 1 and strength 0.3 to 1 (community usage, no official card). The preset takes the 4-step end at 1.0.
 """
 
 from __future__ import annotations

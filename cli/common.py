@@ -10,15 +10,17 @@ import sys
 
 import torch
 
-from ..engine.checks import check_image_size
+from ..engine.checks import check_finite_number, check_image_size
 from ..engine.compile.options import COMPILE_BACKENDS, COMPILE_MODES, GRAPH_MODES, CompileConfig
 from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
 from ..engine.loader import DUMMY_PREFIX
+from ..engine.lora import apply_lora
 from ..engine.models.registry import Family, all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.sampling import SAMPLERS, SCHEDULES
 from ..engine.vae.tiny import variants_for
+from ..engine.weights import check_weights_file
 
 
 class DeprecatedAlias(argparse.Action):
@@ -89,6 +91,45 @@ def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1
         help="attention kernel (auto: flash-attn when installed, on CUDA in fp16/bf16 without a mask; else PyTorch "
         "SDPA)",
     )
+
+
+def lora_option(text: str) -> tuple[str, float]:
+    """``FILE[:STRENGTH]`` -> (path, strength); a tail after the last ``:`` that is not a number stays part of the
+    path (``C:\\loras\\x.safetensors``), so the strength is 1.0 there."""
+    path, sep, tail = text.rpartition(":")
+    if sep and path:
+        try:
+            strength = float(tail)
+        except ValueError:
+            return os.path.expanduser(text), 1.0
+        return os.path.expanduser(path), strength
+    return os.path.expanduser(text), 1.0
+
+
+def add_lora_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        type=lora_option,
+        metavar="FILE[:STRENGTH]",
+        help="a LoRA file for the diffusion model, at STRENGTH (1.0 if not given); repeat it to stack LoRAs, "
+        "applied in order (default: none)",
+    )
+
+
+def check_lora_files(loras) -> None:
+    """Before anything is loaded: each --lora names a weights file that exists."""
+    for path, strength in loras:
+        check_finite_number(strength, "--lora")
+        check_weights_file(path, "--lora")
+
+
+def with_loras(handle, loras):
+    """The handle carrying each --lora (the files are read and checked against the model here)."""
+    for path, strength in loras:
+        handle = apply_lora(handle, path, strength, input_name="--lora")
+    return handle
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,9 +20,11 @@ from ..engine.vae import load_tiny_vae
 from ..engine.vae.tiny import variants_for
 from .common import (
     add_compile_arguments,
+    add_lora_argument,
     add_model_arguments,
     add_sampling_arguments,
     check_at_least,
+    check_lora_files,
     check_size,
     compile_config,
     compile_report,
@@ -36,6 +38,7 @@ from .common import (
     source_of,
     synthetic_condition,
     with_compile,
+    with_loras,
     write_json,
 )
 from .files import save_tensors
@@ -46,6 +49,7 @@ HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage ti
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
+    add_lora_argument(p)
     add_sampling_arguments(p)
     add_compile_arguments(p)
     p.add_argument(
@@ -95,6 +99,7 @@ def run(args) -> int:
     if image_preset:  # the preset is the architecture: an unknown default schedule fails before loading
         check_schedule(args.schedule or default_schedule(*all_presets()[args.model]))
     compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading, too
+    check_lora_files(args.lora)
     prepare_out(args.out)  # before loading anything: a bad --out fails at once
     timings = {}
     t = time.perf_counter()
@@ -113,8 +118,9 @@ def run(args) -> int:
             else "Try --dtype bf16, --weight-dtype fp8 or a GPU"
         ),
     )
-    timings["load_s"] = time.perf_counter() - t
     check_image_model(handle, "--model" if dummy else "--weights")
+    handle = with_loras(handle, args.lora)  # read and checked against the model: part of loading
+    timings["load_s"] = time.perf_counter() - t
     handle = with_compile(handle, compiling)
     family, params = handle.family, handle.params
     check_size(args.height, args.width, family)

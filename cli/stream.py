@@ -22,8 +22,10 @@ from .common import (
     RenamedUnit,
     add_compile_arguments,
     add_deprecated_alias,
+    add_lora_argument,
     add_text_tokens_argument,
     check_at_least,
+    check_lora_files,
     compile_config,
     compile_report,
     load_condition,
@@ -31,6 +33,7 @@ from .common import (
     progress_bar,
     say,
     with_compile,
+    with_loras,
     write_json,
 )
 from .video import VIDEO_FPS, WEBP_MAX_BYTES, open_video, write_video
@@ -50,6 +53,7 @@ def add_arguments(p) -> None:
         default="dummy",
         help="'dummy' (seeded random weights of --model) or a checkpoint path (Self-Forcing, CausVid, ComfyUI)",
     )
+    add_lora_argument(p)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -167,6 +171,7 @@ def run(args) -> int:
     check_at_least(args, text_tokens=1, chunks=1)
     check_seed(args.seed)
     compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading
+    check_lora_files(args.lora)
     if args.out:
         prepare_out(args.out)
     source = f"dummy:{args.model}" if args.weights == "dummy" else args.weights
@@ -174,6 +179,7 @@ def run(args) -> int:
                         device=args.device, input_name="--weights")  # fmt: skip
     if handle.family.name != "wan":
         raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")
+    handle = with_loras(handle, args.lora)
     p = handle.params
     if args.cond:
         context = load_condition(args.cond, None).context

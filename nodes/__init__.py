@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 # module -> node classes it defines (display names follow)
 NODE_MODULES = {
     "loaders": ["FewStepDiTLoader"],
+    "lora": ["FewStepLoraLoader", "FewStepLoraPreset"],
     "sampling": ["FewStepSampler", "FewStepSchedule", "FewStepSamplerSelect", "FewStepSyntheticConditioning"],
     "vae": ["FewStepTinyVAELoader", "FewStepTinyVAEDecode", "FewStepTinyVAEEncode"],
     "video": ["FewStepCausalVideoSampler", "FewStepCausalContinue"],
@@ -25,6 +26,8 @@ NODE_MODULES = {
 }
 DISPLAY_NAMES = {
     "FewStepDiTLoader": "FewStep DiT Loader",
+    "FewStepLoraLoader": "FewStep LoRA Loader",
+    "FewStepLoraPreset": "FewStep LoRA Preset (distillation LoRA settings)",
     "FewStepSampler": "FewStep Sampler",
     "FewStepSchedule": "FewStep Schedule (SIGMAS)",
     "FewStepSamplerSelect": "FewStep Sampler Select (SAMPLER)",

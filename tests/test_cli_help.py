@@ -65,6 +65,7 @@ def test_help_text_renders_without_markup(command):
 SHARED_MEANINGS = {
     "--model": "model preset",
     "--weights": "dummy or a checkpoint path",
+    "--lora": "LoRA file[:strength], repeatable",
     "--dtype": "compute dtype",
     "--weight-dtype": "linear weight storage",
     "--device": "torch device",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -68,7 +69,7 @@ def _default_args(cls, **links):
     return args
 
 
-def test_each_function_returns_its_return_types(pack, monkeypatch):
+def test_each_function_returns_its_return_types(pack, monkeypatch, tmp_path):
     m = pack.NODE_CLASS_MAPPINGS
     (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
     (cond,) = _run(m["FewStepSyntheticConditioning"])
@@ -120,6 +121,13 @@ def test_each_function_returns_its_return_types(pack, monkeypatch):
         ),
         FewStepCostPlan=_run(m["FewStepCostPlan"], model=model),
     )
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the dummy LoRA is written outside ComfyUI
+    outputs.update(
+        FewStepLoraLoader=_run(m["FewStepLoraLoader"], model=model),
+        FewStepLoraPreset=_run(m["FewStepLoraPreset"]),
+    )
+    assert [p.strength for p in outputs["FewStepLoraLoader"][0].loras] == [1.0] and model.loras == ()
+    assert outputs["FewStepLoraPreset"][0] == 8  # the first preset: Hyper-FLUX, 8 steps
     assert outputs["FewStepCompile"][0].model is model.model
     assert outputs["FewStepParallelLauncher"][0] is None
     assert outputs["FewStepStreamBatch"][0].shape == (3, 32, 32, 3)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -414,6 +415,24 @@ def test_new_family_dummy_workflows_run_through_the_nodes(name, image_shape, lat
     assert torch.isfinite(image).all() and float(image.min()) >= 0 and float(image.max()) <= 1
 
 
+def test_lora_dummy_workflows_run_through_the_nodes(monkeypatch, tmp_path):
+    """The LoRA twins: the loader writes its random LoRA (here in a temp dir) and the samplers run the patched
+    model with the preset's steps (Hyper-FLUX 8 on the dev schedule, CausVid 4 per chunk)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    image = run_in_process(load("flux_dev_hyper_lora_dummy.api.json"))
+    (model,) = image["FewStep LoRA Loader (random LoRA)"]
+    assert [p.strength for p in model.loras] == [0.125]
+    latent, report = image["FewStep Sampler (8 steps)"]
+    assert tuple(latent["samples"].shape) == (1, 16, 16, 16) and "8 steps" in report
+    video = run_in_process(load("wan_causal_lora_dummy.api.json"))
+    (model,) = video["FewStep LoRA Loader (random LoRA)"]
+    assert [p.strength for p in model.loras] == [1.0]
+    assert "4 steps" in video["FewStep Causal Video Sampler (LoRA)"][3]
+    assert sorted(os.listdir(tmp_path / "fewstep" / "loras")) == sorted(
+        {p.name for p in image["FewStep LoRA Loader (random LoRA)"][0].loras} | {p.name for p in model.loras}
+    )
+
+
 def test_zimage_stream_batch_dummy_runs_through_the_nodes():
     """Needs the stream batch for Z-Image (engine/stream): six 64x64 frames in, six out, repeats skipped."""
     outputs = run_in_process(load("zimage_turbo_stream_batch_dummy.api.json"))
@@ -422,6 +441,9 @@ def test_zimage_stream_batch_dummy_runs_through_the_nodes():
     assert "frames skipped" in report
 
 
+NOT_OFFERED_SELF_FORCING = (
+    "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"
+)
 # The files each real workflow's Missing Models list must offer (ComfyUI's frontend downloads them from there).
 EXPECTED_MODELS = {
     "flux2_klein_tiny_decode.json": {
@@ -449,6 +471,28 @@ EXPECTED_MODELS = {
         ("taef1.safetensors", "vae_approx",
          "https://huggingface.co/madebyollin/taef1/resolve/main/diffusion_pytorch_model.safetensors"),
     },
+    "flux_dev_hyper_lora.json": {
+        ("flux1-dev.safetensors", "diffusion_models",
+         "https://huggingface.co/black-forest-labs/FLUX.1-dev/resolve/main/flux1-dev.safetensors"),
+        ("Hyper-FLUX.1-dev-8steps-lora.safetensors", "loras",
+         "https://huggingface.co/ByteDance/Hyper-SD/resolve/main/Hyper-FLUX.1-dev-8steps-lora.safetensors"),
+        ("t5xxl_fp16.safetensors", "text_encoders",
+         "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors"),
+        ("clip_l.safetensors", "text_encoders",
+         "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors"),
+        ("ae.safetensors", "vae",
+         "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors"),
+    },
+    "wan_causal_lora.json": {
+        ("self_forcing_dmd.pt", "diffusion_models", NOT_OFFERED_SELF_FORCING),
+        ("Wan21_CausVid_bidirect2_T2V_1_3B_lora_rank32.safetensors", "loras",
+         "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/Wan21_CausVid_bidirect2_T2V_1_3B_lora_rank32.safetensors"),
+        ("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders",
+         "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
+         "umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
+        ("taew2_1.safetensors", "vae_approx",
+         "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/taew2_1.safetensors"),
+    },
 }  # fmt: skip
 
 
@@ -466,6 +510,7 @@ def test_real_workflows_offer_their_model_downloads(name):
 LOADER_FOLDERS = {
     ("FewStepDiTLoader", "model_name"): "diffusion_models",
     ("FewStepTinyVAELoader", "vae_name"): "vae_approx",
+    ("FewStepLoraLoader", "lora_name"): "loras",
     ("UNETLoader", "unet_name"): "diffusion_models",
     ("VAELoader", "vae_name"): "vae",
     ("CLIPLoader", "clip_name"): "text_encoders",

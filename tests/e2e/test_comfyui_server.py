@@ -60,6 +60,8 @@ EXPECTED_TEXT = {
     "flux2_klein_tiny_decode_dummy.api.json": ("euler, 4 steps", "4 DiT forwards"),
     "zimage_turbo_t2i_dummy.api.json": ("euler, 8 steps", "8 DiT forwards"),
     "zimage_turbo_stream_batch_dummy.api.json": ("4 of 6 frames skipped",),
+    "flux_dev_hyper_lora_dummy.api.json": ("euler, 8 steps", "8 DiT forwards", "hyper-flux.1-dev-8step"),
+    "wan_causal_lora_dummy.api.json": ("4 steps", "causvid-wan2.1-4step"),
 }
 
 

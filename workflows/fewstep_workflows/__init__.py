@@ -6,7 +6,7 @@ register their workflows with ``@workflow``. Importing this package registers al
 files, so the order does not matter). Only ``workflows/build_workflows.py`` and the tests import it; the pack never does.
 """
 
-from . import cache, causal_video, compile, flux2_zimage, image, parallel, plan, stream, tiny_vae  # noqa: F401
+from . import cache, causal_video, compile, flux2_zimage, image, lora, parallel, plan, stream, tiny_vae  # noqa: F401
 from .graph import WORKFLOWS
 
 __all__ = ["WORKFLOWS"]

@@ -77,6 +77,16 @@ MODELS = {
     ),
 }
 
+# The step-distillation LoRAs of issue 19 (folder loras, as ComfyUI's LoraLoader reads them)
+MODELS["Hyper-FLUX.1-dev-8steps-lora.safetensors"] = (
+    "loras",
+    "https://huggingface.co/ByteDance/Hyper-SD/resolve/main/Hyper-FLUX.1-dev-8steps-lora.safetensors",
+)
+MODELS["Wan21_CausVid_bidirect2_T2V_1_3B_lora_rank32.safetensors"] = (
+    "loras",
+    "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/Wan21_CausVid_bidirect2_T2V_1_3B_lora_rank32.safetensors",
+)
+
 # Files the Missing Models dialog cannot download: no safetensors copy of the official tensors on huggingface.co
 # was found (the frontend downloads only .safetensors / .sft names). They are still listed, so the dialog names
 # them as missing with their folder and a "Copy URL" button (beside its refusal), and each workflow's Note says

@@ -484,7 +484,9 @@ EXPECTED_MODELS = {
          "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors"),
     },
     "wan_causal_lora.json": {
-        ("self_forcing_dmd.pt", "diffusion_models", NOT_OFFERED_SELF_FORCING),
+        ("wan2.1_t2v_1.3B_bf16.safetensors", "diffusion_models",
+         "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/diffusion_models/"
+         "wan2.1_t2v_1.3B_bf16.safetensors"),
         ("Wan21_CausVid_bidirect2_T2V_1_3B_lora_rank32.safetensors", "loras",
          "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/Wan21_CausVid_bidirect2_T2V_1_3B_lora_rank32.safetensors"),
         ("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders",

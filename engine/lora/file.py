@@ -23,7 +23,9 @@ from .patch import LoraPatch, deltas_digest
 log = logging.getLogger(__name__)
 
 
-def read_lora(path: str | os.PathLike, model: nn.Module, strength: float = 1.0, input_name: str = "lora") -> LoraPatch:
+def read_lora(
+    path: str | os.PathLike, model: nn.Module, strength: float = 1.0, input_name: str = "lora"
+) -> LoraPatch:
     path = os.fspath(path)
     name = os.path.basename(path)
     strength = float(strength)

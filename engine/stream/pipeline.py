@@ -297,7 +297,8 @@ class StreamBatch:
         self.compile_run = run.compiled
         self._compile_telemetry = None
         self.model, self.backends = run.model, run.backends
-        self._ensure_weights = run.ensure_weights  # the handle's LoRA, merged again if another handle ran between
+        # the handle's LoRA, merged again if another handle ran between
+        self._ensure_weights = run.ensure_weights
         self.family = handle.family
         self.device, self.dtype = handle.device, handle.dtype
         self.size = (height, width)

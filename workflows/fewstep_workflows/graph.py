@@ -77,7 +77,12 @@ MODELS = {
     ),
 }
 
-# The step-distillation LoRAs of issue 19 (folder loras, as ComfyUI's LoraLoader reads them)
+# The step-distillation LoRAs (folder loras, as ComfyUI's LoraLoader reads them) and the Wan base they patch
+MODELS["wan2.1_t2v_1.3B_bf16.safetensors"] = (
+    "diffusion_models",
+    "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/diffusion_models/"
+    "wan2.1_t2v_1.3B_bf16.safetensors",
+)
 MODELS["Hyper-FLUX.1-dev-8steps-lora.safetensors"] = (
     "loras",
     "https://huggingface.co/ByteDance/Hyper-SD/resolve/main/Hyper-FLUX.1-dev-8steps-lora.safetensors",

@@ -7,7 +7,6 @@ from .graph import Graph, workflow
 from .parts import (
     FLUX_SIDE_FILES,
     PROMPT,
-    WAN_FILES,
     VideoInputs,
     causal_video,
     decode_and_save,
@@ -57,7 +56,6 @@ No files? Open flux_dev_hyper_lora_dummy.json."""
     latent = g.add("EmptySD3LatentImage", "Image size", 3, width=1024, height=1024, batch_size=1)
     sampler = fewstep_sampler(
         g, "FewStep Sampler (8 steps)", 4, model[0], cond[0], latent[0], steps=preset[0], schedule="flux.1-dev",
-       
     )  # fmt: skip
     g.add("PreviewAny", "Sampler report", 4, ui_height=200, source=sampler[1])
     g.add("PreviewAny", "Preset settings", 2, ui_height=140, source=preset[4])
@@ -91,7 +89,6 @@ Needs no files. For real images open flux_dev_hyper_lora.json."""
     latent = g.add("EmptySD3LatentImage", "Image size", 2, width=128, height=128, batch_size=1)
     sampler = fewstep_sampler(
         g, "FewStep Sampler (8 steps)", 3, model[0], cond[0], latent[0], steps=preset[0], schedule="flux.1-dev",
-       
     )  # fmt: skip
     g.add(
         "SaveLatent",
@@ -104,15 +101,19 @@ Needs no files. For real images open flux_dev_hyper_lora.json."""
     g.add("PreviewAny", "Preset settings", 3, ui_height=140, source=preset[4])
 
 
-CAUSVID_NOTE = """The LoRA: Kijai's CausVid LoRA for Wan2.1-T2V-1.3B (huggingface.co/Kijai/WanVideo_comfy): the
-difference between a CausVid few-step DMD student and the Wan 2.1 base, extracted at rank 32 ("bidirect2": from
-CausVid's bidirectional student, which denoises a whole clip at once). This graph applies it to the causal
-sampler's model and runs it chunk by chunk with a rolling KV cache. What that means: the LoRA was not trained
-for causal (chunk-by-chunk) attention, so this is not CausVid's own autoregressive model but an experiment;
-and the base here, Self-Forcing, is already a 4-step causal student of the same Wan 2.1, so the LoRA stacks a
-second distillation on it - hence strength 0.5 here, not the preset's 1.0 (users run CausVid LoRAs at 0.3 to 1
-and 4 to 8 steps). Another Wan 2.1 1.3B checkpoint in the loader works the same way. The preset gives the 4
-steps of the [1000, 750, 500, 250] shift-5 schedule and no CFG. CausVid's weights are licensed for
+WAN_BASE = "wan2.1_t2v_1.3B_bf16.safetensors"
+
+CAUSVID_NOTE = """The setup: the plain Wan2.1-T2V-1.3B base (a 50-step model) plus Kijai's CausVid LoRA
+(huggingface.co/Kijai/WanVideo_comfy), the difference between CausVid's few-step DMD student and that base,
+extracted at rank 32 ("bidirect2": from CausVid's bidirectional student, which denoises a whole clip at once).
+The LoRA is what makes the base a 4-step model; the preset gives its 4 steps of the [1000, 750, 500, 250]
+shift-5 schedule, no CFG, strength 1.0 (users run CausVid LoRAs at 0.3 to 1 and 4 to 8 steps).
+
+What the causal sampler changes: it runs the patched model chunk by chunk with a rolling KV cache, while this
+LoRA was distilled for whole-clip (bidirectional) attention. Expect it to work less well than a model trained
+causally: for that, load Self-Forcing (self_forcing_dmd.pt, the wan_causal_video workflow) without a LoRA. This
+graph is the base-plus-LoRA path for people whose Wan setup is a LoRA; nothing here was checked against real
+weights (no GPU or model files were available when it was built). CausVid's weights are licensed for
 non-commercial use only (check the model card)."""
 
 
@@ -123,17 +124,19 @@ def wan_causal_lora(g: Graph) -> None:
 {CAUSVID_NOTE}
 
 Files (ComfyUI/models/...):
-{WAN_FILES}
+- diffusion_models/{WAN_BASE} (huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged)
 - loras/{CAUSVID_LORA} (huggingface.co/Kijai/WanVideo_comfy)
+- text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors (huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged)
+- vae_approx/taew2_1.safetensors (huggingface.co/Kijai/WanVideo_comfy)
 
 No files? Open wan_causal_lora_dummy.json."""
     preset = g.add("FewStepLoraPreset", "LoRA preset (CausVid 4 steps)", 1, preset="causvid-wan2.1-4step")
-    base = g.add("FewStepDiTLoader", "FewStep DiT Loader (Self-Forcing)", 1, model_name="self_forcing_dmd.pt")
+    base = g.add("FewStepDiTLoader", "FewStep DiT Loader (Wan 2.1 1.3B)", 1, model_name=WAN_BASE)
     _, cond = wan_text(g, 1, "a corgi running along a beach at sunset, waves rolling in, tracking shot")
     tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEW2.1)", 1, vae_name="taew2_1.safetensors")
     model = g.add(
-        "FewStepLoraLoader", "FewStep LoRA Loader (CausVid, strength 0.5)", 2, model=base[0],
-        lora_name=CAUSVID_LORA, strength=0.5,
+        "FewStepLoraLoader", "FewStep LoRA Loader (CausVid)", 2, model=base[0], lora_name=CAUSVID_LORA,
+        strength=preset[3],
     )  # fmt: skip
     g.add("PreviewAny", "Preset settings", 2, ui_height=140, source=preset[4])
     causal_video(

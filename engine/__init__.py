@@ -5,6 +5,7 @@ Public API::
     from fewstep.engine import load_dit, open_model, sample_latent, TextCondition
     model = load_dit("flux1-schnell.safetensors")          # or "dummy:flux-tiny"
     handle = open_model("dummy:flux-tiny")                  # model + how to run it
+    handle = apply_lora(handle, "my_lora.safetensors", 0.8)   # a LoRA, merged by the runs that use it
     latent, report = sample_latent(handle, [cond], torch.zeros(1, 16, 32, 32), steps=4)
 """
 
@@ -15,6 +16,7 @@ from .errors import CheckpointError, FewStepError, InputError
 from .handle import ModelHandle, open_model
 from .latent_formats import FLUX1, LatentFormat
 from .loader import DUMMY_PREFIX, load_dit, preset_of
+from .lora import apply_lora
 from .models.registry import FAMILIES, all_presets
 from .run import Run, RunOptions, open_run
 from .text_to_image import SampleReport, SampleRequest, noise_for, sample, sample_latent
@@ -40,6 +42,7 @@ __all__ = [
     "TinyVAE",
     "TextCondition",
     "all_presets",
+    "apply_lora",
     "load_dit",
     "load_tiny_vae",
     "open_run",

@@ -111,15 +111,21 @@ def _mib(n: int) -> str:
 
 
 def _check_backup_fits(tensors: dict[str, torch.Tensor], input_name: str) -> None:
+    from ..ops import is_fp8
     from ..plan.preflight import check_fits  # the planner imports the engine: import it when merging
 
     need = sum(t.numel() * t.element_size() for t in tensors.values())
-    largest = max(t.numel() for t in tensors.values()) * 4
+    # one weight at a time is merged in float32 where it lives; fp8 rounding needs a few more buffers of its size
+    work = max(t.numel() * (24 if is_fp8(t.dtype) else 8) for t in tensors.values())
+    device = next(iter(tensors.values())).device
+    hint = "Use a LoRA that patches fewer layers, or free host memory"
+    if device.type == "cpu":
+        check_fits({"base values of the LoRA-patched weights": need, "merge buffers": work}, "cpu", input_name,
+                   hint=hint)  # fmt: skip
+        return
+    check_fits({"base values of the LoRA-patched weights": need}, "cpu", input_name, hint=hint)
     check_fits(
-        {"base values of the LoRA-patched weights": need, "one float32 merge buffer": largest},
-        "cpu",
-        input_name,
-        hint="Use a LoRA that patches fewer layers, or free host memory",
+        {"merge buffers": work}, device, input_name, hint="Free GPU memory or use a LoRA on fewer layers"
     )
 
 

@@ -15,6 +15,7 @@ import re
 
 from torch import nn
 
+from ..models import flux2_checkpoint, flux_checkpoint
 from .formats import Target
 
 
@@ -71,30 +72,11 @@ def _flux(model: nn.Module) -> dict[str, list[Target]]:
     _flux_double_single(names, hidden, mlp_hidden, out)
     for i in _indices(names, "double_blocks"):
         p, q = f"transformer_blocks.{i}.", f"double_blocks.{i}."
-        for a, b in (
-            ("norm1.linear", "img_mod.lin"),
-            ("norm1_context.linear", "txt_mod.lin"),
-            ("ff.net.0.proj", "img_mlp.0"),
-            ("ff.net.2", "img_mlp.2"),
-            ("ff_context.net.0.proj", "txt_mlp.0"),
-            ("ff_context.net.2", "txt_mlp.2"),
-        ):
-            out[p + a] = [Target(q + b)]
+        out.update({p + a: [Target(q + b)] for a, b in flux_checkpoint.DIFFUSERS_DOUBLE_MODULES.items()})
     for i in _indices(names, "single_blocks"):
         p, q = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        out[p + "norm.linear"] = [Target(q + "modulation.lin")]
-        out[p + "proj_out"] = [Target(q + "linear2")]
-    top = {
-        "x_embedder": "img_in",
-        "context_embedder": "txt_in",
-        "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
-        "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
-        "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
-        "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
-        "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-        "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-        "proj_out": "final_layer.linear",
-    }
+        out.update({p + a: [Target(q + b)] for a, b in flux_checkpoint.DIFFUSERS_SINGLE_MODULES.items()})
+    top = flux_checkpoint.DIFFUSERS_TOP_MODULES
     out.update({a: [Target(b)] for a, b in top.items() if b in names})
     # diffusers' AdaLayerNormContinuous emits (scale, shift); the official final layer (shift, scale)
     out["norm_out.linear"] = [Target("final_layer.adaLN_modulation.1", transform="swap_halves")]
@@ -121,18 +103,7 @@ def _flux2(model: nn.Module) -> dict[str, list[Target]]:
         p, q = f"single_transformer_blocks.{i}.attn.", f"single_blocks.{i}."
         out[p + "to_qkv_mlp_proj"] = [Target(q + "linear1")]
         out[p + "to_out"] = [Target(q + "linear2")]
-    top = {
-        "x_embedder": "img_in",
-        "context_embedder": "txt_in",
-        "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
-        "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
-        "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-        "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-        "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
-        "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
-        "single_stream_modulation.linear": "single_stream_modulation.lin",
-        "proj_out": "final_layer.linear",
-    }
+    top = flux2_checkpoint.DIFFUSERS_TOP_MODULES
     out.update({a: [Target(b)] for a, b in top.items() if b in names})
     out["norm_out.linear"] = [Target("final_layer.adaLN_modulation.1", transform="swap_halves")]
     return out

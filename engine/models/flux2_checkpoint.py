@@ -38,7 +38,8 @@ def is_diffusers(keys) -> bool:
     return "x_embedder.weight" in keys and "single_stream_modulation.linear.weight" in keys
 
 
-_TOP_RENAMES = {
+# diffusers module -> official module (also what engine/lora/names.py maps LoRA modules by)
+DIFFUSERS_TOP_MODULES = {
     "x_embedder": "img_in",
     "context_embedder": "txt_in",
     "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
@@ -98,7 +99,7 @@ def diffusers_to_official(sd: StateDict) -> StateDict:
         for a, b in _SINGLE_RENAMES.items():
             if p + a in src:
                 out[q + b] = src.pop(p + a)
-    for a, b in _TOP_RENAMES.items():
+    for a, b in DIFFUSERS_TOP_MODULES.items():
         if f"{a}.weight" in src:
             out[f"{b}.weight"] = src.pop(f"{a}.weight")
     if "norm_out.linear.weight" in src:

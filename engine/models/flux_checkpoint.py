@@ -45,7 +45,8 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((second, first), dim=0)
 
 
-_DOUBLE_RENAMES = {
+# diffusers module -> official module (also what engine/lora/names.py maps LoRA modules by)
+DIFFUSERS_DOUBLE_MODULES = {
     "attn.to_out.0": "img_attn.proj",
     "attn.to_add_out": "txt_attn.proj",
     "norm1.linear": "img_mod.lin",
@@ -61,9 +62,9 @@ _DOUBLE_NORMS = {
     "attn.norm_added_q.weight": "txt_attn.norm.query_norm.scale",
     "attn.norm_added_k.weight": "txt_attn.norm.key_norm.scale",
 }
-_SINGLE_RENAMES = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
+DIFFUSERS_SINGLE_MODULES = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
 _SINGLE_NORMS = {"attn.norm_q.weight": "norm.query_norm.scale", "attn.norm_k.weight": "norm.key_norm.scale"}
-_TOP_RENAMES = {
+DIFFUSERS_TOP_MODULES = {
     "x_embedder": "img_in",
     "context_embedder": "txt_in",
     "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
@@ -102,7 +103,7 @@ def diffusers_to_official(sd: StateDict) -> StateDict:
         p, q = f"transformer_blocks.{i}.", f"double_blocks.{i}."
         fuse(q + "img_attn.qkv", [p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"])
         fuse(q + "txt_attn.qkv", [p + "attn.add_q_proj", p + "attn.add_k_proj", p + "attn.add_v_proj"])
-        for a, b in _DOUBLE_RENAMES.items():
+        for a, b in DIFFUSERS_DOUBLE_MODULES.items():
             for end in ("weight", "bias"):
                 if f"{p}{a}.{end}" in src:
                     out[f"{q}{b}.{end}"] = take(f"{p}{a}.{end}")
@@ -112,14 +113,14 @@ def diffusers_to_official(sd: StateDict) -> StateDict:
     for i in _block_indices(sd, "single_transformer_blocks."):
         p, q = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
         fuse(q + "linear1", [p + "attn.to_q", p + "attn.to_k", p + "attn.to_v", p + "proj_mlp"])
-        for a, b in _SINGLE_RENAMES.items():
+        for a, b in DIFFUSERS_SINGLE_MODULES.items():
             for end in ("weight", "bias"):
                 if f"{p}{a}.{end}" in src:
                     out[f"{q}{b}.{end}"] = take(f"{p}{a}.{end}")
         for a, b in _SINGLE_NORMS.items():
             if p + a in src:
                 out[q + b] = take(p + a)
-    for a, b in _TOP_RENAMES.items():
+    for a, b in DIFFUSERS_TOP_MODULES.items():
         for end in ("weight", "bias"):
             if f"{a}.{end}" in src:
                 out[f"{b}.{end}"] = take(f"{a}.{end}")

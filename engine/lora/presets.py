@@ -6,17 +6,18 @@ never overrides a setting behind the user's back. The schedules are the engine's
 (``engine.sampling.schedules``): ``flux.1-dev`` is FLUX.1-dev's flow-matching schedule with its
 resolution-dependent shift, ``wan-dmd-4step`` the timesteps [1000, 750, 500, 250] warped by shift 5.
 
-Sources (each preset's ``source`` names the huggingface.co repository whose model card publishes the numbers;
-the model cards themselves could not be opened here, so the numbers are as issue 19 gives them, checked against
-other public material where noted):
+Sources (each preset's ``source`` names where its numbers are published; the model cards themselves could not be
+opened here, so each line says what backs it):
 
-* ByteDance/Hyper-SD, ``Hyper-FLUX.1-dev-8steps-lora.safetensors``: 8 steps, guidance 3.5, LoRA scale 0.125 (the
-  0.125 checked: a Hyper-SD usage guide and published code that apply the file at 0.125).
+* ByteDance/Hyper-SD, ``Hyper-FLUX.1-dev-8steps-lora.safetensors``: 8 steps, guidance 3.5, LoRA scale 0.125
+  (checked: Hyper-SD's published diffusers example fuses the file at ``lora_scale=0.125`` and samples
+  ``num_inference_steps=8, guidance_scale=3.5``).
 * alimama-creative/FLUX.1-Turbo-Alpha (its file is ``diffusion_pytorch_model.safetensors``): 8 steps, guidance
-  3.5, LoRA scale 1.0, FLUX.1-dev's own scheduler.
-* lightx2v/Wan2.1-T2V-14B-StepDistill-CfgDistill (a LoRA of it for the 14B base is published too): 4 steps
-  (denoising list 1000, 750, 500, 250), shift 5, no CFG (CFG-distilled: guidance 1), strength 1.0 (4 steps
-  without CFG checked: the lightx2v step-distillation documentation).
+  3.5, LoRA scale 1.0, FLUX.1-dev's own scheduler (not checked here: from the model card as issue 19 cites it).
+* lightx2v, Wan2.1 T2V 14B step / CFG distillation LoRA (``lightx2v/Wan2.1-Distill-Loras``,
+  ``wan2.1_t2v_14b_lora_rank64_lightx2v_4step.safetensors``): 4 steps, denoising list [1000, 750, 500, 250],
+  ``sample_shift`` 5, CFG off, strength 1.0 (checked: lightx2v's ``configs/distill/wan21/
+  wan_t2v_distill_lora_4step_cfg.json``).
 * Kijai/WanVideo_comfy ``Wan21_CausVid_*_lora_rank32``: CausVid extracted as LoRAs; users run 4 to 8 steps at
   cfg 1 and strength 0.3 to 1 (community usage, no official card). The preset takes the 4-step end at 1.0.
 """
@@ -78,13 +79,13 @@ LORA_PRESETS: dict[str, LoraPreset] = {
         LoraPreset(
             "lightx2v-wan2.1-4step",
             "wan",
-            "Wan2.1-T2V-14B-StepDistill-CfgDistill (lightx2v LoRA)",
+            "wan2.1_t2v_14b_lora_rank64_lightx2v_4step.safetensors",
             steps=4,
             schedule="wan-dmd-4step",
             cfg=1.0,
             guidance=0.0,
             strength=1.0,
-            source="huggingface.co/lightx2v/Wan2.1-T2V-14B-StepDistill-CfgDistill",
+            source="huggingface.co/lightx2v/Wan2.1-Distill-Loras (configs/distill/wan21/wan_t2v_distill_lora_4step_cfg.json)",
             note="for Wan2.1-T2V-14B (a 14B LoRA does not fit the 1.3B model)",
         ),
         LoraPreset(

@@ -8,7 +8,7 @@ else decides how the model computes:
   kernel mode (the options', else ``FEWSTEP_KERNELS``, else ``auto``); handed to every forward, so the models read
   no process-global or thread-local switch;
 * ``loras``: the handle's LoRA patches are merged into the model's weights before anything else reads them
-  (``engine.lora.merge``), and a handle without patches gets the base weights back; :meth:`Run.ensure_weights`
+  (``engine.lora.merge``), and a handle without patches gets the base weights back; :attr:`Run.weights_keeper`
   repeats that at the entry of every later call of a run that spans several;
 * ``sharding``: this rank's sequence-parallel layout in a worker pool (``engine.parallel.sharding``): its block
   runner shards the tokens and puts the mesh's plan into the blocks' backends (``Backends.with_parallel``), around
@@ -26,6 +26,7 @@ engine composes them here, each switchable off on its own.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -77,9 +78,17 @@ class Run:
 
     def ensure_weights(self) -> None:
         """Merge the handle's LoRA patches into the shared model (or restore its base weights) if another run
-        changed them since; a no-op otherwise. Runs that span several calls (a video session's chunks, a stream's
-        frames) call it at each entry, since another handle on the same model may have run in between."""
+        changed them since; a no-op otherwise."""
         ensure_patches(self.handle.model, self.handle.loras)
+
+    @property
+    def weights_keeper(self):
+        """``ensure_weights`` for runs that span several calls (a video session's chunks, a stream's frames):
+        they call it at each entry, since another handle on the same model may have run in between. It holds the
+        model and the patches, not the handle: a session kept in a store must not keep the handle's host object
+        (ComfyUI's ModelPatcher) alive, or dropping the session while ComfyUI unloads models would free that
+        object in the middle of ComfyUI's unload loop."""
+        return functools.partial(ensure_patches, self.handle.model, self.handle.loras)
 
     @property
     def base_model(self):

@@ -372,3 +372,30 @@ def test_a_captured_graph_replays_the_merged_weights_without_recapture(tmp_path)
         assert (g.captures, g.invalidations, g.hits) == (0, 0, 4), report.summary()
     base_ref, _ = _run_flux(handle)
     assert torch.equal(_run_flux(graphed)[0], base_ref)
+
+
+def test_a_stored_video_session_does_not_keep_the_handles_host_object_alive(tmp_path):
+    """A session kept in the node's store holds the model and its patches, not the handle: dropping it inside
+    ComfyUI's unload loop (the ON_DETACH callback) must not free the host's ModelPatcher there, which would run
+    ComfyUI's cleanup_models in the middle of the loop (IndexError in free_memory)."""
+    import gc
+    import weakref
+
+    class Host:  # stands in for ComfyUI's ModelPatcher
+        pass
+
+    wan = handle_for("wan-tiny")
+    write_lora(tmp_path / "w.safetensors", wan.model, scale=0.3)
+    host = Host()
+    handle = apply_lora(wan, tmp_path / "w.safetensors", 1.0).replace(host=host)
+    session, _ = open_session(handle, WAN_CONTEXT, 32, 32, WAN_CONFIG, seed=3)
+    first = next(iter(session.chunks(1))).latents
+    alive = weakref.ref(host)
+    del handle, host
+    gc.collect()
+    assert alive() is None
+    # and the session still merges its LoRA: it equals a fresh session of the same handle
+    again, _ = open_session(
+        apply_lora(wan, tmp_path / "w.safetensors", 1.0), WAN_CONTEXT, 32, 32, WAN_CONFIG, seed=3
+    )
+    assert torch.equal(next(iter(again.chunks(1))).latents, first)

@@ -34,7 +34,7 @@ def open_session(handle, context: torch.Tensor, height: int, width: int, config:
     run = open_run(handle, options)
     session = VideoSession(run.model, context, height, width, config, seed, tiny_vae, where=where,
                            step_cache=run.gate, base_model=run.base_model, backends=run.backends,
-                           ensure_weights=run.ensure_weights)  # fmt: skip
+                           ensure_weights=run.weights_keeper)  # fmt: skip
     return session, run.compiled
 
 

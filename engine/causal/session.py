@@ -146,7 +146,7 @@ class VideoSession:
         rank of a worker pool; its cache then holds this rank's share of each frame's tokens and of the heads.
         ``base_model``: the engine model ``model`` stands for when it is a wrapper (a compiled run), so a host can
         free the sessions of a model it unloads; ``model`` itself by default. ``ensure_weights``: the run's
-        ``Run.ensure_weights``, called before the session's weights are read (each prompt and each call of
+        ``Run.weights_keeper``, called before the session's weights are read (each prompt and each call of
         :meth:`chunks`), so the handle's LoRA stays merged when another handle ran the model in between."""
         p = model.params
         self._ensure_weights = ensure_weights or (lambda: None)

@@ -391,7 +391,7 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
         session = VideoSession(
             run.model, job["context"].to(ctx.device), job["height"], job["width"],
             CausalConfig(**job["config"]), job["seed"], parallel=run.sharding, backends=run.backends,
-            ensure_weights=run.ensure_weights,  # the LoRA merged again if a job of another handle ran between
+            ensure_weights=run.weights_keeper,  # the LoRA merged again if a job of another handle ran between
         )  # fmt: skip
         ctx.sessions[key] = session
         while len(ctx.sessions) > MAX_SESSIONS:

@@ -298,7 +298,7 @@ class StreamBatch:
         self._compile_telemetry = None
         self.model, self.backends = run.model, run.backends
         # the handle's LoRA, merged again if another handle ran between
-        self._ensure_weights = run.ensure_weights
+        self._ensure_weights = run.weights_keeper
         self.family = handle.family
         self.device, self.dtype = handle.device, handle.dtype
         self.size = (height, width)

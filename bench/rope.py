@@ -2,6 +2,7 @@
 
     python bench/rope.py                 # rotation at 1 and 2 threads, wan-mid forward on one 832x480 latent frame
     python bench/rope.py --quick         # fewer repeats, wan-tiny forward (< 30 s)
+    python bench/rope.py --preset wan2.1-1.3b --layers 2   # Wan-1.3B's width (12 heads x 128), 2 of its blocks
 
 Rotation: ``kernels.rope.apply_rope`` on Wan-1.3B's per-layer keys ``[1, L, 12, 128]`` float32 (L = 2304 and 1560,
 one 832x480 latent frame), "before" = float64 tables and the unflatten -> stack -> flatten formulation (what the
@@ -16,6 +17,7 @@ as it is now; medians, interleaved, and the max abs difference of the two output
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -76,10 +78,13 @@ def bench_rotation(threads: int, tokens: int, repeats: int) -> dict:
     return row
 
 
-def bench_forward(preset: str, threads: int, repeats: int, latent_hw: tuple[int, int]) -> dict:
+def bench_forward(
+    preset: str, layers: int | None, threads: int, repeats: int, latent_hw: tuple[int, int]
+) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = Wan(PRESETS[preset]).eval()
+    params = PRESETS[preset] if layers is None else dataclasses.replace(PRESETS[preset], num_layers=layers)
+    model = Wan(params).eval()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 16, 1, *latent_hw, generator=g)
     ctx = torch.randn(1, 32, 4096, generator=g)
@@ -98,10 +103,12 @@ def bench_forward(preset: str, threads: int, repeats: int, latent_hw: tuple[int,
     diff = (run(True) - run(False)).abs().max().item()
     times = interleaved_medians({"before_s": lambda: run(True), "after_s": lambda: run(False)}, repeats)
     tokens = latent_hw[0] * latent_hw[1] // 4
-    row = dict(times, preset=preset, threads=threads, tokens=tokens, max_abs_diff=diff)
+    row = dict(
+        times, preset=preset, layers=params.num_layers, threads=threads, tokens=tokens, max_abs_diff=diff
+    )
     row["speedup"] = row["before_s"] / row["after_s"]
     print(
-        f"| {preset} | {threads} | {tokens} | {row['before_s'] * 1e3:.0f} | {row['after_s'] * 1e3:.0f} | "
+        f"| {preset} | {params.num_layers} | {threads} | {tokens} | {row['before_s'] * 1e3:.0f} | {row['after_s'] * 1e3:.0f} | "
         f"{row['speedup']:.3f}x | {diff:.1e} |"
     )
     return row
@@ -112,6 +119,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--forward-repeats", type=int, default=7)
     ap.add_argument("--preset", default="wan-mid", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=None, help="blocks of the forward (default: the preset's)")
     ap.add_argument("--latent", default="60x104", help="latent height x width of the one frame (832x480 px)")
     ap.add_argument("--threads", type=int, default=None, help="threads of the forward (default: all cores)")
     ap.add_argument("--quick", action="store_true", help="5 / 3 repeats and wan-tiny")
@@ -123,10 +131,11 @@ def main() -> None:
     print("| threads | keys | before ms | after ms | speedup |\n|---|---|---|---|---|")
     rotation = [bench_rotation(n, tokens, args.repeats) for n in (1, 2) for tokens in (2304, 1560)]
     print(
-        "\n| preset | threads | tokens | before ms | after ms | speedup | max abs diff |\n|---|---|---|---|---|---|---|"
+        "\n| preset | layers | threads | tokens | before ms | after ms | speedup | max abs diff |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     latent_hw = tuple(int(v) for v in args.latent.lower().split("x"))
-    forward = bench_forward(args.preset, threads, args.forward_repeats, latent_hw)
+    forward = bench_forward(args.preset, args.layers, threads, args.forward_repeats, latent_hw)
     save("rope", {"env": env, "rotation": rotation, "forward": forward})
 
 

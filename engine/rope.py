@@ -4,8 +4,11 @@ Each token carries integer positions along several axes (FLUX: text-or-image ind
 row, column). The head dimension is split between the axes (``axes_dim``, each even); every axis rotates its
 share of the head in adjacent pairs ``(x[2i], x[2i+1])`` by ``position * theta ** (-2i / axis_dim)``.
 
-Frequencies are computed in float32 and the rotation is applied in float32, as the reference implementations
-do, then cast back to the activation dtype.
+The rotation is applied in float32 (the tables' dtype) and cast back to the activation dtype. The angles are
+computed in float32 for FLUX, as its reference does, and in float64 for Wan, whose absolute frame positions grow
+without bound in a long stream: the float64 angles are reduced by ``cos`` / ``sin`` before the tables are
+rounded to float32, so a table entry is within one float32 rounding of the official float64 rotation at any
+position (``tests/test_rope_precision.py`` states the measured bound).
 """
 
 from __future__ import annotations
@@ -35,19 +38,25 @@ def axis_angles(pos: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
 
 
 def rope_freqs(
-    ids: torch.Tensor, axes_dim: tuple[int, ...], theta: float, dtype: torch.dtype = torch.float32
+    ids: torch.Tensor,
+    axes_dim: tuple[int, ...],
+    theta: float,
+    dtype: torch.dtype = torch.float32,
+    angle_dtype: torch.dtype | None = None,
 ) -> RopeFreqs:
     """``ids [B, L, n_axes]`` (positions) -> rotations for a ``sum(axes_dim)``-wide head.
 
-    ``dtype`` is the precision of the angles and of the rotation itself: float32 for FLUX, float64 for Wan
-    (as each reference computes it).
+    ``dtype`` is the precision of the tables and so of the rotation itself; ``angle_dtype`` (default ``dtype``)
+    the precision of the angles and of their ``cos`` / ``sin``: float32 / float32 for FLUX, float32 / float64
+    for Wan (its reference rotates in float64; float64 angles keep large frame positions exact).
     """
     if ids.shape[-1] != len(axes_dim):
         raise ValueError(f"position ids have {ids.shape[-1]} axes, RoPE is configured for {len(axes_dim)}")
-    ids = ids.to(dtype)
+    angle_dtype = angle_dtype or dtype
+    ids = ids.to(angle_dtype)
     angles = torch.cat([axis_angles(ids[..., i], d, theta) for i, d in enumerate(axes_dim)], dim=-1)
-    angles = angles.to(dtype).unsqueeze(2)
-    return RopeFreqs(torch.cos(angles), torch.sin(angles))
+    angles = angles.to(angle_dtype).unsqueeze(2)
+    return RopeFreqs(torch.cos(angles).to(dtype), torch.sin(angles).to(dtype))
 
 
 def apply_rope(x: torch.Tensor, freqs: RopeFreqs, mode: str = "auto") -> torch.Tensor:

@@ -332,3 +332,23 @@ def test_the_safetensors_copy_loads_as_the_pth(tmp_path):
     assert pth.variant.name == st.variant.name == "taew2_1"
     a, b = pth.video.state_dict(), st.video.state_dict()
     assert a.keys() == b.keys() == sd.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["taew2_1", "taew2_2"])
+def test_channels_last_weights_as_loaded_match_the_reference(name):
+    """``tiny._finish`` stores the weights channels-last, as the frames run: decode / encode still equal the
+    frame-by-frame reference run on contiguous weights, and the outputs come back contiguous."""
+    contiguous = TAEHV(TAEHV_CONFIGS[name]).eval()
+    dummy_init_(contiguous, seed=3)
+    loaded = TAEHV(TAEHV_CONFIGS[name]).eval()
+    loaded.load_state_dict(contiguous.state_dict())
+    loaded.to(memory_format=torch.channels_last)
+    assert loaded.decoder[1].weight.is_contiguous(memory_format=torch.channels_last)
+    latents = random_latents(contiguous, frames=3)
+    decoded = loaded.decode_video(latents)
+    assert loaded.decode_frames(latents, None)[0].is_contiguous()  # decode_video trims frames from it
+    torch.testing.assert_close(decoded, reference_decode(contiguous, latents), atol=1e-5, rtol=0)
+    frames = random_frames(contiguous, frames=8)
+    encoded = loaded.encode_video(frames)
+    assert encoded.is_contiguous()
+    torch.testing.assert_close(encoded, reference_encode(contiguous, frames), atol=1e-5, rtol=0)

@@ -286,8 +286,8 @@ class KVCache(nn.Module):
             window.chunk_frames * tokens_per_frame, dtype=torch.long, device=device
         )
         self.key_visible = torch.zeros(slots * tokens_per_frame, dtype=torch.bool, device=device)
-        # RoPE frame positions of the chunk's frames and of every slot, and their rotations (float64 as Wan's
-        # reference computes them, whatever `.to(dtype)` does to the storage)
+        # RoPE frame positions of the chunk's frames and of every slot, and their rotations (float32 tables
+        # from float64 angles, `Wan.frame_rope`, whatever `.to(dtype)` does to the storage)
         self.chunk_positions = torch.zeros(window.chunk_frames, dtype=torch.long, device=device)
         self.slot_positions = torch.zeros(slots, dtype=torch.long, device=device)
         self._query_freqs: RopeFreqs | None = None

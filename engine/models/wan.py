@@ -114,12 +114,17 @@ class Wan(nn.Module):
         return x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw
 
     def rope(self, grid: tuple[int, int, int], start_frame: int = 0, device=None) -> RopeFreqs:
-        """Rotations for a token grid whose first frame has position ``start_frame`` (float64, as the reference)."""
+        """Rotations for a token grid whose first frame has position ``start_frame`` (see :meth:`frame_rope`)."""
         f, h, w = grid
         return self.frame_rope(torch.arange(start_frame, start_frame + f, device=device), (h, w))
 
     def frame_rope(self, frame_positions: torch.Tensor, grid_hw: tuple[int, int]) -> RopeFreqs:
-        """Rotations for whole frames ``[F]`` at the given frame positions, each an ``h x w`` token grid."""
+        """Rotations for whole frames ``[F]`` at the given frame positions, each an ``h x w`` token grid.
+
+        Angles and their cos / sin in float64 as the reference computes them, the tables rounded to float32
+        once here (a forward or a cache chunk builds them once, every layer and head reuses them), the rotation
+        in float32: within float32 rounding of the reference's float64 rotation (``tests/test_rope_precision``).
+        """
         h, w = grid_hw
         f = frame_positions.shape[0]
         ids = torch.stack(
@@ -130,7 +135,9 @@ class Wan(nn.Module):
             ),
             dim=-1,
         ).reshape(1, f * h * w, 3)
-        return rope_freqs(ids, self.params.axes_dim, self.params.theta, dtype=torch.float64)
+        return rope_freqs(
+            ids, self.params.axes_dim, self.params.theta, dtype=torch.float32, angle_dtype=torch.float64
+        )
 
     def time_embed(self, timestep: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``timestep [B]`` or ``[B, F]`` -> (``e [B, F, C]``, ``e0 [B, F, 6, C]``), float32."""

@@ -85,8 +85,16 @@ class TPool(nn.Module):
         self.conv = nn.Conv2d(channels * stride, channels, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        _, channels, height, width = x.shape
-        return self.conv(x.reshape(-1, self.stride * channels, height, width))
+        frames, channels, height, width = x.shape
+        if self.stride == 1:
+            return self.conv(x)
+        # frame n * stride + k -> channels [k * C, (k + 1) * C) of frame n, written straight into a channels-last
+        # tensor (a reshape would copy to the contiguous layout, and the conv would convert it back)
+        merged = _channels_last_empty(x, (frames // self.stride, self.stride * channels, height, width))
+        merged.view(-1, self.stride, channels, height, width).copy_(
+            x.view(-1, self.stride, channels, height, width)
+        )
+        return self.conv(merged)
 
 
 class TGrow(nn.Module):
@@ -98,8 +106,20 @@ class TGrow(nn.Module):
         self.conv = nn.Conv2d(channels, channels * stride, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        _, channels, height, width = x.shape
-        return self.conv(x).reshape(-1, channels, height, width)
+        frames, channels, height, width = x.shape
+        grown = self.conv(x)
+        if self.stride == 1:
+            return grown
+        # channels [k * C, (k + 1) * C) of frame n -> frame n * stride + k, kept channels-last (as in TPool)
+        split = _channels_last_empty(grown, (frames * self.stride, channels, height, width))
+        split.view(frames, self.stride, channels, height, width).copy_(
+            grown.view(frames, self.stride, channels, height, width)
+        )
+        return split
+
+
+def _channels_last_empty(like: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=torch.channels_last)
 
 
 Memory = list[Tensor]  # per MemBlock of a stack, in order: its input at the last frame seen, [N, C, H, W]
@@ -110,21 +130,32 @@ def run_frames(blocks: nn.Sequential, x: Tensor, memory: Memory | None) -> tuple
 
     ``memory`` continues a video after its earlier frames (None starts one). Returns the output frames and the
     memory after ``x``. Each TPool needs the frame count at its input to be a multiple of its stride.
+
+    The frames run in the channels-last layout, as the weights are stored (``tiny._finish``): the layout oneDNN
+    (CPU) and cuDNN run these convolutions fastest in (``bench/taehv_layout.py``); the output is
+    returned contiguous.
     """
     batch = x.shape[0]
-    h = x.flatten(0, 1)
+    h = x.flatten(0, 1).contiguous(memory_format=torch.channels_last)
     new_memory: Memory = []
     for block in blocks:
         if isinstance(block, MemBlock):
             frames = h.unflatten(0, (batch, -1))
-            before = torch.zeros_like(frames[:, 0]) if memory is None else memory[len(new_memory)]
-            previous = torch.cat((before.unsqueeze(1), frames[:, :-1]), 1).flatten(0, 1)
+            # each frame's previous frame, written into a tensor of h's layout (a cat of the 5-D views would
+            # come out contiguous and the conv would convert it back)
+            previous = torch.empty_like(h)
+            shifted = previous.unflatten(0, (batch, -1))
+            if memory is None:
+                shifted[:, 0].zero_()
+            else:
+                shifted[:, 0].copy_(memory[len(new_memory)])
+            shifted[:, 1:].copy_(frames[:, :-1])
             # a copy, so the state holds one frame per block instead of keeping the whole chunk alive
             new_memory.append(frames[:, -1].clone())
             h = block(h, previous)
         else:
             h = block(h)
-    return h.unflatten(0, (batch, -1)), new_memory
+    return h.contiguous().unflatten(0, (batch, -1)), new_memory
 
 
 class TAEHV(nn.Module):

@@ -76,15 +76,11 @@ class Run:
     sharding: object = None  # this rank's sequence-parallel layout, or None
     _cache_run: object = field(default=None, repr=False)  # started, active or not (its telemetry says why)
 
-    def ensure_weights(self) -> None:
-        """Merge the handle's LoRA patches into the shared model (or restore its base weights) if another run
-        changed them since; a no-op otherwise."""
-        ensure_patches(self.handle.model, self.handle.loras)
-
     @property
     def weights_keeper(self):
-        """``ensure_weights`` for runs that span several calls (a video session's chunks, a stream's frames):
-        they call it at each entry, since another handle on the same model may have run in between. It holds the
+        """A call that merges the handle's LoRA patches into the shared model (or restores its base weights) if
+        another run changed them since, and does nothing otherwise. Runs that span several calls (a video
+        session's chunks, a stream's frames) call it at each entry, since another handle on the same model may have run in between. It holds the
         model and the patches, not the handle: a session kept in a store must not keep the handle's host object
         (ComfyUI's ModelPatcher) alive, or dropping the session while ComfyUI unloads models would free that
         object in the middle of ComfyUI's unload loop."""

@@ -9,6 +9,7 @@ the rank. Nothing is applied here.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -78,14 +79,8 @@ def _check_shapes(deltas, model: nn.Module, family: str, source: str, input_name
             continue
         want = d.shape_on(param.shape)
         got = d.delta_shape()
-        numel = 1
-        for n in want:
-            numel *= n
-        got_numel = 1
-        for n in got:
-            got_numel *= n
         # a convolution delta may arrive flattened ([out, in*k*k]); anything else must match exactly
-        if got != want and not (len(want) > 2 and got[0] == want[0] and got_numel == numel):
+        if got != want and not (len(want) > 2 and got[0] == want[0] and math.prod(got) == math.prod(want)):
             wrong.append(f"{d.source} -> {d.key}: delta {got}, weight {want}")
     if wrong:
         shown = "; ".join(wrong[:6]) + (f"; ... {len(wrong) - 6} more" if len(wrong) > 6 else "")

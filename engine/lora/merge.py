@@ -23,6 +23,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..units import format_bytes
 from .rounding import to_storage
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,8 @@ class MergedWeights:
                     param = params[key]
                     merged = self.backups[key].to(device=param.device, dtype=torch.float32, copy=True)
                     for patch in active:
-                        for delta in patch.deltas:
-                            if delta.key == key:
-                                delta.add_to(merged, patch.strength)
+                        for delta in patch.by_key.get(key, ()):
+                            delta.add_to(merged, patch.strength)
                     param.data.copy_(to_storage(merged, param.dtype, key))
                     del merged
             except BaseException:
@@ -75,7 +75,7 @@ class MergedWeights:
             self.seconds += time.perf_counter() - started
             log.info(
                 "LoRA: merged %d patch(es) into %d weights in %.2f s (%s of base values kept on the CPU)",
-                len(active), len(keys), time.perf_counter() - started, _mib(self.backup_bytes()),
+                len(active), len(keys), time.perf_counter() - started, format_bytes(self.backup_bytes()),
             )  # fmt: skip
             return True
 
@@ -102,12 +102,6 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out = dict(model.named_parameters())
     out.update(model.named_buffers())
     return out
-
-
-def _mib(n: int) -> str:
-    from ..units import format_bytes
-
-    return format_bytes(n)
 
 
 def _check_backup_fits(tensors: dict[str, torch.Tensor], input_name: str) -> None:

@@ -8,6 +8,7 @@ patches without touching the shared model until a run uses them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -27,9 +28,17 @@ class LoraPatch:
     digest: float = 0.0  # a checksum of the deltas (merge signatures; pools check they read the same)
     text_encoder_keys: int = 0  # entries for the text encoder, reported and not applied
 
+    @functools.cached_property
+    def by_key(self) -> dict[str, tuple[WeightDelta, ...]]:
+        """The deltas of each parameter, in file order (a merge visits each parameter once)."""
+        grouped: dict[str, list[WeightDelta]] = {}
+        for d in self.deltas:
+            grouped.setdefault(d.key, []).append(d)
+        return {k: tuple(v) for k, v in grouped.items()}
+
     @property
     def keys(self) -> set[str]:
-        return {d.key for d in self.deltas}
+        return set(self.by_key)
 
     @property
     def signature(self) -> tuple:

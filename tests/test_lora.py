@@ -399,3 +399,13 @@ def test_a_stored_video_session_does_not_keep_the_handles_host_object_alive(tmp_
         apply_lora(wan, tmp_path / "w.safetensors", 1.0), WAN_CONTEXT, 32, 32, WAN_CONFIG, seed=3
     )
     assert torch.equal(next(iter(again.chunks(1))).latents, first)
+
+
+def test_a_lora_file_larger_than_host_memory_is_refused_before_it_is_read(flux, tmp_path, monkeypatch):
+    write_lora(tmp_path / "big.safetensors", flux.model, seed=4)
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "0.000001")  # about 1 KiB of host memory
+    with pytest.raises(InputError) as err:
+        apply_lora(flux, tmp_path / "big.safetensors", 1.0)
+    assert str(err.value).startswith("input 'lora': this needs about ")
+    assert "(LoRA file " in str(err.value)
+    assert "refused before allocating. Free host memory or use a smaller LoRA file" in str(err.value)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..models.registry import family_of
-from ..weights import check_finite_weights, read_state_dict
+from ..weights import check_finite_weights, check_weights_file, read_state_dict
 from .formats import convert, key_patterns
 from .patch import LoraPatch, deltas_digest
 
@@ -32,6 +32,7 @@ def read_lora(
     strength = float(strength)
     if not torch.isfinite(torch.tensor(strength)):
         raise CheckpointError("strength", f"{strength} is not a finite number")
+    _check_file_fits(path, input_name)
     sd = read_state_dict(path, input_name)
     bad = {k: type(v).__name__ for k, v in sd.items() if not isinstance(v, torch.Tensor)}
     if bad:
@@ -89,3 +90,11 @@ def _check_shapes(deltas, model: nn.Module, family: str, source: str, input_name
             f"{source} does not fit this {family} model ({len(wrong)} of {len(deltas)} deltas have the wrong shape: "
             f"a LoRA for another size or variant): {shown}",
         )
+
+
+def _check_file_fits(path: str, input_name: str) -> None:
+    """The file is read whole into host memory: refuse one that cannot fit before reading it."""
+    from ..plan.preflight import check_fits  # the planner imports the engine: import it when reading
+
+    size = check_weights_file(path, input_name)
+    check_fits({"LoRA file": size}, "cpu", input_name, hint="Free host memory or use a smaller LoRA file")

@@ -36,6 +36,11 @@ def _video(model, config, chunks, seed=3, context=None):
         CausalConfig(chunk_frames=2, window_frames=6, sink_frames=2, rope="absolute"),
         CausalConfig(chunk_frames=2, window_frames=4),  # eviction without sinks: relative positions are exact
         CausalConfig(chunk_frames=1, window_frames=3, sink_frames=1, rope="absolute"),
+        # cache-relative RoPE with sinks: the reference rotates every key anew per chunk at its cache position
+        CausalConfig(chunk_frames=2, window_frames=5, sink_frames=1),
+        CausalConfig(chunk_frames=2, window_frames=6, sink_frames=2),
+        CausalConfig(chunk_frames=1, window_frames=3, sink_frames=1),
+        CausalConfig(chunk_frames=3, window_frames=7, sink_frames=4, steps=2),  # sinks span two chunks
     ],
 )
 def test_cached_generation_equals_the_no_cache_reference(wan, config):
@@ -68,10 +73,13 @@ def test_kv_memory_is_preallocated_flat_and_accounted(wan):
     per_token = 2 * p.dim * p.num_layers * 4  # K and V, every layer, fp32, no GQA
     assert session.cache.bytes_per_token() == per_token
     used = []
+    # rope="cache" with sinks: the window's K/V plus an unrotated copy of the sinks' keys (half a K/V token each)
+    total = (config.window_frames * per_token + config.sink_frames * per_token // 2) * tokens
     for chunk in session.chunks(8):
-        assert chunk.kv_bytes == session.cache.nbytes == config.window_frames * tokens * per_token
+        assert chunk.kv_bytes == session.cache.nbytes == total
         used.append(chunk.kv_bytes_used)
-    assert used == [2 * tokens * per_token, 4 * tokens * per_token] + [6 * tokens * per_token] * 6
+    # the sinks' copies are taken when the chunk after them begins
+    assert used == [2 * tokens * per_token, 5 * tokens * per_token] + [7 * tokens * per_token] * 6
     assert pointers == [t.data_ptr() for t in session.cache.k + session.cache.v]  # written in place
 
 

@@ -198,16 +198,22 @@ def test_quantized_stream_memory_is_preallocated_flat_and_accounted(wan):
     assert cache.full_ring == 4 and cache.quant_ring == 1
     used = []
     for chunk in session.chunks(6):
-        assert chunk.kv_bytes == cache.nbytes == sum(b.nbytes for b in cache.buffers()) == 5 * full + quant
+        sink_copy = full // 2  # rope="cache": the sink's keys, unrotated (taken when chunk 1 begins)
+        assert (
+            chunk.kv_bytes
+            == cache.nbytes
+            == sum(b.nbytes for b in cache.buffers())
+            == 5 * full + quant + sink_copy
+        )
         used.append(chunk.kv_bytes_used)
     # frames 0 (sink) and 1..4 fill the full-precision slots; from chunk 2 on one aged frame is quantized
     assert used == [
         2 * full,
-        4 * full,
-        5 * full + quant,
-        5 * full + quant,
-        5 * full + quant,
-        5 * full + quant,
+        4 * full + sink_copy,
+        5 * full + quant + sink_copy,
+        5 * full + quant + sink_copy,
+        5 * full + quant + sink_copy,
+        5 * full + quant + sink_copy,
     ]
     assert pointers == [b.data_ptr() for b in cache.buffers()]  # written in place
 

@@ -13,7 +13,7 @@ from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.causal import CausalConfig, CrossAttentionCache, KVCache, VideoSession, WindowSpec
 from fewstep.engine.compile import CompileWatch, compile_model
 from fewstep.engine.errors import InputError
-from fewstep.engine.rope import RopeFreqs
+from fewstep.engine.rope import RopeFreqs, apply_rope, rope_freqs
 
 H, W = 32, 48  # px: 2x3 tokens per frame
 
@@ -29,9 +29,8 @@ def _rand(*shape, seed):
 
 def _layouts(cache: KVCache) -> list[tuple]:
     """(data_ptr, shape) of every tensor a chunk step reads or writes."""
-    q_rope, k_rope = cache.query_rope(), cache.key_rope()
+    q_rope = cache.query_rope()
     tensors = [*cache.layer_kv(0), cache.write_index, cache.key_visible, q_rope.cos, q_rope.sin]
-    tensors += [k_rope.cos, k_rope.sin] if k_rope is not None else []
     tensors += list(cache.layer_quant(0)[0].parts()) if cache.quant_ring else []
     return [(t.data_ptr(), tuple(t.shape)) for t in tensors]
 
@@ -156,3 +155,47 @@ def test_the_cross_attention_cache_is_filled_with_the_prompt_never_in_a_step(wan
         empty.layer(0)
     cross.reset()
     assert cross.nbytes == 0
+
+
+def _frame_rope(positions, grid_hw):
+    """A one-axis RoPE over the frame index (every token of a frame rotated alike), float64 angles."""
+    ids = positions.repeat_interleave(grid_hw[0] * grid_hw[1]).view(1, -1, 1)
+    return rope_freqs(ids, (8,), 10.0, angle_dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8"])
+def test_keys_are_rotated_once_when_written_and_the_sinks_follow_the_window(kv_dtype):
+    """rope="cache": the window is read as stored (the buffer itself, no copy, no rotation). Non-sink keys stay
+    rotated at their absolute frame index; sink keys sit at ``s + o`` for the chunk's offset ``o``, rewritten from
+    the unrotated copies, so a sink's key is the same rotation of the same numbers however long the stream."""
+    spec, t = WindowSpec(2, 7, 1), 6
+    cache = KVCache(1, 1, t, 2, 8, spec, torch.float32, "cpu", rope="cache", kv_dtype=kv_dtype)
+    written: dict[int, torch.Tensor] = {}
+    checked = {"full": 0, "quantized": 0}
+    for start in range(0, 20, 2):
+        cache.begin(start, 2, (2, 3), _frame_rope)
+        view = cache.layer(0)
+        k = _rand(1, 2 * t, 2, 8, seed=start + 1)
+        view.attend(
+            _rand(1, 2 * t, 2, 8, seed=start), k, _rand(1, 2 * t, 2, 8, seed=start + 2), DEFAULT_BACKENDS
+        )
+        written.update({start: k[:, :t], start + 1: k[:, t:]})
+        stored = view.read_window()[0]
+        if kv_dtype == "bf16":
+            assert stored.data_ptr() == cache.layer_kv(0)[0].data_ptr()
+        offset = spec.cache_offset(start)
+        for frame in cache.read_frames():
+            at = frame + offset if frame < spec.sink_frames else frame
+            expected = apply_rope(written[frame], _frame_rope(torch.tensor([at]), (2, 3)))
+            if frame in cache.slot_frame:  # full precision: the rotation of the written key
+                slot = cache.slot_of(frame)
+                got = cache.layer_kv(0)[0][:, slot * t : (slot + 1) * t]
+                torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+                checked["full"] += 1
+            else:  # aged out: quantized after it was rotated, read back within the int8 step
+                slot = spec.sink_frames + cache.full_ring + cache.quant_slot_of(frame)
+                assert (stored[:, slot * t : (slot + 1) * t] - expected).abs().max() < 0.05
+                checked["quantized"] += 1
+        cache.commit()
+    assert checked["full"] > 0 and (checked["quantized"] > 0) == (kv_dtype == "int8")
+    assert cache.sink_offset == spec.cache_offset(18) > 0

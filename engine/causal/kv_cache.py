@@ -18,13 +18,23 @@ most. Every denoising step of a chunk rewrites the chunk's slots; the clean pass
 
 RoPE positions (``rope``):
 
-* ``"cache"`` (default): keys are stored unrotated and rotated when read, by their position *in the cache*:
-  sinks at ``0 .. S-1``, then the retained frames contiguously, then the chunk. Distances stay bounded by the
+* ``"cache"`` (default): keys are read at their position *in the cache*: sinks at ``0 .. S-1``, then the
+  retained frames contiguously, then the chunk (:meth:`KVCache.position_of`). Distances stay bounded by the
   window, so a stream runs past any position table (the StreamingLLM choice). Until the first eviction these
-  are the absolute positions; without sinks, attention is the same as with absolute positions at any length
-  (RoPE depends only on position differences).
-* ``"absolute"``: keys rotated once when written, at their absolute frame index (Self-Forcing / CausVid).
-  Distances between the chunk and the sinks grow without bound.
+  are the absolute positions; without sinks, attention is the same as with absolute positions at any length.
+* ``"absolute"``: every key at its absolute frame index (Self-Forcing / CausVid). Distances between the chunk and
+  the sinks grow without bound.
+
+How ``"cache"`` costs no more than ``"absolute"``: a RoPE score depends only on the difference of the query's
+and the key's positions, and the cache positions of the chunk and of every retained non-sink frame are their
+absolute frame indices minus one offset ``o = oldest retained frame - S`` (the same for all of them). So both
+modes rotate queries and non-sink keys at their absolute frame index, keys once, when they are written (never
+again: a frame that ages out into the quantized ring is quantized already rotated and read without rotation).
+Only the sinks differ: under ``"cache"`` a sink ``s`` must sit at ``s + o`` in that frame of reference, and ``o``
+moves when the window slides, at most once a chunk. :meth:`KVCache.begin` then rewrites the sinks' keys, one pass
+over the sink frames of every layer, from an unrotated copy of them (``sink_keys``, taken once when the sinks are
+committed), so the rounding of a sink never accumulates over a long stream. Scores and outputs equal those of the
+cache positions read directly (``tests/test_causal.py``: the no-cache reference at cache positions).
 
 Storage (``kv_dtype``):
 
@@ -37,8 +47,8 @@ Storage (``kv_dtype``):
   and zero point per (token, head), codes in uint8, int4 two per byte). A completed frame is quantized once,
   when the next chunk takes its full-precision slot, and only if it is still in the window; it is never written
   again. Sinks are never quantized: every chunk attends to them, so their error would be paid forever, and
-  they are few. Reads dequantize: on CUDA the attention kernel dequantizes (and RoPE-rotates) the quantized keys
-  tile by tile (``kernels.quantized_attention``, once the window is full: it takes no mask); elsewhere (and
+  they are few. Reads dequantize (keys are stored rotated: no rotation on the read): on CUDA the attention
+  kernel dequantizes the quantized keys tile by tile (``kernels.quantized_attention``, once the window is full: it takes no mask); elsewhere (and
   while the window fills) each layer's quantized part is dequantized into a transient buffer, concatenated with
   the full-precision part and attended to, one layer at a time (so the transient memory is one layer's window,
   not the cache's). Until a frame ages out, an int8/int4 stream is
@@ -102,6 +112,17 @@ class WindowSpec:
     def ring_frames(self) -> int:
         return self.window_frames - self.sink_frames
 
+    def cache_offset(self, chunk_start: int) -> int:
+        """``o``: absolute frame index - cache position of the non-sink frames the chunk starting at
+        ``chunk_start`` reads (its own and the retained ones): the oldest retained non-sink frame - sinks, >= 0."""
+        s = self.sink_frames
+        return max(s, chunk_start + self.chunk_frames - self.ring_frames) - s
+
+    def cache_position(self, frame: int, chunk_start: int) -> int:
+        """The cache-relative RoPE frame position (``rope="cache"``) of ``frame`` as the chunk starting at
+        ``chunk_start`` reads it: sinks at their index, the other frames contiguously after them."""
+        return frame if frame < self.sink_frames else frame - self.cache_offset(chunk_start)
+
     def visible(self, chunk_start: int, key_frame: int) -> bool:
         """Whether a query in the chunk starting at ``chunk_start`` sees ``key_frame`` (for reference masks)."""
         end = chunk_start + self.chunk_frames
@@ -163,8 +184,7 @@ class _LayerView:
         self.keys, self.values = keys, values
         self.quant: tuple[QuantizedKV, QuantizedKV] | None = quant  # None without quantized storage
         self.write_index, self.mask = cache.write_index, cache.key_mask()
-        self.query_freqs, self.key_freqs = cache.query_rope(), cache.key_rope()
-        self.rope, self.bits = cache.rope, cache.bits
+        self.query_freqs, self.bits = cache.query_rope(), cache.bits
         self._visible_rows = cache.visible_rows  # read() only (inspection): never called in a forward
 
     def key_mask(self) -> torch.Tensor | None:
@@ -176,8 +196,8 @@ class _LayerView:
         window, computed with the run's ``backends``. Every tensor here has the same shape for every chunk: the slots written come from the
         ``write_index`` buffer, the slots hidden (empty, or out of the window) from ``key_visible``."""
         keys, values = self.keys, self.values
-        if self.rope == "absolute":
-            k = backends.apply_rope(k, self.query_freqs)
+        # rotated once, here: at the chunk's absolute frame positions in both RoPE modes (see the module docstring)
+        k = backends.apply_rope(k, self.query_freqs)
         keys.index_copy_(1, self.write_index, k.to(keys.dtype))
         values.index_copy_(1, self.write_index, v.to(values.dtype))
         mask = self.mask
@@ -188,15 +208,14 @@ class _LayerView:
         return backends.attention(q, k_read.to(q.dtype), v_read, mask=mask)
 
     def read_window(self, backends: Backends = DEFAULT_BACKENDS) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (rotated as this chunk reads them) and values of every slot, visible or not, in slot order:
-        full-precision slots, then the quantized ones dequantized into transient tensors. Fixed shapes."""
+        """Keys (stored rotated: as this chunk reads them) and values of every slot, visible or not, in slot
+        order: full-precision slots, then the quantized ones dequantized into transient tensors. Fixed shapes.
+        Without quantized storage these are the cache's own buffers (no copy)."""
         k_read, v_read = self.keys, self.values
         if self.quant is not None:
             kq, vq = self.quant
             k_read = torch.cat((k_read, backends.dequantize_kv(*kq.parts(), self.bits, k_read.dtype)), dim=1)
             v_read = torch.cat((v_read, backends.dequantize_kv(*vq.parts(), self.bits, v_read.dtype)), dim=1)
-        if self.rope == "cache":
-            k_read = backends.apply_rope(k_read, self.key_freqs)
         return k_read, v_read
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,16 +226,11 @@ class _LayerView:
         return k_read.index_select(1, rows), v_read.index_select(1, rows)
 
     def _fused_quantized_attention(self, q: torch.Tensor, backends: Backends) -> torch.Tensor:
-        """As ``attention(q, *read_window())``, the quantized slots dequantized (and rotated) in the kernel."""
+        """As ``attention(q, *read_window())``, the quantized slots dequantized in the kernel (stored rotated:
+        the kernel rotates nothing)."""
         k, v = self.keys, self.values
         kq, vq = self.quant
-        n = k.shape[1]
-        cos = sin = None
-        if self.rope == "cache":
-            freqs = self.key_freqs
-            k = backends.apply_rope(k, RopeFreqs(freqs.cos[:, :n], freqs.sin[:, :n]))
-            cos, sin = freqs.cos[:, n:], freqs.sin[:, n:]
-        inputs = QuantizedAttentionInputs(q, k.to(q.dtype), v, kq.parts(), vq.parts(), cos, sin, self.bits)
+        inputs = QuantizedAttentionInputs(q, k.to(q.dtype), v, kq.parts(), vq.parts(), None, None, self.bits)
         return backends.quantized_attention(inputs)
 
 
@@ -262,6 +276,15 @@ class KVCache(nn.Module):
             for name in (f"k{i}", f"v{i}"):
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
                 self._storage.append(name)
+        # rope="cache" with sinks: each layer's sink keys unrotated, the source `begin` re-positions them from
+        self.sink_copies = rope == "cache" and window.sink_frames > 0
+        if self.sink_copies:
+            sink_shape = (batch, window.sink_frames * tokens_per_frame, heads, head_dim)
+            for i in range(layers):
+                self.register_buffer(
+                    f"sink_k{i}", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False
+                )
+                self._storage.append(f"sink_k{i}")
         if self.quant_ring:
             tokens = self.quant_ring * tokens_per_frame
             for i in range(layers):
@@ -286,22 +309,22 @@ class KVCache(nn.Module):
             window.chunk_frames * tokens_per_frame, dtype=torch.long, device=device
         )
         self.key_visible = torch.zeros(slots * tokens_per_frame, dtype=torch.bool, device=device)
-        # RoPE frame positions of the chunk's frames and of every slot, and their rotations (float32 tables
-        # from float64 angles, `Wan.frame_rope`, whatever `.to(dtype)` does to the storage)
+        # RoPE frame positions of the chunk's frames (their absolute indices, in both modes) and their rotations
+        # (float32 tables from float64 angles, `Wan.frame_rope`, whatever `.to(dtype)` does to the storage)
         self.chunk_positions = torch.zeros(window.chunk_frames, dtype=torch.long, device=device)
-        self.slot_positions = torch.zeros(slots, dtype=torch.long, device=device)
         self._query_freqs: RopeFreqs | None = None
-        self._key_freqs: RopeFreqs | None = None
         # host mirrors (plain integers, never read back from the device: no sync)
         self.frames_committed = 0  # frames whose clean K/V are final
         self.slot_frame: list[int | None] = [None] * full_frames  # which frame each full-precision slot holds
         self.quant_slot_frame: list[int | None] = [None] * self.quant_ring  # ... and each quantized slot
         self.frames_quantized = 0  # frames quantized so far (each once)
+        self.sinks_copied = 0  # sink frames whose unrotated keys are in the sink copies (rope="cache")
+        self.sink_offset = 0  # the offset the sink slots' keys are rotated at (see the module docstring)
         self._chunk: tuple[int, int] | None = None
         self._visible_slots: list[int] = []
         self._all_visible = False
 
-    _BOOKKEEPING = ("write_index", "key_visible", "chunk_positions", "slot_positions")
+    _BOOKKEEPING = ("write_index", "key_visible", "chunk_positions")
 
     def _apply(self, fn, recurse=True):
         """``.to()`` / ``.cuda()`` / ``.half()``: the storage as nn.Module converts it, and the bookkeeping to
@@ -309,16 +332,19 @@ class KVCache(nn.Module):
         super()._apply(fn, recurse)
         for name in self._BOOKKEEPING:
             setattr(self, name, fn(getattr(self, name)))
-        device = self.write_index.device
-        for attr in ("_query_freqs", "_key_freqs"):
-            freqs = getattr(self, attr)
-            if freqs is not None:
-                setattr(self, attr, RopeFreqs(freqs.cos.to(device), freqs.sin.to(device)))
+        freqs = self._query_freqs
+        if freqs is not None:
+            device = self.write_index.device
+            self._query_freqs = RopeFreqs(freqs.cos.to(device), freqs.sin.to(device))
         return self
 
     # -- storage: read through the registered buffers, so `.to()` / `.cuda()` leave no stale alias -----------------
     def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k{index}"), getattr(self, f"v{index}")
+
+    def sink_keys(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s unrotated sink keys ``[B, S*T, H, D]`` (``rope="cache"`` with sinks)."""
+        return getattr(self, f"sink_k{index}")
 
     def layer_quant(self, index: int) -> tuple[QuantizedKV, QuantizedKV]:
         return tuple(
@@ -346,7 +372,7 @@ class KVCache(nn.Module):
     @staticmethod
     def planned_bytes(
         layers: int, batch: int, tokens_per_frame: int, heads: int, head_dim: int, window: WindowSpec,
-        dtype: torch.dtype, kv_dtype: str = "bf16", keep_recent_chunks: int = 1,
+        dtype: torch.dtype, kv_dtype: str = "bf16", keep_recent_chunks: int = 1, rope: str = "cache",
     ) -> int:  # fmt: skip
         """The :attr:`nbytes` a cache built with these arguments will allocate, computed without allocating (the
         memory preflight refuses a window that cannot fit before its buffers are zero-filled)."""
@@ -357,12 +383,13 @@ class KVCache(nn.Module):
         elt = torch.empty((), dtype=dtype).element_size()
         full = (window.sink_frames + full_ring) * rows * head_dim * elt
         quantized = 0 if bits is None else (ring - full_ring) * rows * group_bytes(head_dim, bits)
-        return full + quantized
+        sink_copies = window.sink_frames * rows // 2 * head_dim * elt if rope == "cache" else 0  # keys only
+        return full + quantized + sink_copies
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the K/V storage (every layer's buffers, scales and zero points included; the per-chunk
-        bookkeeping, a few integers per slot, is not counted)."""
+        """Bytes of the K/V storage (every layer's buffers, scales and zero points and sink copies included; the
+        per-chunk bookkeeping, a few integers per slot, is not counted)."""
         return sum(getattr(self, name).nbytes for name in self._storage)
 
     def bytes_per_token(self) -> int:
@@ -379,10 +406,12 @@ class KVCache(nn.Module):
         return 2 * h * group_bytes(d, self.bits) * self.layers
 
     def bytes_used(self) -> int:
-        """Bytes of the occupied slots (full precision and quantized), all layers and the whole batch."""
+        """Bytes of the occupied slots (full precision and quantized) and sink copies, all layers and the whole
+        batch."""
         full = sum(f is not None for f in self.slot_frame) * self.bytes_per_token()
         quant = sum(f is not None for f in self.quant_slot_frame) * self.quantized_bytes_per_token()
-        return (full + quant) * self.tokens_per_frame * self.layer_kv(0)[0].shape[0]
+        copies = self.sinks_copied * self.bytes_per_token() // 2  # keys only
+        return (full + quant + copies) * self.tokens_per_frame * self.layer_kv(0)[0].shape[0]
 
     # -- positions -----------------------------------------------------------------------------------------------
     def slot_of(self, frame: int) -> int:
@@ -395,13 +424,9 @@ class KVCache(nn.Module):
         return (frame - self.window.sink_frames) % self.quant_ring
 
     def position_of(self, frame: int, chunk_start: int) -> int:
-        """RoPE frame position of ``frame`` as read by the chunk starting at ``chunk_start``."""
-        if self.rope == "absolute" or frame < self.window.sink_frames:
-            return frame
-        oldest = max(
-            self.window.sink_frames, chunk_start + self.window.chunk_frames - self.window.ring_frames
-        )
-        return self.window.sink_frames + frame - oldest
+        """RoPE frame position of ``frame`` as read by the chunk starting at ``chunk_start`` (what attention
+        computes; the stored rotations differ from it by one offset, see the module docstring)."""
+        return frame if self.rope == "absolute" else self.window.cache_position(frame, chunk_start)
 
     # -- one chunk -----------------------------------------------------------------------------------------------
     def begin(self, chunk_start: int, frames: int, grid_hw: tuple[int, int], rope_fn) -> None:
@@ -436,13 +461,38 @@ class KVCache(nn.Module):
         tokens = torch.arange(t)
         self.write_index.copy_((torch.tensor(written)[:, None] * t + tokens).flatten())
         self.key_visible.copy_(torch.tensor(visible).repeat_interleave(t))
-        self.chunk_positions.copy_(torch.tensor([self.position_of(f, chunk_start) for f in chunk]))
+        self.chunk_positions.copy_(torch.tensor(list(chunk)))
         self._query_freqs = _refill(self._query_freqs, rope_fn(self.chunk_positions, grid_hw))
-        if self.rope == "cache":  # keys in slot order: full-precision slots, then quantized ones
-            positions = [0 if f is None else self.position_of(f, chunk_start) for f in by_slot]
-            self.slot_positions.copy_(torch.tensor(positions))
-            self._key_freqs = _refill(self._key_freqs, rope_fn(self.slot_positions, grid_hw))
+        if self.sink_copies:
+            self._reposition_sinks(chunk_start, grid_hw, rope_fn)
         self._chunk = (chunk_start, frames)
+
+    def _reposition_sinks(self, chunk_start: int, grid_hw: tuple[int, int], rope_fn) -> None:
+        """``rope="cache"``: keep unrotated copies of the sink keys committed since the last chunk, then rotate
+        every sink's keys to ``s + o`` for this chunk's offset ``o`` when it moved (at most once a chunk, one
+        pass over the sink frames, always from the copies: no rounding accumulates)."""
+        t, device = self.tokens_per_frame, self.write_index.device
+        committed = min(self.window.sink_frames, self.frames_committed)
+        if committed > self.sinks_copied:
+            # written by their chunk's queries' rotation, at their absolute index (o is 0 while a sink is written)
+            written = rope_fn(torch.arange(self.sinks_copied, committed, device=device), grid_hw)
+            rows = slice(self.sinks_copied * t, committed * t)
+            for i in range(self.layers):
+                keys = self.layer_kv(i)[0][:, rows]
+                unrotated = kernels.apply_rope(keys, written.cos, -written.sin, mode=self.kernel_mode)
+                self.sink_keys(i)[:, rows].copy_(unrotated)
+            self.sinks_copied = committed
+        offset = self.window.cache_offset(chunk_start)
+        if offset == self.sink_offset or not self.sinks_copied:
+            return
+        n = self.sinks_copied  # offset > 0 only once every sink is committed (and copied)
+        freqs = rope_fn(torch.arange(n, device=device) + offset, grid_hw)
+        for i in range(self.layers):
+            rotated = kernels.apply_rope(
+                self.sink_keys(i)[:, : n * t], freqs.cos, freqs.sin, mode=self.kernel_mode
+            )
+            self.layer_kv(i)[0][:, : n * t].copy_(rotated)
+        self.sink_offset = offset
 
     def _age_out(self, chunk: range) -> None:
         """Quantize the completed frames whose full-precision slots ``chunk`` is about to take, if they are
@@ -493,10 +543,6 @@ class KVCache(nn.Module):
     def query_rope(self) -> RopeFreqs:
         return self._query_freqs
 
-    def key_rope(self) -> RopeFreqs:
-        """Rotations of every slot's keys as this chunk reads them (``rope="cache"``)."""
-        return self._key_freqs
-
     def layer(self, index: int) -> _LayerView:
         return _LayerView(self, *self.layer_kv(index), self.layer_quant(index) if self.quant_ring else None)
 
@@ -504,8 +550,8 @@ class KVCache(nn.Module):
         """The host state a captured step branches on, hashable: whether the window is full (unmasked) or still
         filling (masked), and the addresses of every tensor a step reads, which a CUDA graph holds (a moved or
         rebuilt cache is another key)."""
-        q, k = self.query_rope(), self.key_rope()
-        rope = [t for freqs in (q, k) if freqs is not None for t in (freqs.cos, freqs.sin)]
+        q = self.query_rope()
+        rope = [] if q is None else [q.cos, q.sin]
         tensors = [*self.buffers(), self.write_index, self.key_visible, *rope]
         return (self.key_mask() is None, tuple(t.data_ptr() for t in tensors))
 

@@ -2,9 +2,12 @@
 
 It consumes the random generator exactly as :class:`~.session.VideoSession` does, so with the same seed the two
 must produce the same video. Each forward runs the model over all earlier chunks (clean, at the context
-timestep) plus the current noisy chunk, with per-frame timesteps, absolute RoPE positions and a frame-level
-mask: a query frame sees the key frames its own chunk sees (:meth:`WindowSpec.visible`). Used by the tests and
-by the benchmark that compares cached against uncached generation.
+timestep) plus the current noisy chunk, with per-frame timesteps and a frame-level mask: a query frame sees the
+key frames its own chunk sees (:meth:`WindowSpec.visible`). RoPE as ``config.rope`` says, computed directly:
+absolute positions, or (``"cache"``) for every query chunk its queries and all the keys rotated at the cache
+positions that chunk reads them at (:meth:`WindowSpec.cache_position`), keys rotated anew for every chunk (what
+the cache's rotate-once scheme must equal). Used by the tests and by the benchmark that compares cached against
+uncached generation.
 """
 
 from __future__ import annotations
@@ -30,6 +33,40 @@ class MaskedPrefix:
 
     def attend(self, q, k, v, backends):
         return backends.attention(q, backends.apply_rope(k, self.freqs).type_as(q), v, mask=self.mask)
+
+
+class CachePositionPrefix:
+    """A ``kv`` view for full-sequence forwards at cache-relative RoPE positions: attention per query chunk, its
+    queries and every key rotated at the positions that chunk reads them at."""
+
+    def __init__(self, rope_fn, window: WindowSpec, frames: int, grid_hw, mask: torch.Tensor, device=None):
+        c = window.chunk_frames
+        self.rows = mask.shape[0] // frames * c  # tokens of a chunk
+        starts = range(0, frames, c)
+
+        def positions(frame_range, start):
+            return torch.tensor([window.cache_position(f, start) for f in frame_range], device=device)
+
+        queries = [rope_fn(positions(range(start, start + c), start), grid_hw) for start in starts]
+        self.freqs = type(queries[0])(
+            *(torch.cat(parts, dim=1) for parts in zip(*((q.cos, q.sin) for q in queries)))
+        )
+        self.key_freqs = [rope_fn(positions(range(frames), start), grid_hw) for start in starts]
+        self.mask = mask
+
+    def query_rope(self):
+        return self.freqs
+
+    def layer(self, index: int):
+        return self
+
+    def attend(self, q, k, v, backends):
+        out = []
+        for i, freqs in enumerate(self.key_freqs):
+            rows = slice(i * self.rows, (i + 1) * self.rows)
+            keys = backends.apply_rope(k, freqs).type_as(q)
+            out.append(backends.attention(q[:, rows], keys, v, mask=self.mask[rows]))
+        return torch.cat(out, dim=1)
 
 
 def frame_mask(window: WindowSpec, frames: int, tokens_per_frame: int, device=None) -> torch.Tensor:
@@ -62,10 +99,12 @@ def recompute_video(model, context, height, width, n_chunks, config: CausalConfi
     for chunk in range(n_chunks):
         start = chunk * c
         frames = start + c
-        view = MaskedPrefix(
-            model.rope((frames, h // p.patch_size[1], w // p.patch_size[2]), 0, device),
-            frame_mask(window, frames, tpf, device),
-        )
+        grid_hw = (h // p.patch_size[1], w // p.patch_size[2])
+        mask = frame_mask(window, frames, tpf, device)
+        if config.rope == "cache":
+            view = CachePositionPrefix(model.frame_rope, window, frames, grid_hw, mask, device)
+        else:
+            view = MaskedPrefix(model.rope((frames, *grid_hw), 0, device), mask)
 
         def denoised(x, sigma, start=start, frames=frames, view=view, **_):
             video = torch.cat([*clean, x], dim=2)

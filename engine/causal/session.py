@@ -428,7 +428,7 @@ def session_bytes(
     window_tokens = tokens_per_frame * window.window_frames
     parts = {
         "KV window": KVCache.planned_bytes(p.num_layers, batch, tokens_per_frame, heads, p.head_dim, window,
-                                           dtype, config.kv_dtype, config.keep_recent_chunks),
+                                           dtype, config.kv_dtype, config.keep_recent_chunks, config.rope),
         "cross-attention cache": (2 * p.num_layers + 1) * batch * p.text_len * p.dim * elt,
         # a block's working set (hidden states, FFN, q/k/v) plus one layer's window read back for attention
         "chunk activations": batch * chunk_tokens * (p.ffn_dim + 6 * p.dim) * 4

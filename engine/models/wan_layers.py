@@ -104,8 +104,9 @@ def norm_modulate_frames(
     return backends.adaln_modulate(x, shift.squeeze(2), scale.squeeze(2), norm.eps)
 
 
-def gate_frames(y: torch.Tensor, gate: torch.Tensor, frames: int) -> torch.Tensor:
-    return (y.float().unflatten(1, (frames, -1)) * gate).flatten(1, 2)
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, frames: int) -> torch.Tensor:
+    """``x + y * gate`` per frame (``gate [B, F, 1, C]``) in float32, one pass (``addcmul``)."""
+    return torch.addcmul(x.unflatten(1, (frames, -1)), y.float().unflatten(1, (frames, -1)), gate).flatten(1, 2)
 
 
 class WanAttentionBlock(nn.Module):
@@ -132,10 +133,10 @@ class WanAttentionBlock(nn.Module):
         y = self.self_attn(
             norm_modulate_frames(self.norm1, x, shift1, scale1, backends).to(dtype), freqs, kv, backends
         )
-        x = x + gate_frames(y, gate1, frames)
+        x = gated_residual(x, y, gate1, frames)
         x = x + self.cross_attn(self.norm3(x).to(dtype), context, cross_kv, backends).float()
         y = self.ffn(norm_modulate_frames(self.norm2, x, shift2, scale2, backends).to(dtype))
-        return x + gate_frames(y, gate2, frames)
+        return gated_residual(x, y, gate2, frames)
 
 
 class Head(nn.Module):

@@ -6,7 +6,8 @@ element, everything else (biases, norms, Wan's patch-embedding convolution and m
 16-bit compute dtype.
 
 The KV cache (``engine.causal.KVCache``) holds K and V of every layer, ``2 x layers x heads x head_dim``
-elements per token, for ``window_frames x tokens_per_frame`` tokens. ``bf16`` keeps them all in the compute
+elements per token, for ``window_frames x tokens_per_frame`` tokens (with sinks under the default cache-relative
+RoPE, plus an unrotated copy of the sinks' keys). ``bf16`` keeps them all in the compute
 dtype. ``int8`` / ``int4`` (``kernels.kv_quant``) keep the sinks, the current chunk and the newest
 ``keep_recent_chunks`` completed chunks in the compute dtype and quantize the rest of the window per (token,
 head) row: the codes (``head_dim`` bytes for int8, ``head_dim / 2`` for int4) plus a float16 scale and a float16
@@ -153,10 +154,13 @@ def kv_cache_bytes(
     layout: KVLayout,
     keep_recent_chunks: int = 1,
     batch: int = 1,
+    rope: str = "cache",
 ) -> KVBytes:
     """Bytes of ``engine.causal.KVCache`` (the layout of ``kernels.kv_quant`` for int8 / int4): unquantized, all
     ``window_frames`` slots in the compute dtype; quantized, the sinks, the current chunk and the newest
-    ``keep_recent_chunks`` completed chunks stay in the compute dtype and the rest of the window is quantized."""
+    ``keep_recent_chunks`` completed chunks stay in the compute dtype and the rest of the window is quantized.
+    ``rope="cache"`` with sinks adds an unrotated copy of the sinks' keys (compute dtype), from which every
+    chunk re-positions them."""
     full_token = batch * kv_bytes_per_token(layers, heads, head_dim, KV_LAYOUTS["bf16"])
     token = batch * kv_bytes_per_token(layers, heads, head_dim, layout)
     if layout.bits is None:
@@ -164,10 +168,11 @@ def kv_cache_bytes(
     else:
         full = window.sink_frames + (keep_recent_chunks + 1) * window.chunk_frames
     quantized = window.window_frames - full
+    sink_copies = window.sink_frames if rope == "cache" else 0  # keys only: half a K/V row
     return KVBytes(
         per_token=token,
         per_chunk=token * tokens_per_frame * window.chunk_frames,
-        window=(full * full_token + quantized * token) * tokens_per_frame,
+        window=(full * full_token + quantized * token + sink_copies * full_token // 2) * tokens_per_frame,
         full_frames=full,
         quantized_frames=quantized,
     )

@@ -107,3 +107,13 @@ def test_unpatchify_inverts_the_patch_order(wan):
     # token (f=1, h=2, w=3) holds channel c at patch offset (q, r) as feature (q * 2 + r) * 16 + c
     token = (1 * 3 + 2) * 4 + 3
     assert video[0, 5, 1, 2 * 2 + 1, 3 * 2 + 0].item() == tokens[0, token, (1 * 2 + 0) * 16 + 5].item()
+
+
+def test_residual_stream_is_token_major(wan):
+    """The patch embedding's [B, C, F*T] output is stored as [B, F*T, C] contiguous, not as a transposed view: a
+    view's channel-major layout would carry through every residual add of the stack (strided, several times
+    slower on the CPU; bench/wan_vs_peers.py)."""
+    x, ctx = _inputs()
+    h = wan.embed(x, torch.tensor([500.0]), ctx)
+    assert h.tokens.shape == (1, 3 * 2 * 3, 64) and h.tokens.is_contiguous()
+    assert wan.run_blocks(h).tokens.is_contiguous()

@@ -179,7 +179,9 @@ class Wan(nn.Module):
         dtype = self.patch_embedding.weight.dtype
         grid = self.grid(x)
         frames = grid[0]
-        tokens = self.patch_embedding(x.to(dtype)).flatten(2).transpose(1, 2).float()
+        # [B, C, F*T] -> [B, F*T, C] stored token-major: a transposed view kept channel-major layout through every
+        # residual add of the stack (each a strided read mixed with contiguous operands, plus a copy per norm)
+        tokens = self.patch_embedding(x.to(dtype)).flatten(2).transpose(1, 2).float().contiguous()
         e, e0 = self.time_embed(timestep.to(x.device), frames)
         ctx = context_embedded if context_embedded is not None else self.embed_context(context)
         if freqs is None:

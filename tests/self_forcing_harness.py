@@ -30,14 +30,17 @@ around it, at run time only (no file of theirs is changed):
   ``__init__`` runs with a stub text encoder (returns our prompt features) and a stub VAE (identity decode; the
   latents are compared). Its KV-cache allocation hard-codes Wan-1.3B (30 blocks, 1560 tokens a frame, 12 heads x
   128, 512 text tokens); ``num_transformer_blocks`` and ``frame_seq_length`` are set to ours and the two
-  ``_initialize_*_cache`` methods are overridden with the same dicts at our sizes.
+  ``_initialize_*_cache`` methods are overridden with the same dicts at our sizes. (Their self-attention also
+  reads at most ``local_attn_size * 1560`` cached tokens, Wan-1.3B's frame at 480p: at fewer tokens a frame that
+  bound exceeds the cache, so it attends to the whole cache, which holds the window, as at 480p.) Their loop's
+  ``print`` lines go to a buffer.
 * **Noise.** ``inference(noise)`` takes each chunk's starting noise; its re-noising draws ``torch.randn_like``.
   Both replay :class:`VideoSession`'s generator (per chunk: the starting noise, then one draw per re-noised step),
   the second through a ``torch`` proxy set on their pipeline module for the call (only ``randn_like`` differs).
-* **Timing.** Hooks on the wrapper module (which their loop calls for every forward) record each forward's end:
-  a chunk's seconds run from the end of the previous chunk's last denoising forward to the end of its own, so
-  they hold the previous chunk's clean-context pass and this chunk's denoising steps, as ``ChunkResult.seconds``
-  does on our side (our session defers that pass to the next chunk's start).
+* **Timing.** Hooks on the wrapper module (which their loop calls for every forward) record each forward's end
+  (wall and process CPU time): a chunk's seconds run from the end of the previous chunk's last denoising forward
+  to the end of its own, so they hold the previous chunk's clean-context pass and this chunk's denoising steps,
+  as ``ChunkResult.seconds`` does on our side (our session defers that pass to the next chunk's start).
 """
 
 from __future__ import annotations
@@ -327,6 +330,7 @@ class _TorchWithNoise:
 class ReferenceRun:
     latents: torch.Tensor  # [B, C, F, h, w] float32 on the CPU (our layout)
     chunk_seconds: list[float]
+    chunk_cpu_seconds: list[float]  # process CPU time (all threads) over the same spans
     kv_bytes: int  # their self-attention cache (k and v of every block)
     cross_bytes: int  # their cross-attention cache once filled
     timesteps: list[float] = field(default_factory=list)  # their warped denoising_step_list
@@ -338,13 +342,15 @@ def _bytes(caches) -> int:
 
 def run_reference(sf: SelfForcing, pipe, noise: StreamNoise, steps: int) -> ReferenceRun:
     """One stream of their ``inference`` loop on ``noise``; per-chunk seconds from hooks on the wrapper."""
-    ends: list[float] = []
-    begin: list[float] = []
+    ends: list[tuple[float, float]] = []  # (wall, process CPU) at the end of each forward
+    begin: list[tuple[float, float]] = []
+
+    def stamp() -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
     wrapper = pipe.generator
-    pre = wrapper.register_forward_pre_hook(
-        lambda *_: begin.append(time.perf_counter()) if not begin else None
-    )
-    post = wrapper.register_forward_hook(lambda *_: ends.append(time.perf_counter()))
+    pre = wrapper.register_forward_pre_hook(lambda *_: None if begin else begin.append(stamp()))
+    post = wrapper.register_forward_hook(lambda *_: ends.append(stamp()))
     module = sf.causal_inference
     try:
         module.torch = _TorchWithNoise(noise.draws())
@@ -362,9 +368,11 @@ def run_reference(sf: SelfForcing, pipe, noise: StreamNoise, steps: int) -> Refe
     if len(ends) != n * per_chunk:
         raise RuntimeError(f"expected {n * per_chunk} forwards of their generator, counted {len(ends)}")
     denoised = [begin[0]] + [ends[k * per_chunk + steps - 1] for k in range(n)]
+    pairs = list(zip(denoised, denoised[1:]))
     return ReferenceRun(
         latents=out.permute(0, 2, 1, 3, 4).float().cpu(),
-        chunk_seconds=[b - a for a, b in zip(denoised, denoised[1:])],
+        chunk_seconds=[b[0] - a[0] for a, b in pairs],
+        chunk_cpu_seconds=[b[1] - a[1] for a, b in pairs],
         kv_bytes=_bytes(pipe.kv_cache1),
         cross_bytes=_bytes(pipe.crossattn_cache),
         timesteps=[float(t) for t in pipe.denoising_step_list],

@@ -16,8 +16,9 @@ Three parts, one process, the same random weights:
 2. **Window sweep** (chunk 2): steady per-chunk seconds for each window, against the analytic FLOPs of a steady
    chunk (``engine.plan.wan_forward_flops``: the static cache reads every slot of the window; steps + 1 forwards),
    fixed part (projections, FFN, cross-attention) and per-frame part (self-attention over the window).
-   ``predicted`` = time at the smallest window x FLOPs(w) / FLOPs(smallest); the ratio measured / predicted is the
-   check (within 10%).
+   ``predicted`` = FLOPs(w) / one throughput, fitted by least squares over every window of the mode (time
+   proportional to FLOPs, no intercept); the ratio measured / predicted is the check (within 10%). The time and
+   FLOP ratios to the smallest window are printed too.
 3. **Profile** of one steady chunk (``torch.profiler``, CPU): self time by category, an op counted under its
    outermost aten op: ``aten::linear`` (its ``addmm`` and the bias copy inside it) is GEMM,
    ``aten::scaled_dot_product_attention`` is attention, the rest by name.
@@ -109,6 +110,13 @@ def window_sweep(model, ctx, w, h, chunk, windows, rounds, tpf):
                 )
     fixed, per_frame = chunk_flops(model.params, CausalConfig(chunk_frames=chunk), tpf)
     base = windows[0]
+    flops_at = {win: fixed + per_frame * win for win in windows}
+    # seconds per FLOP, least squares through the origin over the windows (one throughput per mode)
+    per_flop = {
+        m: sum(median(times[(m, win)]) * flops_at[win] for win in windows)
+        / sum(f * f for f in flops_at.values())
+        for m in modes
+    }
     rows = []
     for win in windows:
         flops = fixed + per_frame * win
@@ -117,9 +125,11 @@ def window_sweep(model, ctx, w, h, chunk, windows, rounds, tpf):
             t = median(times[(m, win)])
             row[f"{m}_seconds"] = t
             row[f"{m}_time_ratio"] = t / median(times[(m, base)])
-            row[f"{m}_measured_over_predicted"] = row[f"{m}_time_ratio"] / row["flops_ratio"]
+            row[f"{m}_measured_over_predicted"] = t / (flops * per_flop[m])
         rows.append(row)
-    return {"chunk": chunk, "fixed_gflop": fixed / 1e9, "per_frame_gflop": per_frame / 1e9, "rows": rows}
+    fit = {m: 1 / per_flop[m] / 1e9 for m in modes}  # GFLOP/s of the fitted throughput
+    return {"chunk": chunk, "fixed_gflop": fixed / 1e9, "per_frame_gflop": per_frame / 1e9, "rows": rows,
+            "fitted_gflops": fit}  # fmt: skip
 
 
 # -- 3. profile ----------------------------------------------------------------------------------------------------
@@ -188,7 +198,8 @@ def print_sweep(r):
             f"| {row['absolute_seconds']:.3f} | {row['absolute_time_ratio']:.2f} "
             f"| {row['absolute_measured_over_predicted']:.2f} |"
         )
-    print()
+    fit = ", ".join(f"{m} {v:.1f} GFLOP/s" for m, v in r["fitted_gflops"].items())
+    print(f"\npredicted = FLOPs / the fitted throughput ({fit})\n")
 
 
 def print_profile(name, r):
@@ -202,11 +213,30 @@ def print_profile(name, r):
     print()
 
 
+def summary(out: dict) -> list[dict]:
+    """Rows for bench/run_all: the default against absolute RoPE, the sweep against FLOPs, the profile."""
+    rows = []
+    if "side_by_side" in out:
+        t = {r["mode"]: r["steady_seconds"] for r in out["side_by_side"]["rows"]}
+        ratio = t["cache (default)"] / t["absolute"]
+        rows.append({"metric": "causal stream, steady per-chunk time rope=cache / rope=absolute", "value": f"{ratio:.2f}x",
+                     "goal": "<= 1.05x", "met": ratio <= 1.05})  # fmt: skip
+    if "sweep" in out:
+        worst = max(abs(r["cache_measured_over_predicted"] - 1) for r in out["sweep"]["rows"])
+        rows.append({"metric": "causal stream, per-chunk time vs window: worst |measured / FLOP-predicted - 1|",
+                     "value": f"{100 * worst:.0f}%", "goal": "<= 10%", "met": worst <= 0.10})  # fmt: skip
+    for name, r in out.get("profile", {}).items():
+        rows.append({"metric": f"causal stream, GEMM + attention share of a steady chunk, {name}",
+                     "value": f"{100 * r['gemm_plus_attention']:.1f}%", "goal": None, "met": None})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="wan-mid")
     ap.add_argument("--size", default="192x192", help="width x height in pixels")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--sweep-rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=3, help="side by side: latent frames per chunk")
     ap.add_argument("--window", type=int, default=9, help="side by side: window in latent frames")
@@ -221,7 +251,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.windows = 2, "2,4,8"
+        args.rounds, args.sweep_rounds, args.windows = 2, 2, "2,4,8"
     threads = setup_threads(args.threads)
     env = header(f"Causal stream RoPE and per-chunk cost ({args.preset}, {args.size} px)")
     w, h = parse_px(args.size)
@@ -236,7 +266,7 @@ def main() -> None:
         print_side(out["side_by_side"])
     if "sweep" not in skip:
         windows = [int(v) for v in args.windows.split(",")]
-        out["sweep"] = window_sweep(model, ctx, w, h, args.sweep_chunk, windows, args.rounds, tpf)
+        out["sweep"] = window_sweep(model, ctx, w, h, args.sweep_chunk, windows, args.sweep_rounds, tpf)
         print_sweep(out["sweep"])
     if "profile" not in skip:
         out["profile"] = {}
@@ -249,6 +279,7 @@ def main() -> None:
             print_profile(
                 name if m is model else f"{name} width, {args.profile_layers} layers", out["profile"][name]
             )
+    out["summary"] = summary(out)
     save("causal_rope", out)
 
 

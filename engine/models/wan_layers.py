@@ -106,7 +106,8 @@ def norm_modulate_frames(
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, frames: int) -> torch.Tensor:
     """``x + y * gate`` per frame (``gate [B, F, 1, C]``) in float32, one pass (``addcmul``)."""
-    return torch.addcmul(x.unflatten(1, (frames, -1)), y.float().unflatten(1, (frames, -1)), gate).flatten(1, 2)
+    per_frame = (frames, -1)
+    return torch.addcmul(x.unflatten(1, per_frame), y.float().unflatten(1, per_frame), gate).flatten(1, 2)
 
 
 class WanAttentionBlock(nn.Module):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm of ``x [..., N]`` over its last dimension, times ``weight [N]``."""
-    out = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # x * rsqrt(mean(x^2) + eps), one pass
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
     return out.to(x.dtype) * weight.to(x.dtype)
 
 
@@ -29,5 +30,5 @@ def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
     b, n, c = x.shape
     g = shift.shape[1]
     normed = F.layer_norm(x, (c,), eps=eps)
-    out = torch.addcmul(shift.unsqueeze(2), normed.unflatten(1, (g, n // g)), 1 + scale.unsqueeze(2))
+    out = normed.unflatten(1, (g, n // g)) * (1 + scale.unsqueeze(2)) + shift.unsqueeze(2)
     return out.flatten(1, 2)

@@ -200,8 +200,13 @@ def test_stream_reports_chunks_and_kv_bytes(tmp_path):
     report = json.loads(r.stdout)
     per_token = 2 * 64 * 2 * 4  # K and V x dim x layers x fp32
     assert report["kv_bytes_per_token"] == per_token and report["tokens_per_frame"] == 6
-    assert [c["kv_bytes"] for c in report["chunks"]] == [4 * 6 * per_token] * 4
-    assert [c["kv_bytes_used"] for c in report["chunks"]] == [2 * 6 * per_token] + [4 * 6 * per_token] * 3
+    sink_copy = (
+        6 * per_token // 2
+    )  # rope="cache": the sink frame's keys, unrotated (taken when chunk 1 begins)
+    assert [c["kv_bytes"] for c in report["chunks"]] == [4 * 6 * per_token + sink_copy] * 4
+    assert [c["kv_bytes_used"] for c in report["chunks"]] == [2 * 6 * per_token] + [
+        4 * 6 * per_token + sink_copy
+    ] * 3
     assert report["first_chunk_seconds"] == report["chunks"][0]["seconds"] > 0
     saved = load_file(str(tmp_path / "latents.safetensors"))
     assert saved["latent"].shape == (1, 16, 8, 4, 6) and saved["frames"].shape == (1, 29, 3, 32, 48)

@@ -55,6 +55,27 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
+def summary_row(metric: str, value: str, goal: str | None = None, met: bool | None = None) -> dict:
+    """One row of a script's ``"summary"`` (what ``bench/run_all`` tabulates)."""
+    return {"metric": metric, "value": value, "goal": goal, "met": met}
+
+
+def peer_rows(
+    time_metric: str, diff_metric: str, r: dict, max_diff: float, diff_note: str = ""
+) -> list[dict]:
+    """The two summary rows of a side-by-side run against a peer implementation: the peer's time / ours
+    (``r["ratio"]``, ``r["ratio_best_of"]``) and the max abs difference of the outputs (``r["max_abs_diff"]``)."""
+    return [
+        summary_row(time_metric, f"{r['ratio']:.2f}x (best-of {r['ratio_best_of']:.2f}x)"),
+        summary_row(
+            diff_metric,
+            f"{r['max_abs_diff']:.1e}{diff_note}",
+            f"<= {max_diff:g}",
+            r["max_abs_diff"] <= max_diff,
+        ),
+    ]
+
+
 def parse_px(size: str) -> tuple[int, int]:
     """``"512x768"`` (width x height in pixels, multiples of 16) -> (width, height)."""
     w, h = (int(v) for v in size.lower().split("x"))

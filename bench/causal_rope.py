@@ -31,7 +31,7 @@ import dataclasses
 import math
 
 import torch
-from _common import header, median, parse_px, save, setup_threads
+from _common import header, median, parse_px, save, setup_threads, summary_row
 from torch.profiler import ProfilerActivity, profile
 
 from fewstep.engine import load_dit
@@ -219,15 +219,15 @@ def summary(out: dict) -> list[dict]:
     if "side_by_side" in out:
         t = {r["mode"]: r["steady_seconds"] for r in out["side_by_side"]["rows"]}
         ratio = t["cache (default)"] / t["absolute"]
-        rows.append({"metric": "causal stream, steady per-chunk time rope=cache / rope=absolute", "value": f"{ratio:.2f}x",
-                     "goal": "<= 1.05x", "met": ratio <= 1.05})  # fmt: skip
+        metric = "causal stream, steady per-chunk time rope=cache / rope=absolute"
+        rows.append(summary_row(metric, f"{ratio:.2f}x", "<= 1.05x", ratio <= 1.05))
     if "sweep" in out:
         worst = max(abs(r["cache_measured_over_predicted"] - 1) for r in out["sweep"]["rows"])
-        rows.append({"metric": "causal stream, per-chunk time vs window: worst |measured / FLOP-predicted - 1|",
-                     "value": f"{100 * worst:.0f}%", "goal": "<= 10%", "met": worst <= 0.10})  # fmt: skip
+        metric = "causal stream, per-chunk time vs window: worst |measured / FLOP-predicted - 1|"
+        rows.append(summary_row(metric, f"{100 * worst:.0f}%", "<= 10%", worst <= 0.10))
     for name, r in out.get("profile", {}).items():
-        rows.append({"metric": f"causal stream, GEMM + attention share of a steady chunk, {name}",
-                     "value": f"{100 * r['gemm_plus_attention']:.1f}%", "goal": None, "met": None})  # fmt: skip
+        metric = f"causal stream, GEMM + attention share of a steady chunk, {name}"
+        rows.append(summary_row(metric, f"{100 * r['gemm_plus_attention']:.1f}%"))
     return rows
 
 

@@ -27,6 +27,7 @@ from _common import (
     median,
     parse_args,
     parse_px,
+    peer_rows,
     save,
     setup_threads,
 )
@@ -152,22 +153,11 @@ def print_results(rows: list[dict]) -> None:
 def summary(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
-        out.append(
-            {
-                "metric": f"DiT forward, diffusers time / ours, {r['case']}",
-                "value": f"{r['ratio']:.2f}x (best-of {r['ratio_best_of']:.2f}x)",
-                "goal": None,
-                "met": None,
-            }
-        )
-        out.append(
-            {
-                "metric": f"DiT forward, max abs diff ours vs diffusers (same weights), {r['case']}",
-                "value": f"{r['max_abs_diff']:.1e} (outputs up to {r['max_abs_output']:.2g})",
-                "goal": f"<= {MAX_DIFF:g}",
-                "met": r["max_abs_diff"] <= MAX_DIFF,
-            }
-        )
+        out += peer_rows(
+            f"DiT forward, diffusers time / ours, {r['case']}",
+            f"DiT forward, max abs diff ours vs diffusers (same weights), {r['case']}",
+            r, MAX_DIFF, f" (outputs up to {r['max_abs_output']:.2g})",
+        )  # fmt: skip
     return out
 
 

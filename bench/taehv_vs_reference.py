@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _common import header, median, parse_args, save, setup_threads
+from _common import header, median, parse_args, peer_rows, save, setup_threads
 from _common import timed as timed_call
 
 from fewstep.engine.vae.taehv import TAEHV, TAEHV_CONFIGS, TAEHVStreamDecoder
@@ -162,22 +162,11 @@ def print_results(rows: list[dict], chunk: int) -> None:
 def summary(rows: list[dict], what: str) -> list[dict]:
     out = []
     for r in rows:
-        out.append(
-            {
-                "metric": f"TAEHV decode, madebyollin's {REF_CALL[r['mode']]} time / ours, {what}",
-                "value": f"{r['ratio']:.2f}x (best-of {r['ratio_best_of']:.2f}x)",
-                "goal": None,
-                "met": None,
-            }
-        )
-        out.append(
-            {
-                "metric": f"TAEHV decode ({r['mode']}), max abs diff ours vs madebyollin's (same weights), {what}",
-                "value": f"{r['max_abs_diff']:.1e}",
-                "goal": f"<= {MAX_DIFF:g}",
-                "met": r["max_abs_diff"] <= MAX_DIFF,
-            }
-        )
+        out += peer_rows(
+            f"TAEHV decode, madebyollin's {REF_CALL[r['mode']]} time / ours, {what}",
+            f"TAEHV decode ({r['mode']}), max abs diff ours vs madebyollin's (same weights), {what}",
+            r, MAX_DIFF,
+        )  # fmt: skip
     return out
 
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import header, median, parse_args, save, setup_threads
+from _common import header, median, parse_args, peer_rows, save, setup_threads
 
 from fewstep.engine.lora.names import foreign_names
 from fewstep.engine.models.wan import PRESETS, Wan, WanParams, tokens_per_frame
@@ -321,22 +321,11 @@ def summary(rows: list[dict]) -> list[dict]:
     for r in rows:
         for k, c in r["peers"].items():
             name = f"{r['case']}, {r['tokens']} tokens, {r['threads']} thr"
-            out.append(
-                {
-                    "metric": f"Wan forward, {k} time / ours, {name}",
-                    "value": f"{c['ratio']:.2f}x (best-of {c['ratio_best_of']:.2f}x)",
-                    "goal": None,
-                    "met": None,
-                }
-            )
-            out.append(
-                {
-                    "metric": f"Wan forward, max abs diff ours vs {k} (same weights), {name}",
-                    "value": f"{c['max_abs_diff']:.1e} (outputs up to {r['max_abs_output']:.2g})",
-                    "goal": f"<= {MAX_DIFF:g}",
-                    "met": c["max_abs_diff"] <= MAX_DIFF,
-                }
-            )
+            out += peer_rows(
+                f"Wan forward, {k} time / ours, {name}",
+                f"Wan forward, max abs diff ours vs {k} (same weights), {name}",
+                c, MAX_DIFF, f" (outputs up to {r['max_abs_output']:.2g})",
+            )  # fmt: skip
     return out
 
 

@@ -48,8 +48,8 @@ Storage (``kv_dtype``):
   when the next chunk takes its full-precision slot, and only if it is still in the window; it is never written
   again. Sinks are never quantized: every chunk attends to them, so their error would be paid forever, and
   they are few. Reads dequantize (keys are stored rotated: no rotation on the read): on CUDA the attention
-  kernel dequantizes the quantized keys tile by tile (``kernels.quantized_attention``, once the window is full: it takes no mask); elsewhere (and
-  while the window fills) each layer's quantized part is dequantized into a transient buffer, concatenated with
+  kernel dequantizes the quantized keys tile by tile (``kernels.quantized_attention``, once the window is full:
+  it takes no mask); elsewhere (and while the window fills) each layer's quantized part is dequantized into a transient buffer, concatenated with
   the full-precision part and attended to, one layer at a time (so the transient memory is one layer's window,
   not the cache's). Until a frame ages out, an int8/int4 stream is
   identical to a ``"bf16"`` one.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rope import RopeFreqs
 from ..sampling import sample_dmd, schedule_sigmas
 from .kv_cache import WindowSpec
 from .session import CausalConfig
@@ -48,8 +49,8 @@ class CachePositionPrefix:
             return torch.tensor([window.cache_position(f, start) for f in frame_range], device=device)
 
         queries = [rope_fn(positions(range(start, start + c), start), grid_hw) for start in starts]
-        self.freqs = type(queries[0])(
-            *(torch.cat(parts, dim=1) for parts in zip(*((q.cos, q.sin) for q in queries)))
+        self.freqs = RopeFreqs(
+            torch.cat([q.cos for q in queries], dim=1), torch.cat([q.sin for q in queries], dim=1)
         )
         self.key_freqs = [rope_fn(positions(range(frames), start), grid_hw) for start in starts]
         self.mask = mask

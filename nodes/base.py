@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 from ..engine.conditioning import TextCondition
 from ..engine.errors import InputError
+from ..engine.handle import ModelHandle
 from .conditioning import from_comfy
+from .inputs import check_node_inputs, register_object_type
 
 CATEGORY = "FewStep"
 FEWSTEP_MODEL = "FEWSTEP_MODEL"
+register_object_type(
+    FEWSTEP_MODEL, lambda v: isinstance(v, ModelHandle), "a FEWSTEP_MODEL from FewStepDiTLoader"
+)
 
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
@@ -23,19 +29,33 @@ def seed_input(tooltip: str) -> tuple:
     )
 
 
-def reports_input_errors(node_name: str, renames: dict[str, str] | None = None):
-    """Decorate a node's FUNCTION so engine input errors name this node and its own input names."""
+def reports_input_errors(
+    node_name: str, renames: dict[str, str] | None = None, file_lists: tuple[str, ...] = ()
+):
+    """Decorate a node's FUNCTION: first check every argument against the node's ``INPUT_TYPES`` (types, ranges,
+    combo lists: ``nodes.inputs``), then run it; engine input errors name this node and its own input names.
+
+    ``file_lists``: combo inputs listing files, which the node resolves itself (any text passes the shared check).
+    """
     renames = renames or {}
 
     def wrap(fn):
+        signature = inspect.signature(fn)
+
         @functools.wraps(fn)
-        def run(*args, **kwargs):
+        def run(self, *args, **kwargs):
             try:
-                return fn(*args, **kwargs)
+                try:
+                    arguments = signature.bind(self, *args, **kwargs).arguments
+                except TypeError as err:
+                    raise InputError("inputs", str(err)) from None
+                check_node_inputs(type(self).INPUT_TYPES(), arguments, file_lists)
+                return fn(self, *args, **kwargs)
             except InputError as err:
                 err.input_name = renames.get(err.input_name, err.input_name)
                 raise err.located(node_name) from None
 
+        run.checks_node_inputs = True  # tests walk every node's FUNCTION for this mark
         return run
 
     return wrap

@@ -215,7 +215,7 @@ class FewStepCacheGate:
         required.update(_common_inputs(METHODS, "first_block", 0.08))
         return {"required": required, "optional": _optional_inputs()}
 
-    @reports_input_errors("FewStepCacheGate")
+    @reports_input_errors("FewStepCacheGate", file_lists=("magcache_file",))
     def attach(
         self, model, method, threshold, start, end, force, cfg_cutoff, magcache_file=NO_CALIBRATION,
         calibrate=False, calibration_name="",
@@ -246,7 +246,7 @@ class FewStepCacheGateNative:
         required.update(_common_inputs(NATIVE_METHODS, "input_change", 0.1))
         return {"required": required, "optional": _optional_inputs(), "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    @reports_input_errors("FewStepCacheGateNative")
+    @reports_input_errors("FewStepCacheGateNative", file_lists=("magcache_file",))
     def attach(
         self, model, method, threshold, start, end, force, cfg_cutoff, magcache_file=NO_CALIBRATION,
         calibrate=False, calibration_name="", unique_id=None,

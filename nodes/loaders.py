@@ -71,7 +71,9 @@ class FewStepDiTLoader:
             }
         }
 
-    @reports_input_errors("FewStepDiTLoader", {"weights": "model_name", "attention": "attention"})
+    @reports_input_errors(
+        "FewStepDiTLoader", {"weights": "model_name", "attention": "attention"}, file_lists=("model_name",)
+    )
     def load(self, model_name, weight_dtype="default", compute_dtype="auto", attention="auto"):
         source = (
             model_name

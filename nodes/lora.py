@@ -77,7 +77,7 @@ class FewStepLoraLoader:
             }
         }
 
-    @reports_input_errors("FewStepLoraLoader")
+    @reports_input_errors("FewStepLoraLoader", file_lists=("lora_name",))
     def load(self, model, lora_name, strength=1.0):
         if lora_name in DUMMY_LORAS:
             rank, seed = DUMMY_LORAS[lora_name]

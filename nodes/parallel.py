@@ -16,9 +16,15 @@ from ..engine.parallel import BACKENDS, MODES, ParallelConfig, get_pool, shutdow
 from ..engine.parallel.client import RemoteVideoSession
 from .base import CATEGORY, reports_input_errors
 from .host import check_interrupt, comfy_module
+from .inputs import register_object_type
 from .memory import make_patcher
 
 FEWSTEP_PARALLEL = "FEWSTEP_PARALLEL"
+register_object_type(
+    FEWSTEP_PARALLEL,
+    lambda v: isinstance(v, ParallelConfig),
+    "a FEWSTEP_PARALLEL from FewStepParallelLauncher",
+)
 
 _PATCHERS: dict[ParallelConfig, object] = {}  # one host-memory entry per pool configuration
 

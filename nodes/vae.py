@@ -12,11 +12,15 @@ import torch
 
 from ..engine.errors import InputError
 from ..engine.loader import DUMMY_PREFIX
-from ..engine.vae import TINY_VARIANTS, load_tiny_vae
+from ..engine.vae import TINY_VARIANTS, TinyVAE, load_tiny_vae
 from .base import CATEGORY, reports_input_errors
 from .host import list_model_files, model_file_path, torch_device
+from .inputs import register_object_type
 
 FEWSTEP_TINY_VAE = "FEWSTEP_TINY_VAE"
+register_object_type(
+    FEWSTEP_TINY_VAE, lambda v: isinstance(v, TinyVAE), "a FEWSTEP_TINY_VAE from FewStepTinyVAELoader"
+)
 DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -63,7 +67,7 @@ class FewStepTinyVAELoader:
             }
         }
 
-    @reports_input_errors("FewStepTinyVAELoader", {"vae": "vae_name"})
+    @reports_input_errors("FewStepTinyVAELoader", {"vae": "vae_name"}, file_lists=("vae_name",))
     def load(self, vae_name, dtype="auto"):
         source = (
             vae_name

@@ -41,6 +41,7 @@ from ..engine.units import format_bytes
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
 from .chunk_stream import ChunkStream
 from .host import Progress, check_interrupt, comfy_module, preview_payload
+from .inputs import register_object_type
 from .memory import load_for_run
 from .parallel import FEWSTEP_PARALLEL, open_parallel_session
 from .vae import FEWSTEP_TINY_VAE
@@ -64,6 +65,11 @@ class SessionRef:
     key: str  # the live session in SESSIONS
     position: int  # latent frames the session had generated when this reference was made
     recipe: SessionRecipe = field(repr=False)
+
+
+register_object_type(
+    FEWSTEP_SESSION, lambda v: isinstance(v, SessionRef), "a FEWSTEP_SESSION from FewStepCausalVideoSampler"
+)
 
 
 def _recipe(model, width, height, config, seed, tiny_vae, context, parallel) -> SessionRecipe:

@@ -313,7 +313,7 @@ def test_video_node_errors_name_its_inputs(pack):
     good = [[torch.zeros(1, 4, 4096), {}]]
     with pytest.raises(
         ValueError,
-        match=r"^FewStepCausalVideoSampler: input 'context_noise': expected a finite number, got nan",
+        match=r"^FewStepCausalVideoSampler: input 'context_noise': expected a finite number in \[0.0, 1000.0\], got nan",
     ):
         m["FewStepCausalVideoSampler"]().generate(model, good, **args, context_noise=float("nan"))
 

@@ -13,9 +13,7 @@ from .inputs import check_node_inputs, register_object_type
 
 CATEGORY = "FewStep"
 FEWSTEP_MODEL = "FEWSTEP_MODEL"
-register_object_type(
-    FEWSTEP_MODEL, lambda v: isinstance(v, ModelHandle), "a FEWSTEP_MODEL from FewStepDiTLoader"
-)
+register_object_type(FEWSTEP_MODEL, ModelHandle, "a FEWSTEP_MODEL from FewStepDiTLoader")
 
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF

@@ -35,8 +35,29 @@ MAX_TEXT_CHARS = (
 OBJECT_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {}
 
 
-def register_object_type(type_name: str, accepts: Callable[[object], bool], expected: str) -> None:
+def register_object_type(type_name: str, accepts: Callable[[object], bool] | type, expected: str) -> None:
+    """``accepts``: a predicate, or the class whose instances are that type (see :func:`is_instance_of`)."""
+    if isinstance(accepts, type):
+        cls = accepts
+
+        def accepts(value):
+            return is_instance_of(value, cls)
+
     OBJECT_TYPES[type_name] = (accepts, expected)
+
+
+def is_instance_of(value, cls: type) -> bool:
+    """``isinstance`` that also accepts the same class from another import of this package.
+
+    The pack can be imported twice in one process: by ComfyUI under a module name made from its folder path, and as
+    ``fewstep`` (the engine API, the CLI, a script or another pack using the engine). A model loaded through one is a
+    valid model for the other: compare the class's name and the last two parts of its module path.
+    """
+    suffix = ".".join(cls.__module__.split(".")[-2:])
+    return any(
+        c.__qualname__ == cls.__qualname__ and ".".join(c.__module__.split(".")[-2:]) == suffix
+        for c in type(value).__mro__
+    )
 
 
 def _is_latent(value) -> bool:

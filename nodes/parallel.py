@@ -22,7 +22,7 @@ from .memory import make_patcher
 FEWSTEP_PARALLEL = "FEWSTEP_PARALLEL"
 register_object_type(
     FEWSTEP_PARALLEL,
-    lambda v: isinstance(v, ParallelConfig),
+    ParallelConfig,
     "a FEWSTEP_PARALLEL from FewStepParallelLauncher",
 )
 

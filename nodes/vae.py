@@ -18,9 +18,7 @@ from .host import list_model_files, model_file_path, torch_device
 from .inputs import register_object_type
 
 FEWSTEP_TINY_VAE = "FEWSTEP_TINY_VAE"
-register_object_type(
-    FEWSTEP_TINY_VAE, lambda v: isinstance(v, TinyVAE), "a FEWSTEP_TINY_VAE from FewStepTinyVAELoader"
-)
+register_object_type(FEWSTEP_TINY_VAE, TinyVAE, "a FEWSTEP_TINY_VAE from FewStepTinyVAELoader")
 DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

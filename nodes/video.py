@@ -67,9 +67,7 @@ class SessionRef:
     recipe: SessionRecipe = field(repr=False)
 
 
-register_object_type(
-    FEWSTEP_SESSION, lambda v: isinstance(v, SessionRef), "a FEWSTEP_SESSION from FewStepCausalVideoSampler"
-)
+register_object_type(FEWSTEP_SESSION, SessionRef, "a FEWSTEP_SESSION from FewStepCausalVideoSampler")
 
 
 def _recipe(model, width, height, config, seed, tiny_vae, context, parallel) -> SessionRecipe:

@@ -29,7 +29,8 @@ MAX_JSON_BYTES = 64 << 20  # an HTTP JSON answer (/object_info of a server with 
 MAX_MESSAGE_BYTES = 64 << 20  # one event-stream message (binary previews are at most a few MB)
 MAX_HEAD_BYTES = 64 << 10  # the WebSocket handshake answer
 MAX_JSON_DEPTH = 128  # ComfyUI's answers nest about 10 levels; a deeper one is an attack on the parser
-MAX_FILE_BYTES = int(env_float("FEWSTEP_QUEUE_MAX_FILE_GB", 16.0) * (1 << 30))  # one downloaded output file
+# one downloaded output file; a setting over 1 TiB (orders of magnitude above any output ComfyUI writes) is a typo
+MAX_FILE_BYTES = int(env_float("FEWSTEP_QUEUE_MAX_FILE_GB", 16.0, minimum=0.0, maximum=1024.0) * (1 << 30))
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455's fixed key suffix
 
 

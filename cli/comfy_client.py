@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.parse
 
+from ..engine.names import name_problem
 from ..engine.settings import env_float
 from .files import umask_mode
 
@@ -229,7 +230,6 @@ def _read_body(resp, what: str, limit: int, sink=None) -> bytes:
     return b"".join(parts)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SEPARATORS = re.compile(r"[\\/]")
 
 
@@ -237,24 +237,29 @@ def local_output_path(out_dir: str, subfolder, filename) -> str:
     """Where a server-listed output file (``subfolder``/``filename``) goes inside ``out_dir``.
 
     The names come from the server: the file name must be a plain name, the subfolder relative without ``..``
-    (``/`` or ``\\`` separated), neither with control characters, and the resolved path (symlinks followed) must stay
-    inside ``out_dir``. Raises UnsafeOutputError saying why otherwise; nothing is created here.
+    (``/`` or ``\\`` separated), neither with a character the pack's name check refuses (control, bidi override,
+    zero-width, surrogate...: :mod:`..engine.names`, so a saved name reads as what it is), and the resolved path
+    (symlinks followed) must stay inside ``out_dir``. Raises UnsafeOutputError saying why otherwise; nothing is
+    created here.
     """
     if (
         not isinstance(filename, str)
         or filename in ("", ".", "..")
         or _SEPARATORS.search(filename)
-        or _CONTROL.search(filename)
         or os.path.splitdrive(filename)[0]
     ):
         raise UnsafeOutputError(
             f"the file name {filename!r} is not a plain file name (no folders, '.', '..' or control characters)"
         )
+    problem = name_problem(filename)
+    if problem is not None:
+        raise UnsafeOutputError(f"the file name {filename!r} is not a plain file name ({problem})")
     subfolder = "" if subfolder is None else subfolder
     if not isinstance(subfolder, str):
         raise UnsafeOutputError(f"the subfolder {subfolder!r} is not text")
-    if _CONTROL.search(subfolder):
-        raise UnsafeOutputError(f"the subfolder {subfolder!r} contains a control character")
+    problem = name_problem(subfolder)
+    if problem is not None:
+        raise UnsafeOutputError(f"the subfolder {subfolder!r} cannot name a folder ({problem})")
     parts = [part for part in _SEPARATORS.split(subfolder) if part not in ("", ".")]
     if _SEPARATORS.match(subfolder) or re.match(r"[A-Za-z]:", subfolder) or os.path.isabs(subfolder):
         raise UnsafeOutputError(f"the subfolder {subfolder!r} is absolute")

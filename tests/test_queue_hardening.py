@@ -221,6 +221,15 @@ def _view_path(item) -> str:
         ("escaped.png", "..\\..", "'..'"),
         ("esc\x00aped.png", "", "not a plain file name"),
         ("escaped.png", "sub\x00dir", "control character"),
+        ("\u202egnp.exe.png", "", "it contains U+202E RIGHT-TO-LEFT OVERRIDE, an invisible format character"),
+        ("a\u200db.png", "", "it contains U+200D ZERO WIDTH JOINER"),
+        ("a\udc80b.png", "", "it contains U+DC80, a lone surrogate"),
+        (
+            "escaped.png",
+            "sub\u202adir",
+            "the subfolder 'sub\\u202adir' cannot name a folder (it contains U+202A",
+        ),
+        ("escaped.png", "sub\x85dir", "it contains U+0085, a control character"),
     ],
 )
 def test_outputs_outside_out_are_refused_and_reported(hostile, tmp_path, capsys, filename, subfolder, reason):
@@ -232,7 +241,9 @@ def test_outputs_outside_out_are_refused_and_reported(hostile, tmp_path, capsys,
     bad = _history_item(filename, subfolder)
     good = _history_item("fine_00001_.png", "videos/day1")
     hostile.history = {PROMPT_ID: {"outputs": {"9": {"images": [bad, good]}}}}
-    hostile.files = {_view_path(bad): b"EVIL", _view_path(good): b"GOOD"}
+    hostile.files = {_view_path(good): b"GOOD"}
+    with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate cannot even be put in a URL
+        hostile.files[_view_path(bad)] = b"EVIL"
     code, _ = run_queue(hostile, tmp_path, "--out", str(out))
     captured = capsys.readouterr()
     assert code == 5, captured.err

@@ -58,7 +58,7 @@ def env_float(
     out-of-range value is logged once; ``default_text`` says what the default means, e.g. when it is None).
     The maximum keeps ``1e300`` GB from overflowing when it is turned into bytes."""
     return _env(name, default, float, lambda v: math.isfinite(v) and minimum < v <= maximum,
-                f"a number > {minimum:g} and <= {maximum:g}", default_text)  # fmt: skip
+                f"a number > {minimum:.15g} and <= {maximum:.15g}", default_text)  # fmt: skip
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:

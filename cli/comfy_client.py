@@ -22,6 +22,7 @@ import tempfile
 import time
 import urllib.parse
 
+from ..engine.names import name_problem
 from ..engine.settings import env_float
 from .files import umask_mode
 
@@ -29,7 +30,8 @@ MAX_JSON_BYTES = 64 << 20  # an HTTP JSON answer (/object_info of a server with 
 MAX_MESSAGE_BYTES = 64 << 20  # one event-stream message (binary previews are at most a few MB)
 MAX_HEAD_BYTES = 64 << 10  # the WebSocket handshake answer
 MAX_JSON_DEPTH = 128  # ComfyUI's answers nest about 10 levels; a deeper one is an attack on the parser
-MAX_FILE_BYTES = int(env_float("FEWSTEP_QUEUE_MAX_FILE_GB", 16.0) * (1 << 30))  # one downloaded output file
+# one downloaded output file; a setting over 1 TiB (orders of magnitude above any output ComfyUI writes) is a typo
+MAX_FILE_BYTES = int(env_float("FEWSTEP_QUEUE_MAX_FILE_GB", 16.0, minimum=0.0, maximum=1024.0) * (1 << 30))
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455's fixed key suffix
 
 
@@ -55,6 +57,24 @@ class DeadlineError(Exception):
 
 class LocalWriteError(Exception):
     """A downloaded file could not be written on this machine (disk full, a file where a folder should be...)."""
+
+
+class WriteCapError(Exception):
+    """A download would take this run past ``--max-files`` or ``--max-total-gb``; nothing of it was kept."""
+
+
+@dataclasses.dataclass
+class WriteBudget:
+    """What one ``queue`` run may still write under ``--out`` and ``--stream-dir`` together: a flooding server
+    (hundreds of files a second, each under the per-file limit) must not fill the disk before ``--timeout``."""
+
+    max_files: int
+    max_bytes: int
+    files: int = 0  # files written so far (whole; a refused or failed one does not count)
+    bytes: int = 0  # their bytes
+
+    def written(self) -> str:
+        return f"{self.files} files, {self.bytes} bytes"
 
 
 class UnsafeOutputError(ValueError):
@@ -210,17 +230,16 @@ class _Connection(http.client.HTTPConnection):
         )
 
 
-def _read_body(resp, what: str, limit: int, sink=None) -> bytes:
-    """The answer's body (or passed to ``sink(chunk)``), refused once it is larger than ``limit`` bytes."""
+def _read_body(resp, what: str, limit: int, sink=None, refuse=ProtocolError) -> bytes:
+    """The answer's body (or passed to ``sink(chunk)``), refused (``refuse(message)`` raised) once it is larger
+    than ``limit`` bytes."""
     if resp.length is not None and resp.length > limit:
-        raise ProtocolError(
-            f"{what} answered with {resp.length} bytes, more than the {limit} this client accepts"
-        )
+        raise refuse(f"{what} answered with {resp.length} bytes, more than the {limit} this client accepts")
     parts, total = [], 0
     while chunk := resp.read(min(1 << 20, limit + 1 - total)):
         total += len(chunk)
         if total > limit:
-            raise ProtocolError(f"{what} answered with more than the {limit} bytes this client accepts")
+            raise refuse(f"{what} answered with more than the {limit} bytes this client accepts")
         if sink is None:
             parts.append(chunk)
         else:
@@ -228,7 +247,6 @@ def _read_body(resp, what: str, limit: int, sink=None) -> bytes:
     return b"".join(parts)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SEPARATORS = re.compile(r"[\\/]")
 
 
@@ -236,24 +254,29 @@ def local_output_path(out_dir: str, subfolder, filename) -> str:
     """Where a server-listed output file (``subfolder``/``filename``) goes inside ``out_dir``.
 
     The names come from the server: the file name must be a plain name, the subfolder relative without ``..``
-    (``/`` or ``\\`` separated), neither with control characters, and the resolved path (symlinks followed) must stay
-    inside ``out_dir``. Raises UnsafeOutputError saying why otherwise; nothing is created here.
+    (``/`` or ``\\`` separated), neither with a character the pack's name check refuses (control, bidi override,
+    zero-width, surrogate...: :mod:`..engine.names`, so a saved name reads as what it is), and the resolved path
+    (symlinks followed) must stay inside ``out_dir``. Raises UnsafeOutputError saying why otherwise; nothing is
+    created here.
     """
     if (
         not isinstance(filename, str)
         or filename in ("", ".", "..")
         or _SEPARATORS.search(filename)
-        or _CONTROL.search(filename)
         or os.path.splitdrive(filename)[0]
     ):
         raise UnsafeOutputError(
             f"the file name {filename!r} is not a plain file name (no folders, '.', '..' or control characters)"
         )
+    problem = name_problem(filename)
+    if problem is not None:
+        raise UnsafeOutputError(f"the file name {filename!r} is not a plain file name ({problem})")
     subfolder = "" if subfolder is None else subfolder
     if not isinstance(subfolder, str):
         raise UnsafeOutputError(f"the subfolder {subfolder!r} is not text")
-    if _CONTROL.search(subfolder):
-        raise UnsafeOutputError(f"the subfolder {subfolder!r} contains a control character")
+    problem = name_problem(subfolder)
+    if problem is not None:
+        raise UnsafeOutputError(f"the subfolder {subfolder!r} cannot name a folder ({problem})")
     parts = [part for part in _SEPARATORS.split(subfolder) if part not in ("", ".")]
     if _SEPARATORS.match(subfolder) or re.match(r"[A-Za-z]:", subfolder) or os.path.isabs(subfolder):
         raise UnsafeOutputError(f"the subfolder {subfolder!r} is absolute")
@@ -279,8 +302,9 @@ class ComfyClient:
         self.base_path = urllib.parse.urlparse(self.server).path.rstrip("/")
         self.deadline = Deadline(timeout)
 
-    def _request(self, path: str, data=None, sink=None):
-        """The JSON answer to GET (or POST ``data`` to) ``path``; with ``sink``, the body goes to ``sink(chunk)``."""
+    def _request(self, path: str, data=None, sink=None, file_limit=MAX_FILE_BYTES, refuse=ProtocolError):
+        """The JSON answer to GET (or POST ``data`` to) ``path``; with ``sink``, the body goes to ``sink(chunk)``,
+        at most ``file_limit`` bytes (``refuse(message)`` is raised past it)."""
         method = "GET" if data is None else "POST"
         what = f"{method} {path}"
         conn = _Connection(self, f"reading {what}")
@@ -298,7 +322,7 @@ class ComfyClient:
                     resp.status, text if not isinstance(text, bytes) else text.decode(errors="replace"), what
                 )
             if sink is not None:
-                return _read_body(resp, what, MAX_FILE_BYTES, sink)
+                return _read_body(resp, what, file_limit, sink, refuse)
             return parse_json(_read_body(resp, what, MAX_JSON_BYTES) or b"null", f"{what} answered with")
         except http.client.HTTPException as exc:  # not HTTP, a header line too long, a body cut short...
             raise ProtocolError(
@@ -341,17 +365,34 @@ class ComfyClient:
             )
         return entry
 
-    def download(self, item: dict, out_dir: str) -> str:
+    def download(self, item: dict, out_dir: str, budget: WriteBudget | None = None) -> str:
         """Save one output file the history lists into ``out_dir`` (see local_output_path); returns its path.
 
-        Raises UnsafeOutputError (nothing written) for names that lead outside ``out_dir``. The file appears
-        whole or not at all: it is written next to its place and renamed, which also replaces rather than follows
-        a symlink left there.
+        Raises UnsafeOutputError (nothing written) for names that lead outside ``out_dir``, WriteCapError (nothing
+        written) when the file would take ``budget`` past its files or bytes. The file appears whole or not at
+        all: it is written next to its place and renamed, which also replaces rather than follows a symlink left
+        there.
         """
         path = local_output_path(out_dir, item.get("subfolder"), item.get("filename"))
         kind = item.get("type", "output")
         if not isinstance(kind, str):
             raise UnsafeOutputError(f"the type {kind!r} is not text")
+        limit, refuse = MAX_FILE_BYTES, ProtocolError
+        if budget is not None:
+            if budget.files >= budget.max_files:
+                raise WriteCapError(
+                    f"{path} would be file {budget.files + 1}, over --max-files {budget.max_files}"
+                )
+            left = budget.max_bytes - budget.bytes
+            if left < limit:  # the run's total, not the file's own limit, is what bounds this one
+
+                def refuse(message: str) -> WriteCapError:
+                    return WriteCapError(
+                        f"{message} ({left} bytes are left of --max-total-gb, {budget.max_bytes} bytes, after "
+                        f"{budget.written()})"
+                    )
+
+                limit = left
         query = urllib.parse.urlencode(
             {"filename": item["filename"], "subfolder": item.get("subfolder") or "", "type": kind}
         )
@@ -369,7 +410,8 @@ class ComfyClient:
 
         try:
             with os.fdopen(fd, "wb") as f:
-                self._request(f"/view?{query}", sink=write)
+                self._request(f"/view?{query}", sink=write, file_limit=limit, refuse=refuse)
+                size = f.tell()
             try:
                 os.chmod(partial, umask_mode())  # mkstemp makes it 0600; outputs get what open() would give
                 os.replace(partial, path)
@@ -379,6 +421,9 @@ class ComfyClient:
             with contextlib.suppress(OSError):
                 os.unlink(partial)
             raise
+        if budget is not None:
+            budget.files += 1
+            budget.bytes += size
         return path
 
     def websocket(self, client_id: str) -> WebSocket:

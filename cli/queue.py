@@ -7,8 +7,9 @@ server rejected the workflow (including a partial rejection: /prompt answers 200
 outputs still run), 3 a node raised during execution, 4 timeout (``--timeout`` bounds the whole command), 5 server
 unreachable, not a workflow, or an answer that is not ComfyUI's (including an output or chunk file the server names
 outside ``--out`` / ``--stream-dir``, or a ``fewstep.chunk`` event not in the documented layout: refused, reported,
-the rest still saved). A chunk file that cannot be downloaded (the server keeps only the newest ones) is reported
-and does not change the exit status.
+the rest still saved; and a run that would write more than ``--max-files`` files or ``--max-total-gb`` GiB under
+both folders together: it stops there, the file over the cap not kept). A chunk file that cannot be downloaded (the
+server keeps only the newest ones) is reported and does not change the exit status.
 """
 
 from __future__ import annotations
@@ -32,12 +33,23 @@ from .comfy_client import (
     ServerError,
     UnreachableError,
     UnsafeOutputError,
+    WriteBudget,
+    WriteCapError,
     is_ui_format,
     parse_chunk_event,
     parse_json,
     snippet,
     ui_to_api,
 )
+
+# What one run may write under --out and --stream-dir together. An honest run writes far less: a stream saves one
+# clip of a few hundred KB per chunk (2000 chunks in the default --timeout would be a fast one), a long video is a
+# few GB. A flooding server (measured: 893 files, 3.5 GiB in 20 s; about 100 GB in the default --timeout) hits
+# 10000 files in about 4 minutes and never gets past 64 GiB: four of the largest files FEWSTEP_QUEUE_MAX_FILE_GB
+# lets through by default.
+DEFAULT_MAX_FILES = 10_000
+DEFAULT_MAX_TOTAL_GB = 64.0
+MAX_TOTAL_GB = float(1 << 20)  # 1 PiB: any larger value is a typo (and 1e300 GiB would overflow as bytes)
 
 HELP = "run a workflow on a ComfyUI server through its API queue, with live progress and output download"
 
@@ -74,6 +86,22 @@ def add_arguments(p) -> None:
         "one line per chunk (default: none, chunk events are ignored)",
     )
     p.add_argument(
+        "--max-files",
+        type=_file_count,
+        default=DEFAULT_MAX_FILES,
+        metavar="N",
+        help="the most files one run writes under --out and --stream-dir together; past it the run stops, exit 5 "
+        f"(default: {DEFAULT_MAX_FILES})",
+    )
+    p.add_argument(
+        "--max-total-gb",
+        type=_gigabytes,
+        default=DEFAULT_MAX_TOTAL_GB,
+        metavar="GB",
+        help="the most GiB one run writes under --out and --stream-dir together; past it the run stops, exit 5, "
+        f"the file over it is not kept (default: {DEFAULT_MAX_TOTAL_GB:g})",
+    )
+    p.add_argument(
         "--timeout",
         type=_seconds,
         default=600.0,
@@ -89,6 +117,26 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _file_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 10**9:
+        raise argparse.ArgumentTypeError(f"expected a number of files from 1 to 1000000000, got {text!r}")
+    return value
+
+
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TOTAL_GB):
+        raise argparse.ArgumentTypeError(f"expected GiB > 0 and <= {MAX_TOTAL_GB:.15g}, got {text!r}")
     return value
 
 
@@ -194,10 +242,12 @@ def _run_command(args) -> int:
         client = ComfyClient(args.server, timeout=args.timeout)
     except ValueError as exc:
         return _fail(5, str(exc))
+    # one budget for --out and --stream-dir together: a server cannot double it by naming files in both
+    budget = WriteBudget(args.max_files, int(args.max_total_gb * (1 << 30)))
     try:
         prompt, extra = load_prompt(args.workflow, client)
         apply_sets(prompt, args.set)
-        return _run(client, prompt, extra, args)
+        return _run(client, prompt, extra, args, budget)
     except UnreachableError as exc:
         return _fail(5, f"{exc}; is the server running? (python main.py --listen 127.0.0.1 --port 8188)")
     except ProtocolError as exc:
@@ -208,9 +258,14 @@ def _run_command(args) -> int:
         return _fail(4, f"no result within {args.timeout:g} s ({exc})")
     except LocalWriteError as exc:
         return _fail(5, str(exc))
+    except WriteCapError as exc:
+        return _fail(
+            5, f"stopped writing: {exc}; that file was not kept, the {budget.files} files "
+            f"({format_bytes(budget.bytes)}) written before it are whole (--max-files / --max-total-gb set the caps)",
+        )  # fmt: skip
 
 
-def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
+def _run(client: ComfyClient, prompt: dict, extra: dict, args, budget: WriteBudget) -> int:
     for flag, folder in (("--out", args.out), ("--stream-dir", args.stream_dir)):
         if folder is None:
             continue
@@ -218,7 +273,7 @@ def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
             os.makedirs(folder, exist_ok=True)
         except OSError as exc:
             return _fail(5, f"{flag} {folder}: cannot create the folder ({exc})")
-    stream = None if args.stream_dir is None else ChunkStream(client, args.stream_dir)
+    stream = None if args.stream_dir is None else ChunkStream(client, args.stream_dir, budget)
     client_id = uuid.uuid4().hex
     ws = client.websocket(client_id)  # open first: no event can be missed
     try:
@@ -245,7 +300,7 @@ def _run(client: ComfyClient, prompt: dict, extra: dict, args) -> int:
         ws.close()
     if status:
         return status
-    status = _collect(client, prompt_id, args)
+    status = _collect(client, prompt_id, args, budget)
     if stream is not None and stream.refused:
         status = _fail(
             5, f"refused {stream.refused} fewstep.chunk events or files the server sent (see above)"
@@ -302,8 +357,8 @@ class ChunkStream:
     counted in ``refused``.
     """
 
-    def __init__(self, client: ComfyClient, out_dir: str):
-        self.client, self.out_dir = client, out_dir
+    def __init__(self, client: ComfyClient, out_dir: str, budget: WriteBudget | None = None):
+        self.client, self.out_dir, self.budget = client, out_dir, budget
         self.submitted_at = time.monotonic()  # reset by the caller right before POST /prompt
         self.refused = 0
         self.first_index: dict[str, int] = {}  # node id -> the first chunk index it sent in this prompt
@@ -326,7 +381,7 @@ class ChunkStream:
         saved = []
         for item in event.files:
             try:
-                saved.append(self.client.download(item, self.out_dir))
+                saved.append(self.client.download(item, self.out_dir, self.budget))
             except UnsafeOutputError as exc:
                 self.refused += 1
                 print(f"error: refused a file of {label}: {exc}; nothing was written", file=sys.stderr)
@@ -349,7 +404,7 @@ class ChunkStream:
         return f"chunk {event.chunk - first + 1}/{event.chunks} (node {event.node})"
 
 
-def _collect(client: ComfyClient, prompt_id: str, args) -> int:
+def _collect(client: ComfyClient, prompt_id: str, args, budget: WriteBudget | None = None) -> int:
     """Download (or list) the outputs; 5 when the server named files outside --out (refused, each reported)."""
     history = {}
     for _ in range(20):  # the history entry is written as the run ends; give the server a moment
@@ -369,7 +424,7 @@ def _collect(client: ComfyClient, prompt_id: str, args) -> int:
                         )
                         continue
                     try:
-                        print(f"node {node_id} {key}: {client.download(item, args.out)}")
+                        print(f"node {node_id} {key}: {client.download(item, args.out, budget)}")
                     except UnsafeOutputError as exc:
                         refused += 1
                         print(f"error: refused output of node {node_id} ({key}): {exc}; nothing was written",

@@ -39,6 +39,7 @@ from ..engine.cache.native import (
     outer_sample_wrapper,
 )
 from ..engine.errors import InputError
+from ..engine.names import check_name, name_problem
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
 from .host import comfy_module, list_model_files, register_model_folder
 
@@ -156,7 +157,8 @@ def calibration_files() -> list[str]:
     """The calibrations a gate can read: what the combo offers."""
     folder, _ = calibration_folder()  # registers the folder inside ComfyUI before it is listed
     if comfy_module("folder_paths") is not None:
-        return list_model_files(MAGCACHE_FOLDER)
+        # a file someone put there under a bidi or zero-width name is not offered to everyone who opens the node
+        return [name for name in list_model_files(MAGCACHE_FOLDER) if name_problem(name) is None]
     return list_calibration_files(folder)
 
 
@@ -164,6 +166,7 @@ def calibration_to_read(choice: str) -> str:
     """The full path of the calibration chosen in ``magcache_file`` ("" for none); only files offered are read."""
     if choice in ("", NO_CALIBRATION):  # "" is what magcache_file held before it became a list
         return ""
+    check_name(choice, "magcache_file")  # before the list, so the refusal names the character
     folder, described = calibration_folder()
     files = calibration_files()
     if choice in files:

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 EVENT = "fewstep.chunk"
 SUBFOLDER = "fewstep"
 CLIP_FPS = 16  # Wan 2.1's frame rate
-CHUNKS_KEPT = env_int("FEWSTEP_STREAM_CHUNKS_KEPT", 64, minimum=1)
+# a clip is a few hundred KB: 4096 of them is a few GB of temp disk, more than a client ever falls behind by
+CHUNKS_KEPT = env_int("FEWSTEP_STREAM_CHUNKS_KEPT", 64, minimum=1, maximum=4096)
 PENDING_CLIPS = 2  # chunks waiting for their clip; one more makes the generation wait
 _CLIPS: deque[str] = deque()  # the clips on disk, oldest first, across runs
 _CLIPS_LOCK = threading.Lock()

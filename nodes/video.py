@@ -36,7 +36,7 @@ from ..engine.causal.session import ChunkTiming
 from ..engine.errors import InputError
 from ..engine.plan.preflight import check_fits
 from ..engine.sampling import SCHEDULES
-from ..engine.settings import env_float, env_int
+from ..engine.settings import MAX_MEMORY_GB, env_float, env_int
 from ..engine.units import format_bytes
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
 from .chunk_stream import ChunkStream
@@ -49,13 +49,19 @@ from .vae import FEWSTEP_TINY_VAE
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
 log = logging.getLogger(__name__)
 
-_SESSION_GB = env_float("FEWSTEP_SESSION_GB", None, default_text="half of the device's memory")
+# The most FEWSTEP_MAX_SESSIONS / FEWSTEP_MAX_PROMPTS may ask for: sessions are bounded by bytes as well, but each
+# keeps a model's KV window; a kept prompt is a text embedding of a few MB, and every session reference keeps its own.
+MAX_SESSIONS_SETTING = 1024
+MAX_PROMPTS_SETTING = 256
+_SESSION_GB = env_float(
+    "FEWSTEP_SESSION_GB", None, minimum=0.0, maximum=MAX_MEMORY_GB, default_text="half of the device's memory"
+)
 SESSIONS = SessionStore(
-    max_sessions=env_int("FEWSTEP_MAX_SESSIONS", 4, minimum=1),
+    max_sessions=env_int("FEWSTEP_MAX_SESSIONS", 4, minimum=1, maximum=MAX_SESSIONS_SETTING),
     max_bytes=None if _SESSION_GB is None else int(_SESSION_GB * 2**30),  # None: from device memory
 )
 # different prompts a session reference keeps to rebuild its session
-MAX_PROMPTS = env_int("FEWSTEP_MAX_PROMPTS", 8, minimum=1)
+MAX_PROMPTS = env_int("FEWSTEP_MAX_PROMPTS", 8, minimum=1, maximum=MAX_PROMPTS_SETTING)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ minimal WebSocket on 127.0.0.1), and the README's stream client example against 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -569,6 +570,23 @@ def test_a_continue_counts_its_own_chunks_while_the_index_goes_on(fake_server, t
         ("/tmp/escaped.webp", "", "is not a plain file name"),
         ("escaped.webp", "ABSOLUTE", "is absolute"),
         ("escaped.webp", "fewstep/../../..", "contains '..'"),
+        # names that would be saved reading as something else, or that no file system name can hold
+        (
+            "\u202egnp.exe.webp",
+            "fewstep",
+            r"'\u202egnp.exe.webp' is not a plain file name (it contains U+202E "
+            "RIGHT-TO-LEFT OVERRIDE, an invisible format character such as a bidi override or a zero-width space)",
+        ),
+        ("clip\u200b.webp", "fewstep", "it contains U+200B ZERO WIDTH SPACE, an invisible format character"),
+        ("clip\ufeff.webp", "fewstep", "it contains U+FEFF ZERO WIDTH NO-BREAK SPACE"),
+        ("clip\ud800.webp", "fewstep", "it contains U+D800, a lone surrogate, which no file name can hold"),
+        (
+            "clip.webp",
+            "few\u2067step",
+            r"the subfolder 'few\u2067step' cannot name a folder (it contains U+2067 "
+            "RIGHT-TO-LEFT ISOLATE",
+        ),
+        ("clip.webp", "few\u2028step", "it contains U+2028 LINE SEPARATOR, a line separator"),
     ],
 )
 def test_a_chunk_file_named_outside_stream_dir_is_refused(
@@ -579,7 +597,9 @@ def test_a_chunk_file_named_outside_stream_dir_is_refused(
     if subfolder == "ABSOLUTE":
         subfolder = str(outside)
     bad = {"filename": filename, "subfolder": subfolder, "type": "temp"}
-    fake_server.files = {_view_path(bad): b"EVIL", _view_path(_clip(1)): b"GOOD"}
+    fake_server.files = {_view_path(_clip(1)): b"GOOD"}
+    with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate cannot even be put in a URL
+        fake_server.files[_view_path(bad)] = b"EVIL"
     fake_server.events = [_chunk_event(0, [0, 8], [bad]), _chunk_event(1, [9, 20], [_clip(1)]), DONE]
     code, out, err, stream = _stream_run(fake_server, tmp_path, capsys)
     assert code == 5

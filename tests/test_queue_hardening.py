@@ -221,6 +221,15 @@ def _view_path(item) -> str:
         ("escaped.png", "..\\..", "'..'"),
         ("esc\x00aped.png", "", "not a plain file name"),
         ("escaped.png", "sub\x00dir", "control character"),
+        ("\u202egnp.exe.png", "", "it contains U+202E RIGHT-TO-LEFT OVERRIDE, an invisible format character"),
+        ("a\u200db.png", "", "it contains U+200D ZERO WIDTH JOINER"),
+        ("a\udc80b.png", "", "it contains U+DC80, a lone surrogate"),
+        (
+            "escaped.png",
+            "sub\u202adir",
+            "the subfolder 'sub\\u202adir' cannot name a folder (it contains U+202A",
+        ),
+        ("escaped.png", "sub\x85dir", "it contains U+0085, a control character"),
     ],
 )
 def test_outputs_outside_out_are_refused_and_reported(hostile, tmp_path, capsys, filename, subfolder, reason):
@@ -232,7 +241,9 @@ def test_outputs_outside_out_are_refused_and_reported(hostile, tmp_path, capsys,
     bad = _history_item(filename, subfolder)
     good = _history_item("fine_00001_.png", "videos/day1")
     hostile.history = {PROMPT_ID: {"outputs": {"9": {"images": [bad, good]}}}}
-    hostile.files = {_view_path(bad): b"EVIL", _view_path(good): b"GOOD"}
+    hostile.files = {_view_path(good): b"GOOD"}
+    with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate cannot even be put in a URL
+        hostile.files[_view_path(bad)] = b"EVIL"
     code, _ = run_queue(hostile, tmp_path, "--out", str(out))
     captured = capsys.readouterr()
     assert code == 5, captured.err
@@ -569,3 +580,110 @@ def test_an_output_name_too_long_for_the_file_system_is_one_line_exit_5(hostile,
         and "too long" in line
     )
     assert list((tmp_path / "out").iterdir()) == []
+
+
+# -- 5. what one run writes in all: --max-files and --max-total-gb ---------------------------------------------------
+
+
+def _flood(hostile, events: int, files_per_event: int, size: int, declared: bool = True) -> list[dict]:
+    """A server that announces ``events`` chunks of ``files_per_event`` distinct clips of ``size`` bytes each (and
+    lists them all again in /history); ``declared``: each /view answer has a Content-Length, else it just ends."""
+    clips = [_history_item(f"flood_{i:05d}.webp", "fewstep", "temp") for i in range(events * files_per_event)]
+    hostile.ws_events = [
+        _chunk_frame(e, clips[e * files_per_event : (e + 1) * files_per_event]) for e in range(events)
+    ] + [ws_frame(json.dumps(DONE).encode())]
+    hostile.history = {PROMPT_ID: {"outputs": {"9": {"images": clips}}}}
+    served = {_view_path(clip) for clip in clips}
+
+    def view(conn, path):
+        if path not in served:
+            return conn.sendall(json_answer({}, status=404))
+        if declared:
+            return conn.sendall(http_answer(200, b"x" * size, "image/webp"))
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: image/webp\r\nConnection: close\r\n\r\n" + b"x" * size
+        )
+
+    hostile.routes[("GET", "/view")] = view
+    return clips
+
+
+def _files_under(*folders) -> list[str]:
+    return sorted(str(p) for folder in folders for p in folder.rglob("*") if p.is_file())
+
+
+def test_max_files_counts_stream_dir_and_out_together(hostile, tmp_path, capsys):
+    clips = _flood(hostile, events=3, files_per_event=1, size=100)
+    stream, out = tmp_path / "clips", tmp_path / "out"
+    code, _ = run_queue(hostile, tmp_path, "--stream-dir", str(stream), "--out", str(out), "--max-files", "5")
+    captured = capsys.readouterr()
+    assert code == 5, captured.err
+    sixth = os.path.realpath(out / "fewstep" / clips[2]["filename"])
+    assert one_error_line(captured.err) == (
+        f"error: stopped writing: {sixth} would be file 6, over --max-files 5; that file was not kept, the 5 "
+        "files (500 B) written before it are whole (--max-files / --max-total-gb set the caps)"
+    )
+    # three clips while the prompt ran, then the first two outputs; no temporary file left
+    assert _files_under(stream, out) == [
+        *(str(stream / "fewstep" / c["filename"]) for c in clips),
+        *(str(out / "fewstep" / c["filename"]) for c in clips[:2]),
+    ]
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "no-content-length"])
+def test_a_flooding_server_is_stopped_at_max_total_gb_with_nothing_partial(
+    hostile, tmp_path, capsys, declared
+):
+    """A server that announces 200 chunks of 16 clips each: the client stops at the byte cap, at once, and keeps
+    only whole files (the one that crossed the cap is removed, whether its size was declared or not)."""
+    _flood(hostile, events=200, files_per_event=16, size=1000, declared=declared)
+    stream = tmp_path / "clips"
+    cap_gb = 10_500 / (1 << 30)  # 10 whole files fit; the 11th would cross the cap
+    code, _ = run_queue(hostile, tmp_path, "--stream-dir", str(stream), "--max-total-gb", repr(cap_gb))
+    captured = capsys.readouterr()
+    assert code == 5, captured.err
+    line = one_error_line(captured.err)
+    view = _view_path(_history_item("flood_00010.webp", "fewstep", "temp"))
+    size = "with 1000 bytes, more" if declared else "with more than the 500 bytes"
+    assert line.startswith(f"error: stopped writing: GET {view} answered {size}"), line
+    assert "(500 bytes are left of --max-total-gb, 10500 bytes, after 10 files, 10000 bytes)" in line, line
+    assert line.endswith(
+        "the 10 files (9.77 KiB) written before it are whole (--max-files / --max-total-gb set the caps)"
+    )
+    written = _files_under(stream)
+    assert [os.path.basename(p) for p in written] == [f"flood_{i:05d}.webp" for i in range(10)]
+    assert all(os.path.getsize(p) == 1000 for p in written)
+
+
+def test_the_caps_default_to_10000_files_and_64_gib(tmp_path, monkeypatch):
+    from fewstep.cli import queue as queue_cli
+
+    seen = {}
+    monkeypatch.setattr(
+        queue_cli, "_run", lambda client, prompt, extra, args, budget: seen.setdefault("b", budget)
+    )
+    wf = tmp_path / "wf.json"
+    wf.write_text(json.dumps(API_WORKFLOW))
+    main(["queue", str(wf), "--server", "127.0.0.1:9"])
+    assert (seen["b"].max_files, seen["b"].max_bytes) == (10_000, 64 << 30)
+
+
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--max-files", "0", "expected a number of files from 1 to 1000000000, got '0'"),
+        ("--max-files", "1e3", "expected a number of files from 1 to 1000000000, got '1e3'"),
+        ("--max-files", str(2**80), "expected a number of files from 1 to 1000000000"),
+        ("--max-total-gb", "0", "expected GiB > 0 and <= 1048576, got '0'"),
+        ("--max-total-gb", "1e300", "expected GiB > 0 and <= 1048576, got '1e300'"),
+        ("--max-total-gb", "nan", "expected GiB > 0 and <= 1048576, got 'nan'"),
+        ("--max-total-gb", "-1", "expected GiB > 0 and <= 1048576, got '-1'"),
+    ],
+)
+def test_the_caps_must_be_in_range(tmp_path, capsys, flag, value, expected):
+    wf = tmp_path / "wf.json"
+    wf.write_text(json.dumps(API_WORKFLOW))
+    with pytest.raises(SystemExit) as exc:
+        main(["queue", str(wf), "--server", "127.0.0.1:9", f"{flag}={value}"])
+    assert exc.value.code == 2
+    assert f"argument {flag}: {expected}" in capsys.readouterr().err

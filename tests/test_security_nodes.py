@@ -248,3 +248,88 @@ def test_default_calibration_folder_without_the_variable(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_DATA_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert calibration.default_calibration_dir() == tmp_path / ".local" / "share" / "fewstep" / "magcache"
+
+
+# -- names that read as something else, or that no file system name can hold ---------------------------------------
+INVISIBLE_NAMES = [
+    ("\u202eevil", "U+202E RIGHT-TO-LEFT OVERRIDE, an invisible format character such as a bidi override or a "
+                   "zero-width space)"),
+    ("evil\ud800", "U+D800, a lone surrogate, which no file name can hold"),
+    ("tiny\u200b-28.json", "U+200B ZERO WIDTH SPACE, an invisible format character"),
+    ("tiny\u2066-28", "U+2066 LEFT-TO-RIGHT ISOLATE, an invisible format character"),
+    ("\ufefftiny.json", "U+FEFF ZERO WIDTH NO-BREAK SPACE, an invisible format character"),
+    ("tiny\u2029.json", "U+2029 PARAGRAPH SEPARATOR, a paragraph separator"),
+]  # fmt: skip
+
+
+def _count_forwards(module: torch.nn.Module) -> list:
+    calls = []
+    for sub in module.modules():
+        sub.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("name, problem", INVISIBLE_NAMES)
+def test_an_invisible_or_unwritable_calibration_name_is_refused_before_any_step(pack, comfy, name, problem):
+    """The gate node refuses at once; before, the whole sampling run went first and then the file was written under
+    a name that reads differently (bidi, zero width) or failed with a bare encoding error (a lone surrogate)."""
+    nodes = _nodes(pack)
+    (model,) = nodes["FewStepDiTLoader"]().load("dummy:flux-tiny")
+    (cond,) = nodes["FewStepSyntheticConditioning"]().make(8, 4096, 768, 3.5, 0)
+    forwards = _count_forwards(model.model)
+    with pytest.raises(ValueError) as err:  # the gate, then what ComfyUI runs next
+        (gated,) = nodes["FewStepCacheGate"]().attach(
+            model, **_gate_args(calibrate=True, calibration_name=name)
+        )
+        nodes["FewStepSampler"]().sample(gated, cond, {"samples": torch.zeros(1, 16, 8, 8)}, seed=0, steps=28,
+                                         schedule="flux.1-dev", sampler="euler", cfg=1.0, denoise=1.0)  # fmt: skip
+    assert str(err.value).startswith(
+        f"FewStepCacheGate: input 'calibration_name': {name!r} is not a plain file name (it contains {problem}"
+    )
+    assert str(err.value).endswith(
+        "): give a name such as 'flux-dev-28.json'; calibrations are written to the pack's calibration folder"
+    )
+    assert "\n" not in str(err.value) and name not in str(err.value)  # one line, the name printed escaped
+    assert forwards == []
+    with pytest.raises(
+        ValueError, match=r"^FewStepCacheGateNative: input 'calibration_name': .*\(it contains U\+"
+    ):
+        nodes["FewStepCacheGateNative"]().attach(None, **_gate_args(calibrate=True, calibration_name=name))
+    assert not any(p.is_file() for p in comfy[0].rglob("*"))
+
+
+def test_a_calibration_under_an_invisible_name_is_not_offered_nor_read(pack, comfy):
+    nodes = _nodes(pack)
+    (model,) = nodes["FewStepDiTLoader"]().load("dummy:flux-tiny")
+    folder = comfy[0] / "models" / "fewstep_magcache"
+    folder.mkdir(parents=True)
+    for name in ("\u202eevil.json", "plain.json", "zero\u200bwidth.json"):
+        (folder / name).write_text(json.dumps(_calibration_json(model.model)))
+    combo, _ = nodes["FewStepCacheGate"].INPUT_TYPES()["optional"]["magcache_file"]
+    assert combo == ["none", "plain.json"]
+    with pytest.raises(ValueError) as err:
+        nodes["FewStepCacheGate"]().attach(model, **_gate_args(magcache_file="\u202eevil.json"))
+    assert str(err.value) == (
+        "FewStepCacheGate: input 'magcache_file': '\\u202eevil.json' cannot name a file: it contains U+202E "
+        "RIGHT-TO-LEFT OVERRIDE, an invisible format character such as a bidi override or a zero-width space"
+    )
+    from fewstep.engine.cache.calibration import list_calibration_files
+
+    assert list_calibration_files(folder) == ["plain.json"]  # the listing outside ComfyUI skips it too
+
+
+def test_the_engine_refuses_a_calibration_path_it_could_not_write_before_any_step(tmp_path):
+    from fewstep.engine import sample_latent
+    from fewstep.engine.cache import STEP_CACHE_FEATURE, CacheGate, make_gate
+
+    handle = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
+    forwards = _count_forwards(handle.model)
+    bidi, lone = str(tmp_path / "\u202eevil.json"), str(tmp_path / "evil\udc00.json")
+    with pytest.raises(
+        ValueError, match=r"^input 'magcache_file': .*cannot name a file: it contains U\+202E RIGHT"
+    ):
+        gate = make_gate("magcache", calibrate=True, magcache_file=bidi)
+        sample_latent(handle.with_feature(STEP_CACHE_FEATURE, gate), [], torch.zeros(1, 16, 8, 8), steps=28)
+    with pytest.raises(ValueError, match=r"^input 'calibrate_to': .*it contains U\+DC00, a lone surrogate"):
+        CacheGate(method="magcache", calibrate_to=lone)
+    assert forwards == [] and list(tmp_path.iterdir()) == []

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..loader import preset_of
+from ..names import name_problem
 
 FORMAT = "fewstep-magcache"
 VERSION = 1
@@ -147,8 +148,9 @@ def default_calibration_dir() -> Path:
 def _name_problem(name) -> str | None:
     if not isinstance(name, str) or not name:
         return "it is empty"
-    if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        return "it contains a control character (NUL, newline...)"
+    unreadable = name_problem(name)  # control, bidi, zero-width, surrogate...: the pack's one name check
+    if unreadable is not None:
+        return unreadable
     if "/" in name or "\\" in name:
         return "it contains a '/' or '\\' (a path)"
     if name.startswith("."):
@@ -174,9 +176,15 @@ def calibration_file_name(name: str, input_name: str = "calibration_name") -> st
 
 
 def list_calibration_files(folder: str | Path) -> list[str]:
-    """The calibration (``.json``) files directly in ``folder``, sorted; none when it does not exist."""
+    """The calibration (``.json``) files directly in ``folder``, sorted; none when it does not exist. A file whose
+    name a calibration run would refuse (a bidi override, a zero-width character: see ``names``) is not offered:
+    the list is shown to everyone who opens the node."""
     try:
-        return sorted(p.name for p in Path(folder).iterdir() if p.suffix.lower() == SUFFIX and p.is_file())
+        return sorted(
+            p.name
+            for p in Path(folder).iterdir()
+            if p.suffix.lower() == SUFFIX and _name_problem(p.name) is None and p.is_file()
+        )
     except OSError:
         return []
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from ..names import check_name
 from .calibration import (
     PUBLISHED_RATIOS,
     MagCacheCalibration,
@@ -101,6 +102,8 @@ class CacheGate:
             raise InputError("cfg_cutoff", f"{self.cfg_cutoff} is not a fraction of the steps in [0, 1]")
         if self.calibrate_to is not None and self.method != "magcache":
             raise InputError("calibrate", f"calibration records MagCache ratios; method is {self.method}")
+        if self.calibrate_to is not None:  # written after the whole run: refuse a name that cannot be, now
+            check_name(str(self.calibrate_to), "calibrate_to")
         if self.max_consecutive is not None and self.max_consecutive < 1:
             raise InputError("max_consecutive", f"{self.max_consecutive}: expected at least 1 (or None)")
 
@@ -226,7 +229,8 @@ def make_gate(
             raise InputError("calibrate", f"calibration records MagCache ratios; method is {method}")
         if not magcache_file:
             raise InputError("magcache_file", "calibrate is on: give the file to write the ratios to")
-        calibrate_to = magcache_file
+        # checked here, before any step: a name that cannot be written would otherwise fail after the whole run
+        calibrate_to = check_name(str(magcache_file), "magcache_file")
     elif method == "magcache" and magcache_file:
         calibration = load_calibration(magcache_file)
     return CacheGate(

@@ -15,7 +15,7 @@ import os
 import torch
 
 from ..errors import InputError
-from ..settings import env_float
+from ..settings import MAX_MEMORY_GB, env_float
 from ..units import format_bytes
 
 # Keep a margin for what the estimate does not see (allocator fragmentation, the host's own working set).
@@ -84,7 +84,13 @@ def available_bytes(device: torch.device | str | None = None) -> int:
         budget = free
     else:
         budget = _host_available_bytes()
-    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None, default_text="no limit but the device's")
+    limit_gb = env_float(
+        "FEWSTEP_MEMORY_LIMIT_GB",
+        None,
+        minimum=0.0,
+        maximum=MAX_MEMORY_GB,
+        default_text="no limit but the device's",
+    )
     if limit_gb is not None:
         budget = min(budget, int(limit_gb * 2**30))
     return budget
@@ -125,7 +131,13 @@ def total_bytes(device: torch.device | str | None = None) -> int:
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         total = _host_total_bytes()
-    limit_gb = env_float("FEWSTEP_MEMORY_LIMIT_GB", None, default_text="no limit but the device's")
+    limit_gb = env_float(
+        "FEWSTEP_MEMORY_LIMIT_GB",
+        None,
+        minimum=0.0,
+        maximum=MAX_MEMORY_GB,
+        default_text="no limit but the device's",
+    )
     if limit_gb is not None:
         total = min(total, int(limit_gb * 2**30))
     return total

@@ -69,6 +69,30 @@ def test_calibration_name_that_is_not_a_plain_name_writes_nothing(server, tmp_pa
     assert not [p for p in landing if p.is_file()] and not _files_named(base.parent, "e2e-pwned.json")
 
 
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("\u202eevil", "'\\u202eevil' is not a plain file name (it contains U+202E RIGHT-TO-LEFT OVERRIDE, an "
+                        "invisible format character such as a bidi override or a zero-width space)"),
+        ("evil\ud800", "'evil\\ud800' is not a plain file name (it contains U+D800, a lone surrogate, which no file "
+                        "name can hold)"),
+    ],
+)  # fmt: skip
+def test_calibration_name_with_an_invisible_character_fails_at_once_and_writes_nothing(server, name, shown):
+    """Posted to /prompt: the gate node's one-line error before the sampler runs (no progress line of it: before,
+    all 28 steps ran and then the file was written, or failed with a bare encoding error), and no file."""
+    workflow, gate = _gate_workflow(calibrate=True, calibration_name=name)
+    sampler = next(k for k, v in workflow.items() if v["class_type"] == "FewStepSampler")
+    code, out = queue(server, workflow)
+    assert code == 3, out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: node {gate} (FewStepCacheGate) failed: FewStepCacheGate: input 'calibration_name': "
+                      f"{shown}: give a name such as 'flux-dev-28.json'; calibrations are written to the pack's "
+                      "calibration folder"], out  # fmt: skip
+    assert not [line for line in out.splitlines() if line.startswith(f"node {sampler} ")], out
+    assert not [p for p in server["base"].rglob("*evil*")]
+
+
 def test_calibration_is_written_in_models_fewstep_magcache_and_offered(server):
     folder = server["base"] / "models" / "fewstep_magcache"
     workflow, _ = _gate_workflow(calibrate=True, calibration_name="e2e-tiny")

@@ -642,7 +642,7 @@ def test_node_errors_name_the_node_and_input(node, tiny_handle, taef1, prompts):
         ),
         (
             {"frames": torch.rand(2, 32, 32), "t_index_list": "10"},
-            r"input 'frames': expected a ComfyUI IMAGE",
+            r"input 'frames': expected an IMAGE \(a float tensor \[batch, height, width, channels\]\), got a tensor of shape \[2, 32, 32\]",
         ),
         (
             {"frames": torch.rand(2, 32, 32, 3), "tiny_vae": load_tiny_vae("dummy:taesd", device="cpu")},

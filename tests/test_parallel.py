@@ -358,7 +358,8 @@ def test_unreachable_master_addr_is_an_error_within_the_timeout():
     assert time.monotonic() - t0 < 1.5 + 0.5
 
 
-def test_a_launcher_address_this_machine_cannot_listen_on_is_refused_at_once():
+def test_a_launcher_address_this_machine_cannot_listen_on_is_refused_at_once(monkeypatch):
+    monkeypatch.setenv("FEWSTEP_POOL_ALLOWED_ADDRS", "no.such.host.invalid, 192.0.2.1")  # the administrator's
     t0 = time.monotonic()
     with pytest.raises(InputError, match=r"input 'master_addr': 'no.such.host.invalid' does not resolve"):
         WorkerPool(_config(master_addr="no.such.host.invalid", timeout=30.0)).start()

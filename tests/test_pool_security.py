@@ -264,3 +264,119 @@ def test_payload_keys_are_gone_when_a_job_fails_or_is_cancelled(pool):
         )
     assert _job_keys(spy, pool._jobs) == []
     assert pool.run({"kind": "task", "name": "ping"})["world"] == 1
+
+
+# -- what a workflow may choose: address, port, size -----------------------------------------------------------------
+@pytest.mark.parametrize("address", ["0.0.0.0", "::", "192.168.1.10", "example.com", "127.0.0.1.nip.io"])
+def test_a_workflow_may_choose_loopback_only(monkeypatch, address):
+    monkeypatch.delenv("FEWSTEP_POOL_ALLOWED_ADDRS", raising=False)
+    with pytest.raises(InputError) as refused:
+        _config(master_addr=address).check("FewStepParallelLauncher")
+    assert str(refused.value) == (
+        f"FewStepParallelLauncher: input 'master_addr': {address!r} is not a loopback address; a workflow may "
+        "choose 127.0.0.1, ::1 or localhost, and other addresses only when the administrator lists them in "
+        "FEWSTEP_POOL_ALLOWED_ADDRS (the server's environment)"
+    )
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        _config(master_addr=loopback).check()
+
+
+def test_the_administrator_allows_other_addresses(monkeypatch):
+    monkeypatch.setenv("FEWSTEP_POOL_ALLOWED_ADDRS", "192.168.1.10, 0:0::0")
+    _config(master_addr="192.168.1.10").check()
+    _config(master_addr="::").check()  # the same address written another way
+    with pytest.raises(InputError, match="input 'master_addr': '0.0.0.0' is not a loopback address"):
+        _config(master_addr="0.0.0.0").check()
+
+
+def test_privileged_and_unlisted_ports_are_refused(monkeypatch):
+    monkeypatch.delenv("FEWSTEP_POOL_ALLOWED_PORTS", raising=False)
+    for port in (1, 80, 1023):
+        with pytest.raises(InputError) as refused:
+            _config(master_port=port).check("FewStepParallelLauncher")
+        assert str(refused.value) == (
+            f"FewStepParallelLauncher: input 'master_port': {port} is a privileged port (below 1024); use 0 for "
+            "any free port"
+        )
+    with pytest.raises(InputError) as refused:
+        _config(master_port=29500).check("FewStepParallelLauncher")
+    assert str(refused.value) == (
+        "FewStepParallelLauncher: input 'master_port': 29500: an explicit port needs the administrator to list it "
+        "in FEWSTEP_POOL_ALLOWED_PORTS (the server's environment); use 0 for any free port"
+    )
+    monkeypatch.setenv("FEWSTEP_POOL_ALLOWED_PORTS", "29500, 30000-30002, 1-2000, junk")
+    for port in (29500, 30001, 1024, 2000):
+        _config(master_port=port).check()
+    for port in (1, 1023, 30003):  # listing a privileged port does not allow it
+        with pytest.raises(InputError, match="input 'master_port'"):
+            _config(master_port=port).check()
+
+
+def test_an_explicit_port_that_cannot_be_bound_does_not_say_why(monkeypatch):
+    """One message for every failure: a workflow must not learn which ports of this machine are in use."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("FEWSTEP_POOL_ALLOWED_PORTS", str(port))
+        with pytest.raises(InputError) as refused:
+            WorkerPool(_config(master_port=port)).start()
+    assert (
+        str(refused.value)
+        == f"input 'master_port': cannot listen on 127.0.0.1 port {port}; use 0 for any free port"
+    )
+
+
+def _no_process_may_start(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr("fewstep.engine.parallel.pool.subprocess.Popen", refuse)
+
+
+def test_more_local_ranks_than_cores_are_refused_before_any_process_starts(monkeypatch):
+    from fewstep.engine.parallel import config
+
+    _no_process_may_start(monkeypatch)
+    monkeypatch.delenv("FEWSTEP_POOL_MAX_LOCAL_RANKS", raising=False)
+    monkeypatch.setattr(config, "usable_cores", lambda: 8)
+    with pytest.raises(InputError) as refused:
+        WorkerPool(_config(mode="sp", ulysses_degree=16, ring_degree=16), "FewStepParallelLauncher")
+    assert str(refused.value) == (
+        "FewStepParallelLauncher: input 'ring_degree': ulysses_degree 16 x ring_degree 16 would start 256 local "
+        "worker processes, but this machine has 8 cores (the administrator may allow more with "
+        "FEWSTEP_POOL_MAX_LOCAL_RANKS); lower the degrees or set local_ranks and join the other ranks from other "
+        "machines"
+    )
+    _config(mode="sp", ulysses_degree=4, ring_degree=2).check()
+    monkeypatch.setenv("FEWSTEP_POOL_MAX_LOCAL_RANKS", "2")
+    with pytest.raises(InputError, match=r"input 'dp_degree': dp_degree 4 would start 4 local worker processes, "
+                       r"but the administrator's FEWSTEP_POOL_MAX_LOCAL_RANKS is 2"):  # fmt: skip
+        WorkerPool(_config(dp_degree=4))
+    monkeypatch.setenv("FEWSTEP_POOL_MAX_LOCAL_RANKS", "16")
+    _config(dp_degree=16).check()  # the administrator's cap replaces the cores
+
+
+def test_threads_beyond_the_cores_are_refused(monkeypatch):
+    from fewstep.engine.parallel import config
+
+    monkeypatch.setattr(config, "usable_cores", lambda: 8)
+    with pytest.raises(InputError) as refused:
+        _config(dp_degree=2, threads_per_rank=1024).check("FewStepParallelLauncher")
+    assert str(refused.value) == (
+        "FewStepParallelLauncher: input 'threads_per_rank': 1024 threads x 2 local ranks = 2048 threads, but this "
+        "machine has 8 cores; at most 4 per rank (0 = cores / local ranks)"
+    )
+    _config(dp_degree=2, threads_per_rank=4).check()
+
+
+def test_local_workers_whose_memory_does_not_fit_are_refused_before_any_process_starts(monkeypatch):
+    _no_process_may_start(monkeypatch)
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "1")  # 0.9 GiB usable: 3 workers of 256 MiB fit, 4 do not
+    WorkerPool(_config(dp_degree=3))
+    with pytest.raises(InputError) as refused:
+        WorkerPool(_config(dp_degree=4), "FewStepParallelLauncher")
+    assert str(refused.value).startswith(
+        "FewStepParallelLauncher: input 'dp_degree': this needs about 1.00 GiB (4 worker processes x 256 MiB "
+        "1.00 GiB) but only "
+    ), str(refused.value)

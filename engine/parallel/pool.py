@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import ipaddress
 import itertools
 import logging
@@ -99,8 +98,12 @@ def _listen(addr: str, port: int) -> socket.socket:
         listener.listen(128)
     except OSError as err:
         listener.close()
-        if port and err.errno == errno.EADDRINUSE:
-            raise InputError("master_port", f"port {port} on {addr} is in use (0 picks a free one)") from None
+        if port:
+            # one message whatever the reason (in use, not permitted, ...): it must not tell a workflow which
+            # ports are open on this machine
+            raise InputError(
+                "master_port", f"cannot listen on {addr} port {port}; use 0 for any free port"
+            ) from None
         raise InputError(
             "master_addr",
             f"{addr!r} is not an address of this machine ({err.strerror or err}): the store listens here; "
@@ -163,6 +166,7 @@ class WorkerPool:
                 "timeout", f"{config.timeout:g} s; at least 1 s (workers beat every 0.5 s)", where
             )
         self.backend = config.resolved_backend(where)
+        config.check_memory(where)  # before any process starts
         self.world = config.world
         self.token = pool_token(config, where)
         # random: the pool's keys are derived from it, so nothing sealed for another pool authenticates here

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +54,9 @@ class Rendezvous:
     token: bytes | None = field(default=None, repr=False)
 
     @classmethod
-    def from_env(cls, env=None) -> Rendezvous:
+    def from_env(cls, env=None, stdin=None) -> Rendezvous:
+        """From the torchrun variables; the secret from ``FEWSTEP_POOL_TOKEN``, or from ``stdin`` (one line, read
+        once) for a worker the host started (``FEWSTEP_POOL_TOKEN_STDIN=1``)."""
         env = os.environ if env is None else env
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if not env.get(k)]
         if missing:
@@ -69,13 +72,18 @@ class Rendezvous:
                 values[key] = int(raw)
             except ValueError:
                 raise InputError(key, f"expected a whole number, got {raw!r}") from None
-        token = env.get(transport.TOKEN_ENV, "").strip()
+        if env.get("FEWSTEP_POOL_TOKEN_STDIN") == "1" and stdin is not None:
+            token = stdin.readline().decode(errors="replace").strip()  # written by the host, then closed
+            stdin.close()
+        else:
+            token = env.get(transport.TOKEN_ENV, "").strip()
         if not token:
             raise InputError(
                 transport.TOKEN_ENV,
                 "not set; a worker needs the pool's secret: set it in this worker's environment to the value of "
                 f"{transport.TOKEN_ENV} on the host (never as a command-line argument, which other users can read)",
             )
+        transport.check_token(token)
         threads = env.get("FEWSTEP_WORKER_THREADS")
         parent = env.get("FEWSTEP_PARENT_PID")
         return cls(
@@ -246,7 +254,7 @@ def main(env=None) -> int:
     """Entry point of a worker process started by the host (errors are logged; exit status 2 or 1)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s fewstep worker: %(message)s")
     try:
-        return serve(Rendezvous.from_env(env))
+        return serve(Rendezvous.from_env(env, sys.stdin.buffer if env is None else None))
     except InputError as err:
         log.error("%s", err)
         return 2

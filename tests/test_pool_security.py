@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import secrets
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -543,3 +545,60 @@ def test_payloads_are_chacha20_poly1305_under_a_key_from_the_secret():
     data = ChaCha20Poly1305(key).decrypt(part[:12], part[12:], context)
     assert parts == 1 and len(data) == size
     assert torch.equal(transport.loads(data)["context"], MARKER)
+
+
+# -- the process group's rendezvous ---------------------------------------------------------------------------------
+def test_rendezvous_values_are_sealed_and_a_planted_one_is_refused():
+    server, _, store = _sealed_store()
+    rendezvous = transport.RendezvousStore(store, "pg/")
+    rendezvous.set("0//cpu//0/0", b"rank 0's address")
+    assert server.get("pg/0//cpu//0/0") != b"rank 0's address"  # sealed in the store
+    assert rendezvous.get("0//cpu//0/0") == b"rank 0's address"
+    server.set("pg/0//cpu//0/1", b"an address of the planter's choosing")
+    with pytest.raises(transport.ForgedMessageError, match=r"'pg/0//cpu//0/1' .*refused"):
+        rendezvous.get("0//cpu//0/1")
+    server.set("pg/0//cpu//0/1", server.get("pg/0//cpu//0/0"))  # rank 0's sealed value copied to rank 1's key
+    with pytest.raises(transport.ForgedMessageError, match=r"'pg/0//cpu//0/1'"):
+        rendezvous.get("0//cpu//0/1")
+    assert rendezvous.add("counter", 2) == 2 and rendezvous.check(["0//cpu//0/0"])
+    assert rendezvous.compare_set("cas", b"", b"first") == b"first"
+    assert rendezvous.compare_set("cas", b"other", b"second") == b"first"
+    assert rendezvous.get("cas") == b"first"
+
+
+def test_a_planted_rank_address_stops_the_start_with_an_error_instead_of_a_connection(monkeypatch):
+    """A local process without the secret takes the place of rank 1 and plants its 'address' for rank 0's gloo."""
+    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", secrets.token_hex(32))
+    pool = WorkerPool(_config(mode="sp", ulysses_degree=2, local_ranks=1, startup_timeout=60.0))
+    failure = {}
+
+    def start():
+        try:
+            pool.start()
+        except Exception as err:  # noqa: BLE001 - checked below
+            failure["error"] = err
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    try:
+        while pool.port is None:
+            time.sleep(0.01)
+        spy = _attacker(pool.port)
+        spy.add("claim/1", 1)
+        spy.set("joined/1", "1")
+        deadline = time.monotonic() + 30
+        rank0 = []
+        while not rank0 and time.monotonic() < deadline:
+            rank0 = [k for k in spy.list_keys() if k.startswith("pg/") and k.endswith("/0")]
+            time.sleep(0.01)
+        assert rank0, spy.list_keys()
+        spy.set(
+            rank0[0][:-1] + "1", b"\x02\x00\x1f\x90\x7f\x00\x00\x01" + bytes(120)
+        )  # the planter's address
+        starter.join(60)
+    finally:
+        pool.shutdown()
+    assert not starter.is_alive()
+    message = str(failure.get("error"))
+    assert re.search(r"rank 0 could not start: .*the message under 'pg/.*/1' in the pool's store was not written "
+                     r"by this pool", message), message  # fmt: skip

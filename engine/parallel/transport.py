@@ -27,6 +27,7 @@ import struct
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..errors import FewStepError, InputError
 
@@ -78,6 +79,12 @@ class SecureStore:
     def __repr__(self) -> str:  # never the key
         return f"SecureStore({self.pool_id})"
 
+    def clone(self) -> SecureStore:
+        """The same keys over a connection of its own."""
+        twin = object.__new__(SecureStore)
+        twin.raw, twin.pool_id, twin._aead = self.raw.clone(), self.pool_id, self._aead
+        return twin
+
     @property
     def port(self) -> int:
         return self.raw.port
@@ -120,6 +127,72 @@ class SecureStore:
             return self._aead.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], _associated(key, context))
         except InvalidTag:
             raise _forged(key, "it does not authenticate with this pool's secret") from None
+
+
+class RendezvousStore(dist.Store):
+    """The store torch.distributed forms its process groups through (gloo's rank addresses, NCCL's unique id),
+    with every value sealed like a payload: a rank address planted or changed by a client without the secret is a
+    :class:`ForgedMessageError` in the rank that reads it, never a connection to the planter. Counters (``add``)
+    stay plain, as the pool's own counters do. Keys live under ``prefix`` in the pool's store."""
+
+    def __init__(self, store: SecureStore, prefix: str = "pg/"):
+        super().__init__()
+        self.secure, self.prefix = store, prefix
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    def set(self, key: str, value) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self.secure.set(self._key(key), self.secure.seal(self._key(key), data, b"rendezvous"))
+
+    def get(self, key: str) -> bytes:
+        return self.secure.unseal(self._key(key), self.secure.get(self._key(key)), b"rendezvous")
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        expected = expected.encode() if isinstance(expected, str) else bytes(expected)
+        desired = desired.encode() if isinstance(desired, str) else bytes(desired)
+        name = self._key(key)
+        if not self.secure.check([name]):
+            current_sealed, current = b"", b""
+        else:
+            current_sealed = self.secure.get(name)
+            current = self.secure.unseal(name, current_sealed, b"rendezvous")
+        if current != expected:
+            return current
+        swapped = self.secure.raw.compare_set(
+            name, current_sealed, self.secure.seal(name, desired, b"rendezvous")
+        )
+        return desired if swapped != current_sealed else self.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.secure.add(self._key(key), amount)
+
+    def wait(self, keys: list[str], timeout=None) -> None:
+        self.secure.wait([self._key(k) for k in keys], timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.secure.check([self._key(k) for k in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self.secure.delete_key(self._key(key))
+
+    def num_keys(self) -> int:
+        return self.secure.raw.num_keys()
+
+    def set_timeout(self, timeout) -> None:
+        self.secure.raw.set_timeout(timeout)
+
+    def clone(self) -> RendezvousStore:
+        """A store of its own connection (gloo clones the store for each process group it forms)."""
+        return RendezvousStore(self.secure.clone(), self.prefix)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
 
 
 def _associated(key: str, context: bytes) -> bytes:

@@ -221,8 +221,11 @@ def _serve(rdzv, store, config: ParallelConfig, pool: dict, rank: int, world: in
     heartbeat = Heartbeat(rdzv, config.timeout).start()
     try:
         _wait_for_everyone(store, rank, world, config.startup_timeout)
+        # kept referenced while the groups live: torch holds the C++ side only, and a collected Python store
+        # leaves every later new_group without the methods it overrides
+        rendezvous = transport.RendezvousStore(store, "pg/")
         dist.init_process_group(
-            backend, store=dist.PrefixStore("pg", store.raw), rank=rank, world_size=world,
+            backend, store=rendezvous, rank=rank, world_size=world,
             timeout=timedelta(seconds=config.timeout), device_id=device if backend == "nccl" else None,
         )  # fmt: skip
         info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "backend": backend,

@@ -602,3 +602,24 @@ def test_a_planted_rank_address_stops_the_start_with_an_error_instead_of_a_conne
     message = str(failure.get("error"))
     assert re.search(r"rank 0 could not start: .*the message under 'pg/.*/1' in the pool's store was not written "
                      r"by this pool", message), message  # fmt: skip
+
+
+def test_without_the_cryptography_package_a_pool_is_refused_before_it_starts(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cryptography(name, *args, **kwargs):
+        if name.startswith("cryptography"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    _no_process_may_start(monkeypatch)
+    monkeypatch.setattr(builtins, "__import__", no_cryptography)
+    with pytest.raises(InputError) as refused:
+        WorkerPool(_config(), "FewStepParallelLauncher")
+    assert str(refused.value) == (
+        "FewStepParallelLauncher: input 'cryptography': the worker pool seals its messages with the Python package "
+        "'cryptography' (>= 42), which this Python lacks; install the pack's requirements (pip install -r "
+        "requirements.txt) into it"
+    )

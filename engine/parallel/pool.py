@@ -162,6 +162,7 @@ class WorkerPool:
         config.check_memory(where)  # before any process starts
         self.world = config.world
         self.token = pool_token(config, where)
+        transport.require_cipher(where)
         # random: the pool's keys are derived from it, so nothing sealed for another pool authenticates here
         self.id = f"pool{next(self._ids)}-{secrets.token_hex(16)}"
         self.store: transport.SecureStore | None = None

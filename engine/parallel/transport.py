@@ -50,15 +50,22 @@ class ForgedMessageError(FewStepError):
     """A payload in the store was not written by this pool (no secret, another key, another pool)."""
 
 
-def _aead_class():
+def _aead_class(where: str | None = None):
     try:
         from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
     except ImportError:  # only pools need it: the rest of the pack loads without it
-        raise FewStepError(
-            "the worker pool needs the Python package 'cryptography' (>= 42) to seal its messages; install the "
-            "pack's requirements (pip install -r requirements.txt) in this Python"
+        raise InputError(
+            "cryptography",
+            "the worker pool seals its messages with the Python package 'cryptography' (>= 42), which this Python "
+            "lacks; install the pack's requirements (pip install -r requirements.txt) into it",
+            where,
         ) from None
     return ChaCha20Poly1305
+
+
+def require_cipher(where: str | None = None) -> None:
+    """Refuse a pool that could not seal its messages, before anything starts."""
+    _aead_class(where)
 
 
 def _derive(token: bytes, pool_id: str) -> bytes:

@@ -16,6 +16,21 @@ from net_listen import listening_ports_of
 
 pytestmark = requires_comfyui
 
+# The server inherits this process's environment when the module's server starts. Every test here is refused before
+# the pool's secret is read, except the one about the secret itself.
+WEAK_TOKEN = "a" * 64  # the length of a secret, not its entropy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _weak_pool_token():
+    previous = os.environ.get("FEWSTEP_POOL_TOKEN")
+    os.environ["FEWSTEP_POOL_TOKEN"] = WEAK_TOKEN
+    yield
+    if previous is None:
+        del os.environ["FEWSTEP_POOL_TOKEN"]
+    else:
+        os.environ["FEWSTEP_POOL_TOKEN"] = previous
+
 
 def _launcher(**inputs) -> dict:
     values = {"mode": "sp", "ulysses_degree": 2, "ring_degree": 1, "dp_degree": 1, "backend": "gloo",
@@ -86,4 +101,15 @@ def test_a_prompt_cannot_start_more_ranks_or_threads_than_allowed(server):
     assert (
         code == 3 and "FewStepParallelLauncher: input 'threads_per_rank': 1024 threads x 2 local ranks" in out
     ), out
+    _nothing_started(server)
+
+
+def test_a_secret_without_entropy_in_the_servers_environment_is_refused(server):
+    code, out = queue(server, _launcher(), "--quiet")
+    assert code == 3, out
+    assert (
+        "FewStepParallelLauncher: input 'FEWSTEP_POOL_TOKEN': only 1 distinct byte values in 32 bytes (a pattern, "
+        "not random); expected at least 32 random bytes written as hex (64 characters)" in out
+    ), out
+    assert WEAK_TOKEN not in out  # the error names the rule, never the value
     _nothing_started(server)

@@ -167,10 +167,9 @@ class RendezvousStore(dist.Store):
             current = self.secure.unseal(name, current_sealed, b"rendezvous")
         if current != expected:
             return current
-        swapped = self.secure.raw.compare_set(
-            name, current_sealed, self.secure.seal(name, desired, b"rendezvous")
-        )
-        return desired if swapped != current_sealed else self.get(key)
+        sealed = self.secure.seal(name, desired, b"rendezvous")
+        now = self.secure.raw.compare_set(name, current_sealed, sealed)  # the value after the attempt
+        return desired if now == sealed else self.secure.unseal(name, now, b"rendezvous")
 
     def add(self, key: str, amount: int) -> int:
         return self.secure.add(self._key(key), amount)

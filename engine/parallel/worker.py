@@ -1,6 +1,8 @@
 """A pool worker: one rank. Started by the host (``WorkerPool``) or on another machine with
 ``MASTER_ADDR=<host> MASTER_PORT=<port> WORLD_SIZE=<n> RANK=<r> [LOCAL_RANK=<gpu>] python -m fewstep worker``, with
-the pool's secret in ``FEWSTEP_POOL_TOKEN`` (the environment, never the command line).
+the pool's secret in ``FEWSTEP_POOL_TOKEN`` (the environment, never the command line; workers the host starts
+read it from a pipe on their stdin instead, see ``Rendezvous.from_env``). The process group forms through
+``transport.RendezvousStore``, so the rank addresses it exchanges are sealed like every payload.
 
 A worker connects to the host's TCP store (an error naming ``MASTER_ADDR`` within the timeout when it cannot),
 reads the pool's configuration from it (an error naming ``FEWSTEP_POOL_TOKEN`` when it does not authenticate with

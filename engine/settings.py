@@ -64,3 +64,9 @@ def env_float(
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     """One of ``choices`` from the environment, else ``default`` (a bad value is logged once)."""
     return _env(name, default, str, lambda v: v in choices, "one of " + ", ".join(choices), None)
+
+
+def env_list(name: str) -> tuple[str, ...]:
+    """The comma-separated entries of a setting (blanks dropped); () when unset. Entries are checked by the
+    caller, which knows what each one must be."""
+    return tuple(entry.strip() for entry in os.environ.get(name, "").split(",") if entry.strip())

@@ -114,7 +114,8 @@ class FewStepParallelLauncher:
                         "default": 0,
                         "min": 0,
                         "max": 256,
-                        "tooltip": "Ranks started on this machine (0 = all). The others join from other "
+                        "tooltip": "Ranks started on this machine (0 = all; at most its cores, or the "
+                        "administrator's FEWSTEP_POOL_MAX_LOCAL_RANKS). The others join from other "
                         "machines with `python -m fewstep worker` (the console prints the command); that needs "
                         "FEWSTEP_POOL_TOKEN set in ComfyUI's environment and the same value on each worker.",
                     },
@@ -123,15 +124,21 @@ class FewStepParallelLauncher:
                     "STRING",
                     {
                         "default": "127.0.0.1",
-                        "tooltip": "The one address the pool's store listens on (127.0.0.1: this machine only; "
-                        "for ranks on other machines, this machine's address on a trusted network, which exposes "
-                        "the store's port there). Payloads are sealed with the pool's secret; ranks that join need "
-                        "FEWSTEP_POOL_TOKEN.",
+                        "tooltip": "The one address the pool's store listens on: 127.0.0.1, ::1 or localhost "
+                        "(this machine only). For ranks on other machines, this machine's address on a trusted "
+                        "network, accepted only when the administrator lists it in FEWSTEP_POOL_ALLOWED_ADDRS. "
+                        "Payloads are sealed with the pool's secret; ranks that join need FEWSTEP_POOL_TOKEN.",
                     },
                 ),
                 "master_port": (
                     "INT",
-                    {"default": 0, "min": 0, "max": 65535, "tooltip": "Store port (0 = any free port)."},
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 65535,
+                        "tooltip": "Store port: 0 = any free port. An explicit port must be listed by the "
+                        "administrator in FEWSTEP_POOL_ALLOWED_PORTS; ports below 1024 are refused.",
+                    },
                 ),
                 "threads_per_rank": (
                     "INT",
@@ -139,7 +146,8 @@ class FewStepParallelLauncher:
                         "default": 0,
                         "min": 0,
                         "max": 1024,
-                        "tooltip": "torch CPU threads per worker (0 = this machine's cores / local ranks).",
+                        "tooltip": "torch CPU threads per worker (0 = this machine's cores / local ranks; at most "
+                        "that many).",
                     },
                 ),
             },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
 from pathlib import Path
@@ -13,6 +14,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
 
+
+# The pool refuses more local ranks than cores (FEWSTEP_POOL_MAX_LOCAL_RANKS lifts that); the correctness tests
+# start up to 4 tiny ranks, oversubscribed on smaller CI machines on purpose. Tests of the refusal unset it.
+os.environ.setdefault("FEWSTEP_POOL_MAX_LOCAL_RANKS", "4")
 
 # ComfyUI names a custom-node package after its folder path with "." replaced by "_x_" (nodes.load_custom_node)
 COMFY_MODULE_NAME = str(ROOT.parent / "custom_nodes" / "ComfyUI-FewStep").replace(".", "_x_")

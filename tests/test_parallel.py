@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -358,7 +359,8 @@ def test_unreachable_master_addr_is_an_error_within_the_timeout():
     assert time.monotonic() - t0 < 1.5 + 0.5
 
 
-def test_a_launcher_address_this_machine_cannot_listen_on_is_refused_at_once():
+def test_a_launcher_address_this_machine_cannot_listen_on_is_refused_at_once(monkeypatch):
+    monkeypatch.setenv("FEWSTEP_POOL_ALLOWED_ADDRS", "no.such.host.invalid, 192.0.2.1")  # the administrator's
     t0 = time.monotonic()
     with pytest.raises(InputError, match=r"input 'master_addr': 'no.such.host.invalid' does not resolve"):
         WorkerPool(_config(master_addr="no.such.host.invalid", timeout=30.0)).start()
@@ -429,7 +431,7 @@ def test_a_lost_worker_is_an_error_naming_it_and_leaves_no_process(flux, sig, me
 
 def test_shutdown_leaves_no_process_and_joined_workers_leave_too(monkeypatch):
     """One rank local, one joined as from another machine (``python -m fewstep worker``'s code path)."""
-    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", "test-secret-" * 4)  # the joining worker inherits it
+    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", secrets.token_hex(32))  # the joining worker inherits it
     host = WorkerPool(_config(local_ranks=1))
     starter = threading.Thread(target=host.start)
     starter.start()
@@ -452,7 +454,7 @@ def test_shutdown_leaves_no_process_and_joined_workers_leave_too(monkeypatch):
 
 def test_a_cancelled_start_stops_the_ranks_it_started(monkeypatch):
     """A rank that never joins (local_ranks 1 of 2) and the user presses Cancel: the wait ends at once."""
-    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", "test-secret-" * 4)
+    monkeypatch.setenv("FEWSTEP_POOL_TOKEN", secrets.token_hex(32))
     pool = WorkerPool(_config(local_ranks=1))
 
     class CancelledError(Exception):

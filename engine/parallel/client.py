@@ -41,6 +41,7 @@ from ..latent_formats import WAN21
 from ..ops import Linear, weight_bytes
 from ..sampling import schedule_sigmas
 from ..text_to_image import SampleReport, SampleRequest, check_sample_inputs
+from . import transport
 from .jobs import dtype_name, fingerprint, request_to_job
 from .pool import WorkerPool
 from .rank import available_memory
@@ -323,6 +324,13 @@ class RemoteVideoSession:
         self._disposed = True
         self.decoder = None
 
+    def _chunk_limit(self) -> int:
+        """The most a chunk (or the job's result) of this session can be: its latent frames at 4 bytes a value,
+        with up to 64 latent channels at 1/8 of the size (Wan 2.1 has 16), plus the record around them."""
+        height, width = -(-self.height // 8), -(-self.width // 8)
+        values = self.batch * self.config.chunk_frames * 64 * height * width
+        return transport.RECORD_BYTES + 4 * values + transport.message_limit({"context": self._context})
+
     def _check_alive(self) -> None:
         if self.disposed:
             raise InputError(
@@ -357,7 +365,7 @@ class RemoteVideoSession:
             job["context"] = self._new_prompt
         _check_pool_memory(self.pool, job["model"])
         pool = self.pool
-        n_job = pool.submit(job)
+        n_job = pool.submit(job, self._chunk_limit())
         self.started, self._new_prompt = True, None
         events = pool.events(n_job, "causal video")
         forwards = 0  # reported by the workers so far

@@ -8,16 +8,70 @@ shard of the image / video tokens (text replicated) and attention exchanges them
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InputError
+from ..plan.preflight import check_fits
+from ..settings import env_int, env_list
+
+log = logging.getLogger(__name__)
 
 MODES = ("sp", "dp")
 BACKENDS = ("auto", "nccl", "gloo")
 MAX_WORLD = 256
+# What a workflow may choose is untrusted: beyond loopback and "any free port", the administrator decides.
+ALLOWED_ADDRS_ENV = "FEWSTEP_POOL_ALLOWED_ADDRS"  # addresses beyond loopback the store may listen on
+ALLOWED_PORTS_ENV = "FEWSTEP_POOL_ALLOWED_PORTS"  # explicit store ports (e.g. 29500 or 29500-29510)
+MAX_LOCAL_RANKS_ENV = "FEWSTEP_POOL_MAX_LOCAL_RANKS"  # local ranks allowed; default: this machine's cores
+LOWEST_PORT = 1024  # below: privileged ports, never bound for a workflow
+# Host memory of one idle worker (interpreter, torch, gloo, store clients) before any model: 226 MiB RSS
+# measured for a gloo rank on CPU (torch 2.13), rounded up. The model's weights are checked per job
+# (client.check_local_memory) once the model is known.
+WORKER_BASELINE_BYTES = 256 << 20
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def is_loopback_literal(addr: str) -> bool:
+    """``localhost`` or a loopback IP literal (127.0.0.0/8, ::1). Names are not resolved: what a name resolves to
+    is not the workflow's to decide either."""
+    if addr.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr.strip()).is_loopback
+    except ValueError:
+        return False
+
+
+def _same_address(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a.lower() == b.lower()
+
+
+def allowed_ports() -> set[int]:
+    """The explicit ports the administrator allows (``FEWSTEP_POOL_ALLOWED_PORTS``: ports or ranges ``a-b``)."""
+    ports: set[int] = set()
+    for entry in env_list(ALLOWED_PORTS_ENV):
+        low, _, high = entry.partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            log.warning(
+                "fewstep: ignoring %r in %s (expected a port or a range a-b)", entry, ALLOWED_PORTS_ENV
+            )
+            continue
+        ports.update(range(max(first, LOWEST_PORT), min(last, 65535) + 1))
+    return ports
 
 
 @dataclass(frozen=True)
@@ -86,13 +140,96 @@ class ParallelConfig:
                 "others join with `python -m fewstep worker`)",
                 where,
             )
-        if not 0 <= self.master_port < 65536:
-            raise InputError(
-                "master_port", f"{self.master_port} is not a TCP port (0 = any free port)", where
-            )
+        self._check_address(where)
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise InputError("threads_per_rank", f"expected >= 1, got {self.threads_per_rank}", where)
+        self._check_local_size(where)
         return self
+
+    def _check_address(self, where: str | None) -> None:
+        """Loopback and a free port unless the administrator allows more: a workflow must not open the store on
+        the network, bind a privileged port, or probe which ports are in use."""
+        addr = self.master_addr
+        if not isinstance(addr, str) or not addr.strip():
+            raise InputError("master_addr", f"expected an address, got {addr!r}", where)
+        allowed = env_list(ALLOWED_ADDRS_ENV)
+        if not is_loopback_literal(addr) and not any(_same_address(addr.strip(), a) for a in allowed):
+            raise InputError(
+                "master_addr",
+                f"{addr!r} is not a loopback address; a workflow may choose 127.0.0.1, ::1 or localhost, and "
+                f"other addresses only when the administrator lists them in {ALLOWED_ADDRS_ENV} (the server's "
+                "environment)",
+                where,
+            )
+        port = self.master_port
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise InputError("master_port", f"{port!r} is not a TCP port (0 = any free port)", where)
+        if 0 < port < LOWEST_PORT:
+            raise InputError(
+                "master_port",
+                f"{port} is a privileged port (below {LOWEST_PORT}); use 0 for any free port",
+                where,
+            )
+        if port and port not in allowed_ports():
+            raise InputError(
+                "master_port",
+                f"{port}: an explicit port needs the administrator to list it in {ALLOWED_PORTS_ENV} (the "
+                "server's environment); use 0 for any free port",
+                where,
+            )
+
+    def _check_local_size(self, where: str | None) -> None:
+        """Local ranks within the cores (or the administrator's cap), threads within the cores."""
+        cores = usable_cores()
+        ranks = self.launched_ranks
+        cap = env_int(MAX_LOCAL_RANKS_ENV, None, minimum=1, default_text="this machine's cores")
+        limit = cores if cap is None else cap
+        if ranks > limit:
+            why = (
+                f"the administrator's {MAX_LOCAL_RANKS_ENV} is {cap}"
+                if cap is not None
+                else f"this machine has {cores} cores (the administrator may allow more with {MAX_LOCAL_RANKS_ENV})"
+            )
+            raise InputError(
+                self.ranks_input,
+                f"{self._ranks_text()} would start {ranks} local worker processes, but {why}; lower the degrees or "
+                "set local_ranks and join the other ranks from other machines",
+                where,
+            )
+        # one thread per rank is always allowed: how many ranks may share the cores is the cap's to say
+        if self.threads_per_rank is not None and self.threads_per_rank > max(1, cores // ranks):
+            raise InputError(
+                "threads_per_rank",
+                f"{self.threads_per_rank} threads x {ranks} local ranks = {self.threads_per_rank * ranks} threads, "
+                f"but this machine has {cores} cores; at most {max(1, cores // ranks)} per rank (0 = cores / local "
+                "ranks)",
+                where,
+            )
+
+    @property
+    def ranks_input(self) -> str:
+        """The input that set how many ranks start here (for errors about their number)."""
+        if self.local_ranks is not None:
+            return "local_ranks"
+        return "ring_degree" if self.mode == "sp" else "dp_degree"
+
+    def _ranks_text(self) -> str:
+        if self.local_ranks is not None:
+            return f"local_ranks {self.local_ranks}"
+        if self.mode == "sp":
+            return f"ulysses_degree {self.ulysses_degree} x ring_degree {self.ring_degree}"
+        return f"dp_degree {self.dp_degree}"
+
+    def check_memory(self, where: str | None = None) -> int:
+        """Refuse local workers whose baseline memory does not fit the host, before any process starts."""
+        ranks = self.launched_ranks
+        return check_fits(
+            {f"{ranks} worker processes x {WORKER_BASELINE_BYTES >> 20} MiB": ranks * WORKER_BASELINE_BYTES},
+            "cpu",
+            self.ranks_input,
+            where,
+            hint="Each local rank is a process of its own (before any model); start fewer ranks here",
+        )
 
     def resolved_backend(self, where: str | None = None) -> str:
         """nccl or gloo for this machine's ranks; a clear error when nccl cannot work here."""
@@ -122,8 +259,7 @@ class ParallelConfig:
     def threads(self) -> int:
         if self.threads_per_rank is not None:
             return self.threads_per_rank
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, cores // self.launched_ranks)
+        return max(1, usable_cores() // self.launched_ranks)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -119,7 +119,7 @@ class WorkerContext:
     def run(self, n: int) -> None:
         self.job = n
         try:
-            job = transport.get(self.store, f"job/{n}")
+            job = transport.get(self.store, f"job/{n}", transport.MAX_MESSAGE_BYTES)
             if self.store.add(f"read/{n}", 1) == self.world:  # every rank has it: no copy left in the store
                 transport.delete(self.store, f"job/{n}")
             for key in job.get("drop_sessions", ()):
@@ -352,7 +352,9 @@ def _sample_rows(ctx: WorkerContext, handle, request: SampleRequest) -> dict | N
         if part["cancelled"]:
             raise JobCancelledError
         return None
-    parts = [part] + [_wait_part(ctx, r) for r in range(1, ctx.world)]
+    # a rank's rows of the latent, sampled: never more than the whole latent (and its report)
+    limit = transport.RECORD_BYTES + 4 * latent.numel() * latent.element_size()
+    parts = [part] + [_wait_part(ctx, r, limit) for r in range(1, ctx.world)]
     if any(p["cancelled"] for p in parts):
         raise JobCancelledError
     done = [p for p in parts if p["rows"]]
@@ -363,7 +365,7 @@ def _sample_rows(ctx: WorkerContext, handle, request: SampleRequest) -> dict | N
     return {"latent": out, "report": report, "comm": {"bytes_sent": {}, "calls": {}, "total": 0}}
 
 
-def _wait_part(ctx: WorkerContext, rank: int) -> dict:
+def _wait_part(ctx: WorkerContext, rank: int, limit: int) -> dict:
     # no deadline here: the host watches every rank's heartbeat and progress and stops the pool if one is lost
     key = f"dp/{ctx.job}/{rank}"
     poll = transport.Poll(longest=0.05)
@@ -371,7 +373,7 @@ def _wait_part(ctx: WorkerContext, rank: int) -> dict:
         if ctx.store.check(["shutdown"]):
             raise JobCancelledError
         poll.wait()
-    part = transport.get(ctx.store, key)
+    part = transport.get(ctx.store, key, limit)
     transport.delete(ctx.store, key)
     return part
 

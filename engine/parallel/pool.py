@@ -16,8 +16,8 @@ starts a new one. ``shutdown`` (called by the node, on interpreter exit through 
 frees memory) asks the workers to leave, then terminates and reaps whatever is left: no process outlives it.
 
 Security: the store has no authentication of its own, so every payload is sealed with a per-pool secret
-(``transport.SecureStore``): a random token handed to local workers in their environment (never on the command
-line), or ``FEWSTEP_POOL_TOKEN`` from this process's environment when ranks join from elsewhere. A job's payloads
+(``transport.SecureStore``): a random token handed to local workers through a pipe (their stdin, read once at
+start; never on the command line or in their environment), or ``FEWSTEP_POOL_TOKEN`` from this process's environment when ranks join from elsewhere. A job's payloads
 are deleted from the store when the job ends (done, failed or cancelled), and a stopped pool stops listening.
 
 Local workers are started with ``subprocess`` as ``python -c <bootstrap>``: a fresh interpreter, which is what
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
 import ipaddress
 import itertools
 import logging
@@ -99,8 +98,12 @@ def _listen(addr: str, port: int) -> socket.socket:
         listener.listen(128)
     except OSError as err:
         listener.close()
-        if port and err.errno == errno.EADDRINUSE:
-            raise InputError("master_port", f"port {port} on {addr} is in use (0 picks a free one)") from None
+        if port:
+            # one message whatever the reason (in use, not permitted, ...): it must not tell a workflow which
+            # ports are open on this machine
+            raise InputError(
+                "master_port", f"cannot listen on {addr} port {port}; use 0 for any free port"
+            ) from None
         raise InputError(
             "master_addr",
             f"{addr!r} is not an address of this machine ({err.strerror or err}): the store listens here; "
@@ -131,19 +134,12 @@ def pool_token(config: ParallelConfig, where: str | None = None) -> bytes:
     else a fresh random one that only the local workers receive."""
     raw = os.environ.get(transport.TOKEN_ENV, "").strip()
     if raw:
-        if len(raw) < 32:
-            raise InputError(
-                transport.TOKEN_ENV,
-                f"{len(raw)} characters; at least 32 random characters (e.g. the output of `python -c "
-                "'import secrets; print(secrets.token_hex(32))'`)",
-                where,
-            )
-        return raw.encode()
+        return transport.check_token(raw, where)
     if config.launched_ranks < config.world:
         raise InputError(
             "local_ranks",
             f"{config.launched_ranks} of {config.world} ranks start here; the ranks that join need the pool's "
-            f"secret: set {transport.TOKEN_ENV} (at least 32 random characters, e.g. from `python -c 'import "
+            f"secret: set {transport.TOKEN_ENV} (at least 32 random bytes as hex, e.g. from `python -c 'import "
             "secrets; print(secrets.token_hex(32))'`) in this process's environment before it starts, and the "
             "same value in each joining worker's environment",
             where,
@@ -163,8 +159,10 @@ class WorkerPool:
                 "timeout", f"{config.timeout:g} s; at least 1 s (workers beat every 0.5 s)", where
             )
         self.backend = config.resolved_backend(where)
+        config.check_memory(where)  # before any process starts
         self.world = config.world
         self.token = pool_token(config, where)
+        transport.require_cipher(where)
         # random: the pool's keys are derived from it, so nothing sealed for another pool authenticates here
         self.id = f"pool{next(self._ids)}-{secrets.token_hex(16)}"
         self.store: transport.SecureStore | None = None
@@ -178,6 +176,7 @@ class WorkerPool:
         self._jobs = 0
         self._unfinished: list[int] = []
         self._chunks_read: dict[int, int] = {}
+        self._limits: dict[int, int] = {}
         self._lock = threading.RLock()
 
     # -- life cycle ------------------------------------------------------------------------------------------------
@@ -223,14 +222,22 @@ class WorkerPool:
             LOCAL_RANK=str(rank), FEWSTEP_PACKAGE_ROOT=str(PACKAGE_ROOT), FEWSTEP_PARENT_PID=str(os.getpid()),
             FEWSTEP_WORKER_THREADS=str(threads), FEWSTEP_WORKER_TIMEOUT=str(cfg.timeout),
             OMP_NUM_THREADS=str(threads), TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-            # the environment, not argv: /proc/<pid>/environ is readable by this user only, argv by everyone
-            FEWSTEP_POOL_TOKEN=self.token.decode(),
+            FEWSTEP_POOL_TOKEN_STDIN="1",
         )  # fmt: skip
+        # the secret goes through a pipe the worker reads once at start: not argv (every user reads it), not the
+        # environment (/proc/<pid>/environ: this user's other processes read it for the worker's whole life)
+        env.pop(transport.TOKEN_ENV, None)
         loopback = _loopback_interface() if is_loopback(cfg.master_addr) else None
         if loopback is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
             # gloo listens on the address of this machine's host name otherwise, often one on the network
             env["GLOO_SOCKET_IFNAME"] = loopback
-        return subprocess.Popen([sys.executable, "-c", BOOTSTRAP], env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-c", BOOTSTRAP], env=env, stdin=subprocess.PIPE)
+        try:
+            proc.stdin.write(self.token + b"\n")
+            proc.stdin.close()
+        except OSError:  # the worker died at once: the start-up wait names its exit status
+            pass
+        return proc
 
     def join_command(self) -> str:
         """How a rank joins from another machine; names the secret's variable, never its value (this is logged)."""
@@ -320,7 +327,7 @@ class WorkerPool:
             self.store.set(f"job/{self._jobs + 1}", "shutdown")
 
     # -- jobs ------------------------------------------------------------------------------------------------------
-    def submit(self, job: dict) -> int:
+    def submit(self, job: dict, result_limit: int | None = None) -> int:
         with self._lock:
             if self.closed:
                 raise ParallelError(f"the worker pool was shut down ({self.failure or 'closed'})")
@@ -330,13 +337,15 @@ class WorkerPool:
             job = dict(job, drop_sessions=list(self.drop_sessions))
             self.drop_sessions.clear()
             transport.put(self.store, f"job/{n}", job)
+            # the most a result or a chunk of this job can be: a larger one is refused before it is read
+            self._limits[n] = result_limit or transport.message_limit(job)
             self._unfinished.append(n)
             return n
 
-    def run(self, job: dict, on_progress=None, on_chunk=None) -> dict:
+    def run(self, job: dict, on_progress=None, on_chunk=None, result_limit: int | None = None) -> dict:
         """Submit ``job`` and wait for its result. An exception raised by a callback (ComfyUI's interrupt)
         cancels the job on every rank, then propagates."""
-        n = self.submit(job)
+        n = self.submit(job, result_limit)
         events = self.events(n, job.get("kind", "job"))
         try:
             while True:
@@ -399,7 +408,7 @@ class WorkerPool:
                 progress, active = count, True
                 yield ("progress", count)
             if transport.ready(self._live_store, f"result/{n}"):
-                result = transport.get(self._live_store, f"result/{n}")
+                result = transport.get(self._live_store, f"result/{n}", self._limit(n))
                 transport.delete(self._live_store, f"result/{n}")
                 for payload in self._read_chunks(n):  # written before the result
                     yield ("chunk", payload)
@@ -414,11 +423,14 @@ class WorkerPool:
             else:
                 poll.wait()
 
+    def _limit(self, n: int) -> int:
+        return self._limits.get(n, transport.RECORD_BYTES)
+
     def _read_chunks(self, n: int):
         """The video chunks of job ``n`` that are in the store, in order, each deleted once read."""
         while transport.ready(self._live_store, f"chunk/{n}/{self._chunks_read[n]}"):
             key = f"chunk/{n}/{self._chunks_read[n]}"
-            payload = transport.get(self._live_store, key)
+            payload = transport.get(self._live_store, key, self._limit(n))
             transport.delete(self._live_store, key)
             self._chunks_read[n] += 1
             yield payload
@@ -451,6 +463,7 @@ class WorkerPool:
         transport.delete(store, f"job/{n}")
         transport.delete(store, f"result/{n}")
         chunk = self._chunks_read.pop(n, 0)
+        self._limits.pop(n, None)
         while transport.ready(store, f"chunk/{n}/{chunk}"):
             transport.delete(store, f"chunk/{n}/{chunk}")
             chunk += 1

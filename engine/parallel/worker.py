@@ -1,6 +1,8 @@
 """A pool worker: one rank. Started by the host (``WorkerPool``) or on another machine with
 ``MASTER_ADDR=<host> MASTER_PORT=<port> WORLD_SIZE=<n> RANK=<r> [LOCAL_RANK=<gpu>] python -m fewstep worker``, with
-the pool's secret in ``FEWSTEP_POOL_TOKEN`` (the environment, never the command line).
+the pool's secret in ``FEWSTEP_POOL_TOKEN`` (the environment, never the command line; workers the host starts
+read it from a pipe on their stdin instead, see ``Rendezvous.from_env``). The process group forms through
+``transport.RendezvousStore``, so the rank addresses it exchanges are sealed like every payload.
 
 A worker connects to the host's TCP store (an error naming ``MASTER_ADDR`` within the timeout when it cannot),
 reads the pool's configuration from it (an error naming ``FEWSTEP_POOL_TOKEN`` when it does not authenticate with
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +56,9 @@ class Rendezvous:
     token: bytes | None = field(default=None, repr=False)
 
     @classmethod
-    def from_env(cls, env=None) -> Rendezvous:
+    def from_env(cls, env=None, stdin=None) -> Rendezvous:
+        """From the torchrun variables; the secret from ``FEWSTEP_POOL_TOKEN``, or from ``stdin`` (one line, read
+        once) for a worker the host started (``FEWSTEP_POOL_TOKEN_STDIN=1``)."""
         env = os.environ if env is None else env
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if not env.get(k)]
         if missing:
@@ -69,13 +74,18 @@ class Rendezvous:
                 values[key] = int(raw)
             except ValueError:
                 raise InputError(key, f"expected a whole number, got {raw!r}") from None
-        token = env.get(transport.TOKEN_ENV, "").strip()
+        if env.get("FEWSTEP_POOL_TOKEN_STDIN") == "1" and stdin is not None:
+            token = stdin.readline().decode(errors="replace").strip()  # written by the host, then closed
+            stdin.close()
+        else:
+            token = env.get(transport.TOKEN_ENV, "").strip()
         if not token:
             raise InputError(
                 transport.TOKEN_ENV,
                 "not set; a worker needs the pool's secret: set it in this worker's environment to the value of "
                 f"{transport.TOKEN_ENV} on the host (never as a command-line argument, which other users can read)",
             )
+        transport.check_token(token)
         threads = env.get("FEWSTEP_WORKER_THREADS")
         parent = env.get("FEWSTEP_PARENT_PID")
         return cls(
@@ -213,8 +223,11 @@ def _serve(rdzv, store, config: ParallelConfig, pool: dict, rank: int, world: in
     heartbeat = Heartbeat(rdzv, config.timeout).start()
     try:
         _wait_for_everyone(store, rank, world, config.startup_timeout)
+        # kept referenced while the groups live: torch holds the C++ side only, and a collected Python store
+        # leaves every later new_group without the methods it overrides
+        rendezvous = transport.RendezvousStore(store, "pg/")
         dist.init_process_group(
-            backend, store=dist.PrefixStore("pg", store.raw), rank=rank, world_size=world,
+            backend, store=rendezvous, rank=rank, world_size=world,
             timeout=timedelta(seconds=config.timeout), device_id=device if backend == "nccl" else None,
         )  # fmt: skip
         info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "backend": backend,
@@ -246,7 +259,7 @@ def main(env=None) -> int:
     """Entry point of a worker process started by the host (errors are logged; exit status 2 or 1)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s fewstep worker: %(message)s")
     try:
-        return serve(Rendezvous.from_env(env))
+        return serve(Rendezvous.from_env(env, sys.stdin.buffer if env is None else None))
     except InputError as err:
         log.error("%s", err)
         return 2

@@ -623,3 +623,28 @@ def test_without_the_cryptography_package_a_pool_is_refused_before_it_starts(mon
         "'cryptography' (>= 42), which this Python lacks; install the pack's requirements (pip install -r "
         "requirements.txt) into it"
     )
+
+
+@pytest.mark.parametrize(
+    "key, raw, expected",
+    [
+        ("FEWSTEP_WORKER_TIMEOUT", "abc", "expected seconds in (0, 604800], got 'abc'"),
+        ("FEWSTEP_WORKER_TIMEOUT", "inf", "expected seconds in (0, 604800], got 'inf'"),
+        ("FEWSTEP_WORKER_TIMEOUT", "nan", "expected seconds in (0, 604800], got 'nan'"),
+        ("FEWSTEP_WORKER_THREADS", "1e3", "expected a whole number from 1 to 4096, got '1e3'"),
+        ("FEWSTEP_WORKER_THREADS", str(2**80), "expected a whole number from 1 to 4096, got"),
+        ("FEWSTEP_PARENT_PID", "-1", "expected a whole number from 1 to 4194304, got '-1'"),
+        ("MASTER_PORT", "70000", "expected a whole number from 1 to 65535, got '70000'"),
+        ("WORLD_SIZE", "0", "expected a whole number from 1 to 65536, got '0'"),
+        ("RANK", "1", "expected a rank below WORLD_SIZE=1, got 1"),
+        ("LOCAL_RANK", "x", "expected a whole number from 0 to 4096, got 'x'"),
+    ],
+)
+def test_a_hand_started_worker_refuses_out_of_range_variables_in_one_line(key, raw, expected):
+    from fewstep.engine.parallel.transport import new_token
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "1", "RANK": "0",
+           "FEWSTEP_POOL_TOKEN": new_token().decode(), key: raw}  # fmt: skip
+    with pytest.raises(InputError) as refused:
+        Rendezvous.from_env(env)
+    assert str(refused.value).startswith(f"input '{key}': {expected}"), str(refused.value)

@@ -182,7 +182,7 @@ class ParallelConfig:
         """Local ranks within the cores (or the administrator's cap), threads within the cores."""
         cores = usable_cores()
         ranks = self.launched_ranks
-        cap = env_int(MAX_LOCAL_RANKS_ENV, None, minimum=1, default_text="this machine's cores")
+        cap = env_int(MAX_LOCAL_RANKS_ENV, None, minimum=1, maximum=4096, default_text="this machine's cores")
         limit = cores if cap is None else cap
         if ranks > limit:
             why = (

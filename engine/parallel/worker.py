@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import sys
@@ -67,13 +68,33 @@ class Rendezvous:
                 f"not set; a worker needs {', '.join(missing)} (the host prints them when it waits for "
                 "remote ranks: MASTER_ADDR=<host> MASTER_PORT=<port> WORLD_SIZE=<n> RANK=<r>)",
             )
+        # what the variables may hold: a typo (2**80 ranks, a timeout of inf) is refused here, not acted on
+        ranges = {"MASTER_PORT": (1, 65535), "WORLD_SIZE": (1, 65536), "RANK": (0, 65535), "LOCAL_RANK": (0, 4096),
+                  "FEWSTEP_WORKER_THREADS": (1, 4096), "FEWSTEP_PARENT_PID": (1, 2**22)}  # fmt: skip
         values = {}
-        for key in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-            raw = env.get(key, "0")
+        for key, (low, high) in ranges.items():
+            raw = env.get(key) or ("0" if key == "LOCAL_RANK" else None)
+            if raw is None:
+                continue
             try:
                 values[key] = int(raw)
             except ValueError:
-                raise InputError(key, f"expected a whole number, got {raw!r}") from None
+                values[key] = None
+            if values[key] is None or not low <= values[key] <= high:
+                raise InputError(key, f"expected a whole number from {low} to {high}, got {raw[:40]!r}")
+        if values["RANK"] >= values["WORLD_SIZE"]:
+            raise InputError(
+                "RANK", f"expected a rank below WORLD_SIZE={values['WORLD_SIZE']}, got {values['RANK']}"
+            )
+        raw_timeout = env.get("FEWSTEP_WORKER_TIMEOUT", "60")
+        try:
+            timeout = float(raw_timeout)
+        except ValueError:
+            timeout = math.nan
+        if not 0 < timeout <= 7 * 86400:  # NaN fails too
+            raise InputError(
+                "FEWSTEP_WORKER_TIMEOUT", f"expected seconds in (0, 604800], got {raw_timeout[:40]!r}"
+            )
         if env.get("FEWSTEP_POOL_TOKEN_STDIN") == "1" and stdin is not None:
             token = stdin.readline().decode(errors="replace").strip()  # written by the host, then closed
             stdin.close()
@@ -86,17 +107,15 @@ class Rendezvous:
                 f"{transport.TOKEN_ENV} on the host (never as a command-line argument, which other users can read)",
             )
         transport.check_token(token)
-        threads = env.get("FEWSTEP_WORKER_THREADS")
-        parent = env.get("FEWSTEP_PARENT_PID")
         return cls(
             master_addr=env["MASTER_ADDR"],
             master_port=values["MASTER_PORT"],
             world_size=values["WORLD_SIZE"],
             rank=values["RANK"],
             local_rank=values["LOCAL_RANK"],
-            timeout=float(env.get("FEWSTEP_WORKER_TIMEOUT", "60")),
-            parent_pid=int(parent) if parent else None,
-            threads=int(threads) if threads else None,
+            timeout=timeout,
+            parent_pid=values.get("FEWSTEP_PARENT_PID"),
+            threads=values.get("FEWSTEP_WORKER_THREADS"),
             token=token.encode(),
         )
 

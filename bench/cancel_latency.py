@@ -2,7 +2,7 @@
 
     python bench/cancel_latency.py                                  # dummy:flux-mid, 512x512 and 1024x1024 px
     python bench/cancel_latency.py --sizes 2048x2048 --rounds 1     # the size of the issue (minutes on a CPU)
-    python bench/cancel_latency.py --quick                          # 256x256, 1 round (bench/run_all)
+    python bench/cancel_latency.py --quick                          # 256x256, 2 rounds (bench/run_all)
 
 With ``RunOptions(interrupt_check=...)`` the engine calls the host's cancel check before every block of a forward
 (``engine.run``), so a Cancel waits at most for the block that is running, instead of the rest of the forward.
@@ -35,7 +35,7 @@ from _common import (
 from fewstep.engine import RunOptions, open_model
 from fewstep.engine.run import open_run
 
-QUICK = {"sizes": "256x256", "rounds": 1}
+QUICK = {"sizes": "256x256", "rounds": 2}
 
 
 def comfy_like_check():

@@ -12,11 +12,19 @@ else decides how the model computes:
   repeats that at the entry of every later call of a run that spans several;
 * ``sharding``: this rank's sequence-parallel layout in a worker pool (``engine.parallel.sharding``): its block
   runner shards the tokens and puts the mesh's plan into the blocks' backends (``Backends.with_parallel``), around
-  the run's own block runner (a step cache's); :meth:`Run.blocks` composes them;
+  the run's own block runner (a step cache's); :attr:`Run.blocks` composes them;
 * ``model``: what to call, the plain model, or the compiled one with its CUDA graphs when the handle carries a
   compile feature (``engine.compile``; ``compile=False`` in the options leaves it out);
 * ``step_cache``: the handle's step-cache gate (``engine.cache``), started for this run's schedule when the run
   has one (image sampling) and passed on as the gate otherwise (a video session decides per chunk);
+* ``interrupt_check``: the host's cancel check (ComfyUI: ``throw_exception_if_processing_interrupted``), called
+  before every transformer block of a forward, so a long forward (one FLUX step at 2048 px) stops within one
+  block; :attr:`Run.blocks` puts it on the hidden state the model's block loop reads (see
+  :func:`interruptible_blocks`). Only where the block loop runs in Python: not when the forward is compiled whole
+  (``compile full``) or replayed from CUDA graphs (a captured graph runs no Python), and not in a worker pool's
+  sharded run (the ranks agree on a cancel before each forward: one rank stopping inside a forward would leave
+  the others waiting in a collective). Those runs keep the host's per-step check, and the compile run's report
+  says so;
 * the KV storage of a causal session (bf16 / int8 / int4, recent chunks kept in full precision) is the session's
   ``CausalConfig``, which the session builds its cache from; the run gives the cache its kernel mode.
 
@@ -26,7 +34,9 @@ engine composes them here, each switchable off on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,11 +66,31 @@ class RunOptions:
     sharding: object = None
     compile: bool = True  # run the handle's compile feature, if it has one
     step_cache: bool = True  # run the handle's step-cache gate, if it has one
+    # the host's cancel check, called before every transformer block; it raises the host's own interruption to
+    # stop the run. It must only read a flag (no tensor read, no device sync: it runs between queued kernels).
+    # None: checks between blocks off (the host still checks between forwards, in its step callbacks)
+    interrupt_check: Callable[[], None] | None = None
 
     def backends_for(self, handle) -> Backends:
         attention = self.attention_backend or handle.attention_backend
         mode = self.kernel_mode or environment_kernel_mode()
         return Backends(check_backend(attention, "attention"), kernels.check_mode(mode))
+
+
+@dataclass(frozen=True)
+class RunBlocks:
+    """``blocks(inner) -> block_runner``: the ``block_runner`` a forward of a run takes, composed around
+    ``inner`` (a step cache's, or None): the sharding's runner, then the cancel check between blocks around both.
+    It holds no handle, so a video session may keep it (see :attr:`Run.weights_keeper` for why that matters)."""
+
+    sharding: object = None
+    interrupt_check: Callable[[], None] | None = None
+
+    def __call__(self, inner=None):
+        runner = inner if self.sharding is None else self.sharding.block_runner(inner)
+        if self.interrupt_check is None:
+            return runner
+        return functools.partial(interruptible_blocks, check=self.interrupt_check, inner=runner)
 
 
 @dataclass
@@ -74,6 +104,7 @@ class Run:
     gate: object = None  # the handle's step-cache gate, or None
     step_cache: object = None  # the gate's run for this run's schedule, when it is active
     sharding: object = None  # this rank's sequence-parallel layout, or None
+    interrupt_check: Callable[[], None] | None = None  # called before every block (None: off, or impossible)
     _cache_run: object = field(default=None, repr=False)  # started, active or not (its telemetry says why)
 
     @property
@@ -91,9 +122,10 @@ class Run:
         """The engine model itself (what ``model`` stands for when it is a compiled wrapper)."""
         return self.handle.model
 
-    def blocks(self, inner=None):
-        """The ``block_runner`` a forward takes: the sharding's around ``inner`` (a step cache's, or None)."""
-        return inner if self.sharding is None else self.sharding.block_runner(inner)
+    @property
+    def blocks(self) -> RunBlocks:
+        """``blocks(inner) -> block_runner``: what a forward of this run takes (see :class:`RunBlocks`)."""
+        return RunBlocks(self.sharding, self.interrupt_check)
 
     def finish(self) -> tuple[object, object]:
         """(step-cache telemetry or None, compile telemetry or None)."""
@@ -107,6 +139,30 @@ class Run:
             self._cache_run.reset()
         if self.compiled is not None:
             self.compiled.finish()
+
+
+def interruptible_blocks(model, hidden, *, check: Callable[[], None], inner=None):
+    """A ``block_runner``: ``inner`` (or the model's own block stack) with ``check`` called before every block.
+
+    The check travels on the hidden state (its ``interrupt_check`` field), which every family's ``run_blocks``
+    reads, so a step cache that runs the stack in pieces (block 0, decide, then the rest) is checked before each
+    of its blocks too. The model's arithmetic is untouched: a check that never raises leaves the output equal."""
+    hidden = dataclasses.replace(hidden, interrupt_check=check)
+    return model.run_blocks(hidden) if inner is None else inner(model, hidden)
+
+
+WHOLE_FORWARD_CANCEL_NOTE = (
+    "Cancel checked once per forward, not between blocks: {why}, so no Python runs between the blocks"
+)
+
+
+def _between_blocks_problem(compiled, sharding) -> str | None:
+    """Why this run cannot check for a cancel between blocks (None: it can)."""
+    if sharding is not None:
+        return "the ranks of a worker pool agree on a cancel before each forward"
+    if compiled is not None:
+        return compiled.whole_forward
+    return None
 
 
 def open_run(
@@ -130,7 +186,24 @@ def open_run(
     step_cache_on = step_cache is not None if sigmas is not None else gate is not None
     compiled = start_compile_run(handle, step_cache_active=step_cache_on) if options.compile else None
     model = handle.model if compiled is None else compiled.model
-    return Run(handle, backends, model, compiled, gate, step_cache, options.sharding, cache_run)
+    interrupt_check = options.interrupt_check
+    if interrupt_check is not None:
+        problem = _between_blocks_problem(compiled, options.sharding)
+        if problem is not None:
+            interrupt_check = None
+            if compiled is not None and options.sharding is None:
+                compiled.notes.append(WHOLE_FORWARD_CANCEL_NOTE.format(why=problem))
+    return Run(
+        handle, backends, model, compiled, gate, step_cache, options.sharding, interrupt_check, cache_run
+    )
 
 
-__all__ = ["Run", "RunOptions", "environment_kernel_mode", "open_run"]
+__all__ = [
+    "WHOLE_FORWARD_CANCEL_NOTE",
+    "Run",
+    "RunBlocks",
+    "RunOptions",
+    "environment_kernel_mode",
+    "interruptible_blocks",
+    "open_run",
+]

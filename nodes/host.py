@@ -79,6 +79,15 @@ def check_interrupt() -> None:
         mm.throw_exception_if_processing_interrupted()
 
 
+def interrupt_check():
+    """ComfyUI's own cancel check for a run's ``RunOptions.interrupt_check`` (the engine calls it between the
+    transformer blocks of a forward, so Cancel / POST /interrupt stops within one block), or None outside ComfyUI.
+    It raises ComfyUI's ``InterruptProcessingException`` after a Cancel and otherwise only reads a flag under a
+    lock: no device sync, so calling it between queued GPU kernels costs nothing."""
+    mm = comfy_module("comfy.model_management")
+    return None if mm is None else mm.throw_exception_if_processing_interrupted
+
+
 def torch_device() -> torch.device:
     mm = comfy_module("comfy.model_management")
     if mm is not None:

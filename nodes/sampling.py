@@ -9,12 +9,13 @@ import torch
 from ..engine.conditioning import TextCondition, for_family
 from ..engine.errors import InputError
 from ..engine.parallel.client import parallel_sample_request
+from ..engine.run import RunOptions
 from ..engine.sampling import FLOW, SAMPLERS, SCHEDULES, VE
 from ..engine.text_to_image import SampleRequest, build_sigmas, check_image_model, sample
 from ..engine.vae.tiny import variants_for
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
 from .conditioning import from_comfy, to_comfy
-from .host import Progress, check_interrupt, comfy_module, preview_payload
+from .host import Progress, check_interrupt, comfy_module, interrupt_check, preview_payload
 from .memory import load_for_run
 from .parallel import FEWSTEP_PARALLEL, pool_for_run
 
@@ -187,6 +188,8 @@ class FewStepSampler:
         request = SampleRequest(
             pos, latent, negative=neg, seed=seed, sampler=sampler, cfg=cfg, sigmas=sigmas, callback=on_step,
             batch_index=latent_image.get("batch_index"),
+            # Cancel between the blocks of a forward (a pool's ranks agree on a cancel per step instead)
+            options=RunOptions(interrupt_check=interrupt_check()) if parallel is None else None,
         )  # fmt: skip
         try:
             if parallel is None:

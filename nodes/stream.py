@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 
+from ..engine.run import RunOptions
 from ..engine.sampling import SCHEDULES
 from ..engine.stream import (
     CFG_MODES,
@@ -21,7 +22,7 @@ from ..engine.stream import (
     parse_t_index_list,
 )
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
-from .host import Progress, check_interrupt, in_comfyui, preview_payload
+from .host import Progress, check_interrupt, in_comfyui, interrupt_check, preview_payload
 from .memory import load_for_run
 from .vae import FEWSTEP_TINY_VAE, images_to_nchw, nchw_to_images
 
@@ -203,6 +204,8 @@ class FewStepStreamBatch:
         stream = StreamBatch(
             model, tiny_vae, pos, height=pixels.shape[-2], width=pixels.shape[-1], config=config,
             negative=neg, seed=seed,
+            # as the stream's default run, plus ComfyUI's Cancel checked between the blocks of every forward
+            options=RunOptions(step_cache=False, interrupt_check=interrupt_check()),
         )  # fmt: skip
         total = math.ceil(pixels.shape[0] / frame_buffer_size) + config.steps - 1
         progress = Progress(total, desc="FewStepStreamBatch")

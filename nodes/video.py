@@ -35,12 +35,13 @@ from ..engine.causal.recipe import SessionRecipe
 from ..engine.causal.session import ChunkTiming
 from ..engine.errors import InputError
 from ..engine.plan.preflight import check_fits
+from ..engine.run import RunOptions
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import MAX_MEMORY_GB, env_float, env_int
 from ..engine.units import format_bytes
 from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
 from .chunk_stream import ChunkStream
-from .host import Progress, check_interrupt, comfy_module, preview_payload
+from .host import Progress, check_interrupt, comfy_module, interrupt_check, preview_payload
 from .inputs import register_object_type
 from .memory import load_for_run
 from .parallel import FEWSTEP_PARALLEL, open_parallel_session
@@ -79,7 +80,11 @@ register_object_type(FEWSTEP_SESSION, SessionRef, "a FEWSTEP_SESSION from FewSte
 def _recipe(model, width, height, config, seed, tiny_vae, context, parallel) -> SessionRecipe:
     """The engine's recipe for this node's inputs; a connected worker pool computes the session."""
     remote = None if parallel is None else functools.partial(open_parallel_session, parallel)
-    return SessionRecipe(model, width, height, config, seed, tiny_vae, ((0, context),), remote, MAX_PROMPTS)
+    # in this process, Cancel is checked between the blocks of every forward (a pool's ranks: per forward)
+    options = RunOptions(interrupt_check=interrupt_check()) if parallel is None else None
+    return SessionRecipe(
+        model, width, height, config, seed, tiny_vae, ((0, context),), remote, MAX_PROMPTS, options=options
+    )
 
 
 def _free_sessions_on_unload(handle) -> None:

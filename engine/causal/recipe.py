@@ -34,7 +34,7 @@ def open_session(handle, context: torch.Tensor, height: int, width: int, config:
     run = open_run(handle, options)
     session = VideoSession(run.model, context, height, width, config, seed, tiny_vae, where=where,
                            step_cache=run.gate, base_model=run.base_model, backends=run.backends,
-                           ensure_weights=run.weights_keeper)  # fmt: skip
+                           ensure_weights=run.weights_keeper, blocks=run.blocks)  # fmt: skip
     return session, run.compiled
 
 
@@ -58,11 +58,12 @@ class SessionRecipe:
     )  # the session runs elsewhere (a worker pool)
     max_prompts: int = 8  # different prompts kept; past it the recipe cannot rebuild (bounds the memory held)
     rebuildable: bool = True  # False once more than max_prompts different prompts were used (none are kept)
+    options: RunOptions | None = field(default=None, repr=False)  # the session's run options (open_session)
 
     def open(self, context: torch.Tensor, where: str | None = None):
         """:func:`open_session` with this recipe's settings and ``context`` as the first prompt."""
         return open_session(self.model, context, self.height, self.width, self.config, self.seed, self.tiny_vae,
-                            where, self.remote)  # fmt: skip
+                            where, self.remote, self.options)  # fmt: skip
 
     def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
         """The recipe after a prompt switch at ``frame``; a prompt used before is kept once (the same tensor)."""

@@ -18,7 +18,8 @@ the session's bytes are estimated and refused when they cannot fit the device (:
 One caller at a time: a session refuses a second concurrent ``chunks`` / ``set_prompt`` (another thread, or a
 second generator interleaved with an unfinished one) with an :class:`InputError` rather than corrupting its cache.
 ``before_forward(chunk, step)`` runs before every DiT forward (``step`` None for the clean-context pass), so a
-host's Cancel stops within one forward; a chunk interrupted that way leaves the session as it was before the
+host's Cancel stops within one forward (within one transformer block with a cancel check in the run's options:
+``engine.run``); a chunk interrupted that way leaves the session as it was before the
 chunk (the random generator is restored), so continuing it later gives the uninterrupted video. Each chunk's
 output is checked once for NaN / Inf (one read back with the copy to the CPU, no per-step sync).
 """
@@ -140,6 +141,7 @@ class VideoSession:
         base_model=None,
         backends: Backends = DEFAULT_BACKENDS,
         ensure_weights=None,
+        blocks=None,
     ):
         """``backends``: how the session's forwards compute attention, norms, RoPE and KV quantization (the run's
         ``engine.backends.Backends``). ``parallel``: a sequence-parallel layout (``engine.parallel.CausalSharding``) when this session is one
@@ -147,9 +149,13 @@ class VideoSession:
         ``base_model``: the engine model ``model`` stands for when it is a wrapper (a compiled run), so a host can
         free the sessions of a model it unloads; ``model`` itself by default. ``ensure_weights``: the run's
         ``Run.weights_keeper``, called before the session's weights are read (each prompt and each call of
-        :meth:`chunks`), so the handle's LoRA stays merged when another handle ran the model in between."""
+        :meth:`chunks`), so the handle's LoRA stays merged when another handle ran the model in between.
+        ``blocks``: the run's ``Run.blocks`` (``blocks(inner) -> block_runner``), around every forward of a
+        session that is not a pool rank: with a host's cancel check in the run's options, Cancel stops within one
+        transformer block, and the interrupted chunk is left as ``before_forward`` leaves it."""
         p = model.params
         self._ensure_weights = ensure_weights or (lambda: None)
+        self.blocks = blocks or (lambda inner: inner)
         config = config or CausalConfig()
         self.model, self.config, self.where, self.backends = model, config, where, backends
         self.base_model = model if base_model is None else base_model
@@ -281,6 +287,8 @@ class VideoSession:
                 self.parallel.frame_rope(rope_fn),
                 self.parallel.block_runner(block_runner),
             )
+        else:
+            block_runner = self.blocks(block_runner)
         self.cache.begin(start, c, self.grid_hw, rope_fn)
         t = (
             torch.as_tensor(timestep, dtype=torch.float32, device=x.device)

@@ -151,6 +151,13 @@ class CompileRun:
             )
         if feature.graph_problem is not None and use_graphs:
             self.notes.append(f"CUDA graphs off (allow_fallback): {feature.graph_problem}")
+        # why no Python runs between the blocks of this run's forwards (None: the block loop is Python, eager or
+        # with regionally compiled blocks), so a host's cancel check between blocks cannot run (engine.run)
+        self.whole_forward: str | None = None
+        if use_graphs:
+            self.whole_forward = f"the forward is replayed from CUDA graphs (cuda_graph {config.cuda_graph})"
+        elif feature.compiled is not None and config.mode == "full":
+            self.whole_forward = "the forward is compiled whole (compile full)"
         self.model = _RunModel(feature, use_graphs)
         self._graphs = feature.graphs if use_graphs else None
         self._before = self._graphs.stats.copy() if self._graphs is not None else None

@@ -15,6 +15,7 @@ to every block.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +180,7 @@ class FluxHidden:
     freqs: object
     joint: torch.Tensor | None = None
     backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
+    interrupt_check: Callable[[], None] | None = None  # the host's Cancel check, before each block
 
     @property
     def double_mod(self) -> tuple:
@@ -210,6 +212,8 @@ def run_stream_blocks(model: nn.Module, h: FluxHidden, start: int = 0, stop: int
         raise ValueError(f"block {start} is a double-stream block but the stream is already joint")
     img, txt, joint = h.img, h.txt, h.joint
     for i in range(start, stop):
+        if h.interrupt_check is not None:  # the host's Cancel: a flag read, no device sync
+            h.interrupt_check()
         if i < n_double:
             img, txt = model.double_blocks[i](img, txt, *h.double_mod, h.freqs, backends=h.backends)
         else:

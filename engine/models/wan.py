@@ -16,6 +16,7 @@ the model (a step cache) can run part of the block stack; the model imports none
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -193,6 +194,8 @@ class Wan(nn.Module):
         stop = self.num_blocks if stop is None else stop
         tokens = h.tokens
         for i in range(start, stop):
+            if h.interrupt_check is not None:  # the host's Cancel: a flag read, no device sync
+                h.interrupt_check()
             block = self.blocks[i]
             tokens = block(
                 tokens, h.e0, h.freqs, h.ctx, h.grid[0],
@@ -250,6 +253,7 @@ class WanHidden:
     kv: object = None
     cross_kv: object = None
     backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
+    interrupt_check: Callable[[], None] | None = None  # the host's Cancel check, before each block
 
     @property
     def stream(self) -> torch.Tensor:

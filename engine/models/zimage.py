@@ -24,6 +24,7 @@ The forward is three stages, ``finish(run_blocks(embed(...)))``, as FLUX's: ``em
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,7 @@ class ZImageHidden:
     height: int  # latent height and width, for unpatchify
     width: int
     backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
+    interrupt_check: Callable[[], None] | None = None  # the host's Cancel check, before each block
 
     @property
     def stream(self) -> torch.Tensor:
@@ -270,6 +272,8 @@ class ZImage(nn.Module):
         stop = self.num_blocks if stop is None else stop
         joint = h.joint
         for i in range(start, stop):
+            if h.interrupt_check is not None:  # the host's Cancel: a flag read, no device sync
+                h.interrupt_check()
             joint = self.layers[i](joint, h.freqs, h.vec, replicated_prefix=h.txt_tokens, backends=h.backends)
         return dataclasses.replace(h, joint=joint)
 

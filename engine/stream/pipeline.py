@@ -297,6 +297,7 @@ class StreamBatch:
         self.compile_run = run.compiled
         self._compile_telemetry = None
         self.model, self.backends = run.model, run.backends
+        self.blocks = run.blocks  # the cancel check between blocks, when the options carry one
         # the handle's LoRA, merged again if another handle ran between
         self._ensure_weights = run.weights_keeper
         self.family = handle.family
@@ -389,7 +390,12 @@ class StreamBatch:
     def _velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: TextCondition) -> torch.Tensor:
         self.stats.add_forward(x.shape[0])
         v = self.family.velocity(
-            self.model, x.to(self.dtype), sigma.reshape(-1).float(), cond, backends=self.backends
+            self.model,
+            x.to(self.dtype),
+            sigma.reshape(-1).float(),
+            cond,
+            block_runner=self.blocks(None),
+            backends=self.backends,
         )
         return v.float()
 

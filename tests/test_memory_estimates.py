@@ -233,3 +233,35 @@ def test_lora_backups_are_held_while_their_state_lives():
     del state
     gc.collect()
     assert backups() == before
+
+
+def test_the_sampler_counts_its_preview_decode_before_it_starts(pack, monkeypatch):
+    steps_run = []
+
+    class ProgressBar:
+        def __init__(self, total):
+            pass
+
+        def update_absolute(self, value, total=None, preview=None):
+            steps_run.append(value)
+
+    monkeypatch.setitem(sys.modules, "comfy.utils", types.SimpleNamespace(ProgressBar=ProgressBar))
+    m = pack.NODE_CLASS_MAPPINGS
+    (model,) = _run(m["FewStepDiTLoader"], model_name="dummy:flux-tiny")
+    (cond,) = _run(m["FewStepSyntheticConditioning"])
+    (tiny,) = _run(m["FewStepTinyVAELoader"], vae_name="dummy:taef1")
+    latent = {
+        "samples": torch.zeros(1, 16, 64, 64)
+    }  # 512 px: sampling about 15 MiB, a preview decode 259 MiB
+    pack_ledger = sys.modules[f"{pack.__name__}.engine.plan.ledger"].LEDGER
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", str((pack_ledger.held_bytes("cpu") + 100 * 2**20) / 2**30))
+    args = dict(model=model, positive=cond, latent_image=latent, steps=1)
+    _run(m["FewStepSampler"], **args)  # fits without previews
+    steps_run.clear()
+    with pytest.raises(
+        ValueError,
+        match=r"^FewStepSampler: input 'latent_image': this needs about .*preview decode 259\.00 MiB\) .* refused "
+        r"before allocating\. Use a smaller image or batch, or run without the per-step preview",
+    ):
+        _run(m["FewStepSampler"], **args, preview_vae=tiny, preview=True)
+    assert steps_run == []  # refused before the first step, not by the preview's own decode at its end

@@ -73,7 +73,7 @@ class MemoryLedger:
     def hold(self, owner: object, kind: str, size_of: SizeOf) -> None:
         """Count ``size_of(owner, device)`` bytes as held while ``owner`` is alive (once per owner)."""
         with self._lock:
-            if any(ref() is owner for ref, _, _ in self._entries.values()):
+            if any(ref() is owner for ref, _, _ in list(self._entries.values())):
                 return
             key = next(self._ids)
             self._entries[key] = (weakref.ref(owner), kind, size_of)
@@ -85,15 +85,15 @@ class MemoryLedger:
         return model
 
     def _drop(self, key: int) -> None:
-        with self._lock:
-            self._entries.pop(key, None)
+        # no lock: a finalizer runs wherever the garbage collector does, possibly in this thread while it holds
+        # the lock (a deadlock); one dict.pop is atomic, and readers iterate over a copy of the entries
+        self._entries.pop(key, None)
 
     def holdings(self, device: torch.device | str | None = None) -> list[Holding]:
         """What is held on ``device`` by kind, in the order the kinds were first held (kinds holding 0 left out).
         On the CPU this includes the resident memory of the local ranks of this process's worker pools."""
         device = device_key(device)
-        with self._lock:
-            entries = list(self._entries.values())
+        entries = list(self._entries.values())
         by_kind: dict[str, list[int]] = {}
         for ref, kind, size_of in entries:
             owner = ref()

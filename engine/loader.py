@@ -172,7 +172,15 @@ def load_dit(
         store_linear_weights(model, weight_dtype)
     _upcast_fp8_outside_linear_weights(model, dtype)
     log.info("loaded %s as %s (%s layout) on %s", os.path.basename(source), family.name, layout.name, dev)
-    return model.to(dev).eval().requires_grad_(False)
+    return _held(model.to(dev).eval().requires_grad_(False))
+
+
+def _held(model: nn.Module) -> nn.Module:
+    """Count the model's weights in the memory ledger while it is alive (what the preflight subtracts from
+    ``FEWSTEP_MEMORY_LIMIT_GB``); dropping the last reference to the model releases them."""
+    from .plan.ledger import LEDGER  # engine.plan imports this module (see _check_fits)
+
+    return LEDGER.hold_model(model)
 
 
 def _upcast_fp8_outside_linear_weights(model: nn.Module, dtype: torch.dtype) -> None:
@@ -210,7 +218,7 @@ def _load_dummy(preset: str, dtype, dev, weight_dtype, seed, input_name, memory_
     dummy_init_(model, seed)
     if weight_dtype is not None:
         store_linear_weights(model, weight_dtype)
-    return model.eval().requires_grad_(False)
+    return _held(model.eval().requires_grad_(False))
 
 
 def _width(params) -> int:

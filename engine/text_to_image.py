@@ -260,6 +260,9 @@ class SampleRequest:
     sampler_options: dict | None = None
     # the run's own choices (attention backend, kernel mode, compile and step cache on/off: engine.run)
     options: RunOptions | None = None
+    # bytes ``callback`` allocates while the run's tensors are alive (a host's per-step preview decode), by part:
+    # added to the memory preflight's estimate so the run is refused before it starts, not at its first step
+    callback_bytes: dict[str, int] | None = None
 
     def check(self, handle: ModelHandle) -> None:
         """What a run refuses before any work starts."""
@@ -304,18 +307,20 @@ def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, S
     uses_cfg = bool(negative) and cfg != 1.0
     prompts = len(positive) + (len(negative) if uses_cfg else 0)
     text_tokens = max(c.context.shape[1] for c in [*positive, *(negative or [])])
+    parts = estimate_sample_bytes(
+        handle.params,
+        latent.shape,
+        text_tokens,
+        latent.shape[0] * prompts,
+        handle.dtype,
+        token_patch=handle.family.image.token_patch,
+    )
     check_fits(
-        estimate_sample_bytes(
-            handle.params,
-            latent.shape,
-            text_tokens,
-            latent.shape[0] * prompts,
-            handle.dtype,
-            token_patch=handle.family.image.token_patch,
-        ),
+        {**parts, **(request.callback_bytes or {})},
         handle.device,
         "latent",
-        hint="Use a smaller image or batch",
+        hint="Use a smaller image or batch"
+        + (", or run without the per-step preview" if request.callback_bytes else ""),
     )
 
     device, dtype = handle.device, handle.dtype

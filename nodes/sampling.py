@@ -190,6 +190,7 @@ class FewStepSampler:
             batch_index=latent_image.get("batch_index"),
             # Cancel between the blocks of a forward (a pool's ranks agree on a cancel per step instead)
             options=RunOptions(interrupt_check=interrupt_check()) if parallel is None else None,
+            callback_bytes=preview_decode_bytes(preview_vae, latent) if previewer else None,
         )  # fmt: skip
         try:
             if parallel is None:
@@ -202,6 +203,13 @@ class FewStepSampler:
             progress.close()
         result = {**latent_image, "samples": out}
         return (result, report.summary())
+
+
+def preview_decode_bytes(preview_vae, latent) -> dict[str, int]:
+    """What a step's preview decode of the first image allocates (the tiny VAE's own decode estimate)."""
+    v = preview_vae.variant
+    height, width = latent.shape[-2] * v.raw_downscale, latent.shape[-1] * v.raw_downscale
+    return {"preview decode": sum(preview_vae.decode_bytes(1, 1, height, width).values())}
 
 
 def step_previewer(model, preview_vae):

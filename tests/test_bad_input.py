@@ -367,7 +367,7 @@ def test_decoding_what_cannot_fit_is_refused_before_running(monkeypatch):
     ae = load_flux_ae("dummy:flux1-ae-tiny", device="cpu", dtype=torch.float32)
     monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "0.01")
     with pytest.raises(
-        InputError, match=r"input 'latent': this needs about 3\.05 GiB \(activations 3\.00 GiB"
+        InputError, match=r"input 'latent': this needs about 4\.05 GiB \(decoder activations 4\.00 GiB"
     ):
         tiny.decode(torch.zeros(1, 16, 256, 256))
     with pytest.raises(InputError, match=r"input 'images': this needs about .* refused before allocating"):

@@ -315,14 +315,16 @@ def test_the_session_store_has_a_default_byte_bound_from_device_memory(wan, monk
         list(session.chunks(1))  # the cross-attention cache is filled by the first forward
         return session
 
-    one = started()
+    # both made before the limit is set: a session's own preflight counts more than its caches (the prompt's
+    # padding, a chunk's activations) and, under the limit, what the pack already holds
+    one, two = started(), started()
     # a budget of 3 sessions' bytes: the default bound (a fraction of it) holds one session, not two
     limit = 3 * one.nbytes
     assert DEFAULT_SESSION_FRACTION * limit < 2 * one.nbytes
     monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", str(limit / 2**30))
     store = SessionStore(max_sessions=10)
     first = store.add(one)
-    store.add(started())
+    store.add(two)
     assert len(store) == 1 and not store.alive(first)
     assert store.max_bytes == int(DEFAULT_SESSION_FRACTION * limit)
 

@@ -39,6 +39,7 @@ from ..cache import causal_chunk_decision
 from ..checks import check_finite, check_finite_number, check_image_size, check_seed
 from ..errors import InputError
 from ..latent_formats import WAN21
+from ..plan.ledger import LEDGER, session_bytes_on
 from ..plan.preflight import check_fits
 from ..sampling import sample_dmd, schedule_sigmas
 from .clean_context import clean_context_pass
@@ -187,8 +188,7 @@ class VideoSession:
         if parallel is not None:
             tokens_per_frame, heads = parallel.kv_layout(tokens_per_frame, heads)
         check_session_fits(
-            session_bytes(p, self.batch, height, width, config, self.dtype, tokens_per_frame, heads,
-                          tiny_vae is not None),
+            session_bytes(p, self.batch, height, width, config, self.dtype, tokens_per_frame, heads, tiny_vae),
             device, where,
         )  # fmt: skip
         self.cache = KVCache(
@@ -209,6 +209,8 @@ class VideoSession:
         self._frames_at_dispose = 0
         self._in_use = threading.Lock()  # held by the one caller generating or switching the prompt
         self.disposed = False
+        # its caches count in the memory ledger while it is alive and not disposed (nbytes is 0 then)
+        LEDGER.hold(self, "session", session_bytes_on)
         self.set_prompt(context)
 
     # -- state -----------------------------------------------------------------------------------------------------
@@ -426,10 +428,13 @@ class VideoSession:
 
 def session_bytes(
     p, batch: int, height: int, width: int, config: CausalConfig, dtype: torch.dtype, tokens_per_frame: int,
-    heads: int, decodes_frames: bool = False,
+    heads: int, tiny_vae=None,
 ) -> dict[str, int]:  # fmt: skip
     """Estimated bytes a session allocates, by part: the KV window (exact, as :class:`KVCache` allocates it), the
-    cross-attention cache of a prompt (exact), one chunk's activations and, with a tiny VAE, its decoded frames."""
+    cross-attention cache of a prompt (exact), the prompt's padding to ``text_len`` before it is embedded, one
+    chunk's activations and, with a tiny VAE, what its stream decoder needs for one chunk: its full-resolution
+    activations and the decoded frames (``tiny_vae.decode_bytes``, the formula of the module that owns the
+    decoder: a chunk is decoded with all its frames at once)."""
     elt = torch.empty((), dtype=dtype).element_size()
     window = config.window
     chunk_tokens = tokens_per_frame * window.chunk_frames
@@ -438,12 +443,16 @@ def session_bytes(
         "KV window": KVCache.planned_bytes(p.num_layers, batch, tokens_per_frame, heads, p.head_dim, window,
                                            dtype, config.kv_dtype, config.keep_recent_chunks, config.rope),
         "cross-attention cache": (2 * p.num_layers + 1) * batch * p.text_len * p.dim * elt,
+        # embed_context pads the float32 umT5 tokens to text_len: the zeros and the concatenation live together
+        "prompt padding": 2 * batch * p.text_len * p.text_dim * 4,
         # a block's working set (hidden states, FFN, q/k/v) plus one layer's window read back for attention
         "chunk activations": batch * chunk_tokens * (p.ffn_dim + 6 * p.dim) * 4
         + 2 * batch * window_tokens * heads * p.head_dim * elt,
     }  # fmt: skip
-    if decodes_frames:
-        parts["decoded frames"] = batch * 4 * window.chunk_frames * 3 * height * width * 4
+    if tiny_vae is not None:
+        decode = tiny_vae.decode_bytes(batch, window.chunk_frames, height, width)
+        parts["stream decoder activations"] = decode["decoder activations"]
+        parts["decoded frames"] = decode["RGB output"]
     return parts
 
 
@@ -452,8 +461,14 @@ def check_session_fits(
 ) -> int:
     """``check_fits`` on a session's parts, naming the input behind the largest one (``input_name`` if given)."""
     owner = {"KV window": "window_frames", "cross-attention cache": "context"}
+    # the prompt padding is the model's own (text_len x its text width): no input of the session sizes it
+    largest = max((k for k in parts if k != "prompt padding"), key=parts.get)
     if input_name is None:
-        input_name = owner.get(max(parts, key=parts.get), "width")
+        input_name = owner.get(largest, "width")
+    if not hint and largest == "stream decoder activations":
+        hint = (
+            "Use a smaller width / height or fewer chunk_frames (the tiny VAE decodes a whole chunk at once)"
+        )
     hint = hint or "Use a smaller window_frames, a smaller width / height, or a smaller model"
     return check_fits(parts, device, input_name, where, hint)
 

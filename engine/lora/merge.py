@@ -29,6 +29,12 @@ from .rounding import to_storage
 log = logging.getLogger(__name__)
 
 
+def _backup_bytes_on(state: MergedWeights, device: torch.device) -> int:
+    from ..plan.ledger import device_key
+
+    return sum(t.nbytes for t in list(state.backups.values()) if device_key(t.device) == device)
+
+
 class MergedWeights:
     """The LoRA state of one model: which patches are merged, and the base values of what they changed."""
 
@@ -38,6 +44,10 @@ class MergedWeights:
         self.merges = 0  # how many times weights were (re)computed: tests and telemetry
         self.seconds = 0.0
         self._lock = threading.Lock()
+        # the base values kept count against FEWSTEP_MEMORY_LIMIT_GB while this state lives (the memory ledger)
+        from ..plan.ledger import LEDGER  # the planner imports the engine: import it when a state is made
+
+        LEDGER.hold(self, "LoRA backup", _backup_bytes_on)
 
     def ensure(self, model: nn.Module, patches, input_name: str = "lora") -> bool:
         """Make ``model``'s weights base + ``patches``; True when anything had to change."""

@@ -5,7 +5,9 @@ frames) first adds up its estimate and calls :func:`check_fits`, which compares 
 device it will run on (host RAM on a CPU). A refusal is an :class:`InputError` naming the input that made the
 work too big, the estimate by part and the limit, instead of an allocator traceback minutes later.
 
-``FEWSTEP_MEMORY_LIMIT_GB`` caps the budget below what the device reports (a shared server, or tests).
+``FEWSTEP_MEMORY_LIMIT_GB`` caps what the whole pack may use (a shared server, or tests): the budget is the limit
+less what the pack already holds (:mod:`.ledger`: loaded models, live video sessions, worker pools), and never more
+than the device reports free. A refusal then lists what is held, so that a user knows what to free.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from ..errors import InputError
 from ..settings import MAX_MEMORY_GB, env_float
 from ..units import format_bytes
+from .ledger import LEDGER
 
 # Keep a margin for what the estimate does not see (allocator fragmentation, the host's own working set).
 USABLE_FRACTION = 0.9
@@ -75,15 +78,7 @@ def _host_total_bytes() -> int:
     return total if cgroup is None else min(total, cgroup[0])
 
 
-def available_bytes(device: torch.device | str | None = None) -> int:
-    """Bytes this process can still allocate on ``device`` (free GPU memory, or available host RAM)."""
-    device = torch.device(device or "cpu")
-    if device.type == "cuda" and torch.cuda.is_available():
-        free, _total = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = free
-    else:
-        budget = _host_available_bytes()
+def _limit_bytes() -> int | None:
     limit_gb = env_float(
         "FEWSTEP_MEMORY_LIMIT_GB",
         None,
@@ -91,8 +86,29 @@ def available_bytes(device: torch.device | str | None = None) -> int:
         maximum=MAX_MEMORY_GB,
         default_text="no limit but the device's",
     )
-    if limit_gb is not None:
-        budget = min(budget, int(limit_gb * 2**30))
+    return None if limit_gb is None else int(limit_gb * 2**30)
+
+
+def device_free_bytes(device: torch.device | str | None = None) -> int:
+    """What the device reports this process can still allocate (free GPU memory, or available host RAM).
+
+    This already excludes what the pack holds (its models' weights and caches are allocated), so nothing is
+    subtracted from it here."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return _host_available_bytes()
+
+
+def available_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes this process can still allocate on ``device``: what the device reports free and, under
+    ``FEWSTEP_MEMORY_LIMIT_GB``, no more than the limit less what the pack already holds there (the ledger)."""
+    budget = device_free_bytes(device)
+    limit = _limit_bytes()
+    if limit is not None:
+        # the device's free memory has the pack's holdings taken out already: the min subtracts them once
+        budget = min(budget, max(0, limit - LEDGER.held_bytes(device)))
     return budget
 
 
@@ -114,10 +130,18 @@ def check_fits(
         detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
         dev = torch.device(device or "cpu")
         where_mem = "free GPU memory" if dev.type == "cuda" else "available host memory"
+        limit = _limit_bytes()
+        held = LEDGER.describe(dev) if limit is not None else ""
+        if held:
+            held = (
+                f". FEWSTEP_MEMORY_LIMIT_GB allows the pack {format_bytes(limit)} in all and it already holds "
+                f"{format_bytes(LEDGER.held_bytes(dev))} on {dev} ({held}): free some of it (unload models, end "
+                "video sessions) or raise the limit"
+            )
         raise InputError(
             input_name,
             f"this needs about {format_bytes(total)} ({detail}) but only {format_bytes(budget)} of {where_mem} "
-            f"can be used on {dev}; refused before allocating" + (f". {hint}" if hint else ""),
+            f"can be used on {dev}; refused before allocating" + (f". {hint}" if hint else "") + held,
             where,
         )
     return total
@@ -131,13 +155,5 @@ def total_bytes(device: torch.device | str | None = None) -> int:
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         total = _host_total_bytes()
-    limit_gb = env_float(
-        "FEWSTEP_MEMORY_LIMIT_GB",
-        None,
-        minimum=0.0,
-        maximum=MAX_MEMORY_GB,
-        default_text="no limit but the device's",
-    )
-    if limit_gb is not None:
-        total = min(total, int(limit_gb * 2**30))
-    return total
+    limit = _limit_bytes()
+    return total if limit is None else min(total, limit)

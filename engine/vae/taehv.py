@@ -26,6 +26,13 @@ IMAGE_CHANNELS = 3
 ENCODER_WIDTH = 64
 DECODER_WIDTHS = (256, 128, 64, 64)  # per decoder stage, then the width before the output conv
 
+# Feature maps of the last (full-resolution) width alive at once per frame at the peak, for the memory preflight.
+# The decoder's last stage holds the time-split frames, the output of the 64 -> 64 conv and the copy the CPU's
+# oneDNN convolution reorders its input into (3 maps); the encoder's first convolutions the same. Measured peak
+# RSS growth on the CPU in fp32 (tests/test_memory_estimates.py): 2.8 to 3.0 maps per decoded frame for the
+# decoder (chunks of 1 to 3 latent frames), 2.6 per (padded) input frame for the encoder; 4 keeps a margin.
+FULL_RESOLUTION_MAPS = 4
+
 
 @dataclass(frozen=True)
 class TAEHVConfig:
@@ -48,6 +55,35 @@ TAEHV_CONFIGS: dict[str, TAEHVConfig] = {
         TAEHVConfig("taehv", latent_channels=16, patch_size=1),
     )
 }
+
+
+def decode_activation_bytes(
+    batch: int, latent_frames: int, height: int, width: int, dtype_bytes: int, patch_size: int = 1
+) -> int:
+    """Peak activation bytes of decoding ``latent_frames`` latent frames at once to ``height x width`` frames
+    (the whole video in ``decode_video``, one chunk in :class:`TAEHVStreamDecoder`): every latent frame is
+    decoded to ``4`` frames before the first ones are trimmed, each holding :data:`FULL_RESOLUTION_MAPS` maps of
+    the last decoder width at the resolution before the pixel shuffle. The decoded RGB frames are not included
+    (the caller counts them in the dtype it keeps them in)."""
+    frames = batch * 4 * latent_frames
+    pixels = (height // patch_size) * (width // patch_size)
+    return frames * pixels * FULL_RESOLUTION_MAPS * DECODER_WIDTHS[-1] * dtype_bytes
+
+
+def encode_activation_bytes(
+    batch: int, frames: int, height: int, width: int, dtype_bytes: int, patch_size: int = 1
+) -> int:
+    """Peak activation bytes of encoding ``frames`` RGB frames (padded to a multiple of 4, as ``encode_video``
+    does): :data:`FULL_RESOLUTION_MAPS` encoder-width maps per frame at the resolution after the pixel unshuffle,
+    plus the frames' copy in the compute dtype."""
+    padded = batch * (frames + (-frames % 4))
+    pixels = (height // patch_size) * (width // patch_size)
+    return (
+        padded
+        * pixels
+        * (FULL_RESOLUTION_MAPS * ENCODER_WIDTH + IMAGE_CHANNELS * patch_size**2)
+        * dtype_bytes
+    )
 
 
 def _conv3x3(n_in: int, n_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:

@@ -11,6 +11,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# 64-channel feature maps alive at once at full resolution at the peak, for the memory preflight: a Block keeps
+# its input (the skip), the conv chain's intermediate (its ReLUs are not in place) and the copy the CPU's oneDNN
+# convolution reorders its input into. Measured peak RSS growth on the CPU in fp32 (tests/test_memory_estimates.py):
+# 3.0 maps for the decoder, 3.1 for the encoder; 4 keeps a margin above both.
+FULL_RESOLUTION_MAPS = 4
+FULL_RESOLUTION_WIDTH = 64
+
+
+def activation_bytes(images: int, height: int, width: int, dtype_bytes: int) -> int:
+    """Peak activation bytes of encoding or decoding ``images`` images of ``height x width`` pixels (the RGB output
+    not included: the caller counts it in the dtype it keeps it in)."""
+    return images * height * width * FULL_RESOLUTION_MAPS * FULL_RESOLUTION_WIDTH * dtype_bytes
+
+
 # Variants: latent channels, 32x downscaling (Sana's DC-AE) or 8x, and the mid-block pooling branch (FLUX.2).
 TAESD_VARIANTS: dict[str, tuple[int, bool, bool]] = {
     "taesd": (4, False, False),

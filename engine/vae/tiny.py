@@ -26,6 +26,7 @@ from .. import latent_formats as lf
 from ..checks import check_finite
 from ..errors import CheckpointError, InputError
 from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
+from ..plan.ledger import LEDGER, tensor_bytes_on
 from ..plan.preflight import check_fits
 from ..weights import dummy_init_, read_state_dict, top_level_summary
 from . import taesd
@@ -253,8 +254,9 @@ class TinyVAE:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         self.check_latents(latents)
         f = self.variant.spatial_factor
-        self._check_fits(latents.shape[0] * _frames_out(self.variant, latents), latents.shape[-2] * f,
-                         latents.shape[-1] * f, "latent")  # fmt: skip
+        frames = 1 if self.variant.kind == "image" else latents.shape[2]
+        self._check_fits(self.decode_bytes(latents.shape[0], frames, latents.shape[-2] * f, latents.shape[-1] * f),
+                         "latent")  # fmt: skip
         decoder = self._need("decoder")
         z = latents.to(self.device, self.dtype)
         if self.variant.kind == "image":
@@ -264,23 +266,45 @@ class TinyVAE:
     @torch.inference_mode()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         self.check_images(images)
-        self._check_fits(images.shape[:-3].numel(), images.shape[-2], images.shape[-1], "images")
+        frames = 1 if self.variant.kind == "image" else images.shape[1]
+        self._check_fits(
+            self.encode_bytes(images.shape[0], frames, images.shape[-2], images.shape[-1]), "images"
+        )
         encoder = self._need("encoder")
         x = images.to(self.device, self.dtype)
         if self.variant.kind == "image":
             return encoder(x.contiguous(memory_format=torch.channels_last))
         return self.video.encode_video(x).transpose(1, 2)
 
-    def _check_fits(self, images: int, height: int, width: int, input_name: str) -> None:
-        """Refuse before running when the full-resolution activations cannot fit the device. An estimate: the
-        TAESD / TAEHV convolutions keep about three 64-channel feature maps at full resolution alive at once,
-        plus the float32 RGB output."""
+    # -- memory estimates (the preflight's input; the formulas belong to the modules that run the layers) --------
+    def decode_bytes(self, batch: int, latent_frames: int, height: int, width: int) -> dict[str, int]:
+        """Peak bytes of decoding ``batch`` latents (of ``latent_frames`` frames each, for video; 1 for an image)
+        to ``height x width`` images, by part: the decoder's full-resolution activations and the RGB output. For
+        video this is also one chunk of :class:`StreamDecoder` (``latent_frames`` = the chunk's): TAEHV decodes 4
+        frames per latent frame before trimming the first ones, and counts all of them."""
         elt = torch.empty((), dtype=self.dtype).element_size()
-        pixels = images * height * width
-        check_fits(
-            {"activations": 3 * 64 * pixels * elt, "RGB output": 3 * pixels * 4}, self.device, input_name,
-            hint="Decode / encode fewer or smaller images at a time",
-        )  # fmt: skip
+        if self.variant.kind == "image":
+            activations = taesd.activation_bytes(batch, height, width, elt)
+            images = batch
+        else:
+            patch = self.video.patch_size
+            activations = _taehv().decode_activation_bytes(batch, latent_frames, height, width, elt, patch)
+            images = batch * 4 * latent_frames
+        return {"decoder activations": activations, "RGB output": images * 3 * height * width * 4}
+
+    def encode_bytes(self, batch: int, frames: int, height: int, width: int) -> dict[str, int]:
+        """Peak bytes of encoding ``batch`` images (videos of ``frames`` frames) of ``height x width``, by part."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        if self.variant.kind == "image":
+            activations = taesd.activation_bytes(batch, height, width, elt) + batch * 3 * height * width * elt
+        else:
+            patch = self.video.patch_size
+            activations = _taehv().encode_activation_bytes(batch, frames, height, width, elt, patch)
+        return {"encoder activations": activations}
+
+    def _check_fits(self, parts: dict[str, int], input_name: str) -> None:
+        """Refuse before running when the activations cannot fit the device."""
+        check_fits(parts, self.device, input_name, hint="Decode / encode fewer or smaller images at a time")
 
     def stream_decoder(self) -> StreamDecoder:
         if self.variant.kind != "video":
@@ -470,12 +494,6 @@ def _decoded_by(latents: torch.Tensor, refused_by: str) -> str:
     return f"; a {latents.shape[1]}-channel {kind} LATENT decodes with {names}"
 
 
-def _frames_out(variant, latents: torch.Tensor) -> int:
-    """Images one latent of the batch decodes to: 1 for an image, 4 per latent frame for video (TAEHV's upper
-    bound: it decodes 4 frames per latent frame, less the first ones it trims)."""
-    return 1 if variant.kind == "image" else 4 * latents.shape[2]
-
-
 def _check_variant(chosen: str, candidates: list[str], name: str, input_name: str) -> None:
     if chosen not in candidates:
         raise InputError(
@@ -502,4 +520,13 @@ def _finish(vae: TinyVAE, device, dtype) -> TinyVAE:
             module.to(device=device, dtype=dtype, memory_format=torch.channels_last).eval().requires_grad_(
                 False
             )
+    # counted in the memory ledger while it is alive (the preflight's budget under FEWSTEP_MEMORY_LIMIT_GB)
+    LEDGER.hold(vae, "model", _weight_bytes_on)
     return vae
+
+
+def _weight_bytes_on(vae: TinyVAE, device: torch.device) -> int:
+    modules = (
+        [vae.video] if vae.video is not None else [m for m in (vae.encoder, vae.decoder) if m is not None]
+    )
+    return sum(tensor_bytes_on(m, device) for m in modules)

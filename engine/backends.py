@@ -8,6 +8,9 @@ each compute the way they were asked to, and ``torch.compile`` guards on the val
 
 * ``attention_backend``: ``auto`` / ``sdpa`` / ``flash-attn`` (``engine.attention``);
 * ``kernel_mode``: ``auto`` / ``reference`` / ``triton`` (``kernels.dispatch``);
+* ``kernel_fallbacks``: the run's record of kernels that failed in auto mode and run as their references for the
+  rest of the run (``kernels.dispatch.KernelFallbacks``; each ``open_run`` starts an empty one, so the decision is
+  per run, not per process). Not a choice: equality, hashing and capture ignore it;
 * ``parallel``: None, or a sequence-parallel plan (``engine.parallel.sequence.SequenceParallelPlan``) whose
   ``attention(q, k, v, mask=, replicated_prefix=, local=)`` exchanges this rank's shard of the sequence with the
   other ranks (Ulysses all-to-all, ring K/V passing) around the local attention. Callers say which tokens every
@@ -18,7 +21,7 @@ each compute the way they were asked to, and ``torch.compile`` guards on the val
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +36,9 @@ class Backends:
     attention_backend: str = "auto"
     kernel_mode: str = "auto"
     parallel: object = None
+    kernel_fallbacks: kernels.KernelFallbacks = field(
+        default_factory=kernels.KernelFallbacks, compare=False, repr=False
+    )
 
     def __post_init__(self):
         if self.attention_backend not in BACKENDS:
@@ -80,27 +86,31 @@ class Backends:
 
     # -- kernels (kernels.dispatch in this run's mode) ---------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return kernels.rms_norm(x, weight, eps, mode=self.kernel_mode)
+        return kernels.rms_norm(x, weight, eps, mode=self.kernel_mode, fallbacks=self.kernel_fallbacks)
 
     def adaln_modulate(self, x, shift, scale, eps: float) -> torch.Tensor:
         """``LayerNorm(x) * (1 + scale) + shift``, fused."""
-        return kernels.adaln_modulate(x, shift, scale, eps, mode=self.kernel_mode)
+        return kernels.adaln_modulate(
+            x, shift, scale, eps, mode=self.kernel_mode, fallbacks=self.kernel_fallbacks
+        )
 
     def apply_rope(self, x: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
         """``x [B, L, H, D]`` rotated by ``freqs`` (``engine.rope.apply_rope``)."""
-        return apply_rope(x, freqs, self.kernel_mode)
+        return apply_rope(x, freqs, self.kernel_mode, self.kernel_fallbacks)
 
     def quantize_kv(self, x: torch.Tensor, bits: int):
-        return kernels.quantize_kv(x, bits, mode=self.kernel_mode)
+        return kernels.quantize_kv(x, bits, mode=self.kernel_mode, fallbacks=self.kernel_fallbacks)
 
     def dequantize_kv(self, data, scale, zero, bits: int, dtype: torch.dtype) -> torch.Tensor:
-        return kernels.dequantize_kv(data, scale, zero, bits, dtype, mode=self.kernel_mode)
+        return kernels.dequantize_kv(
+            data, scale, zero, bits, dtype, mode=self.kernel_mode, fallbacks=self.kernel_fallbacks
+        )
 
     def uses_fused_quantized_attention(self, q: torch.Tensor) -> bool:
-        return kernels.uses_fused_quantized_attention(q, self.kernel_mode)
+        return kernels.uses_fused_quantized_attention(q, self.kernel_mode, self.kernel_fallbacks)
 
     def quantized_attention(self, inputs: QuantizedAttentionInputs) -> torch.Tensor:
-        return kernels.quantized_attention(inputs, mode=self.kernel_mode)
+        return kernels.quantized_attention(inputs, mode=self.kernel_mode, fallbacks=self.kernel_fallbacks)
 
 
 DEFAULT_BACKENDS = Backends()

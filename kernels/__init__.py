@@ -17,6 +17,7 @@ Importing this package does not import Triton. Nothing here imports the engine o
 from . import kv_quant, norms, rope
 from .dispatch import (
     MODES,
+    KernelFallbacks,
     adaln_modulate,
     apply_rope,
     check_mode,
@@ -34,6 +35,7 @@ from .dispatch import (
 
 __all__ = [
     "MODES",
+    "KernelFallbacks",
     "check_mode",
     "adaln_modulate",
     "apply_rope",

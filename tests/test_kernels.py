@@ -23,6 +23,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import logging  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -31,6 +32,8 @@ import torch  # noqa: E402
 
 from fewstep import kernels  # noqa: E402
 from fewstep.engine.backends import Backends  # noqa: E402
+from fewstep.engine.handle import open_model  # noqa: E402
+from fewstep.engine.run import open_run  # noqa: E402
 from fewstep.kernels import dispatch, kv_quant, norms, rope  # noqa: E402
 
 pytest.importorskip(
@@ -223,30 +226,56 @@ def test_cpu_uses_the_references_and_importing_does_not_import_triton():
     assert not kernels.uses_triton("rms_norm", "auto", torch.zeros(1))  # auto: Triton only on CUDA
 
 
-def test_modes_and_a_failing_kernel_falling_back_to_its_reference(monkeypatch, caplog):
+def test_modes_and_a_failing_kernel_falling_back_to_its_reference_for_the_rest_of_the_run(
+    monkeypatch, caplog
+):
     with pytest.raises(ValueError, match="unknown kernel mode 'fast'"):
         kernels.check_mode("fast")
     assert kernels.uses_triton("rms_norm", "triton", torch.zeros(1))
     assert not kernels.uses_triton("rms_norm", "reference", torch.zeros(1))
 
+    calls = []
+
     class Broken:
         def rms_norm(self, *args):
+            calls.append(args)
             raise RuntimeError("no kernel image for this GPU")
 
-    monkeypatch.setattr(dispatch, "_failed", set())
+    monkeypatch.setattr(dispatch, "_warned", set())
     monkeypatch.setattr(dispatch, "load_ops", Broken)
-    # as on a GPU: auto mode picks Triton until the kernel failed, triton mode always does
-    monkeypatch.setattr(
-        dispatch,
-        "uses_triton",
-        lambda kernel, mode, *t: mode == "triton" or kernel not in dispatch._failed,
-    )
+    monkeypatch.setattr(dispatch, "triton_device", lambda tensor: True)  # as on a GPU with Triton
     x, w = _rand(2, 8, seed=40), _rand(8, seed=41)
-    assert torch.equal(kernels.rms_norm(x, w, 1e-6), norms.rms_norm(x, w, 1e-6))
-    assert dispatch._failed == {"rms_norm"}
-    assert "Triton kernel rms_norm failed (RuntimeError: no kernel image for this GPU)" in caplog.text
+    caplog.set_level(logging.DEBUG, logger=dispatch.log.name)
+    first, second = Backends(), Backends()  # two runs (open_run builds each run's Backends)
+    for _ in range(3):  # auto mode tries the kernel once in a run, then uses the reference for the rest of it
+        assert torch.equal(first.rms_norm(x, w, 1e-6), norms.rms_norm(x, w, 1e-6))
+    assert len(calls) == 1
+    assert first.kernel_fallbacks.failed == {"rms_norm": "RuntimeError: no kernel image for this GPU"}
+    assert first.kernel_fallbacks.notes() == [
+        "Triton kernel rms_norm failed (RuntimeError: no kernel image for this GPU); this run used its PyTorch "
+        "reference"
+    ]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        "Triton kernel rms_norm failed (RuntimeError: no kernel image for this GPU); this run uses its PyTorch "
+        "reference"
+    ]
+    # the next run decides afresh: it tries the kernel again; the process logged the warning once already
+    assert torch.equal(second.rms_norm(x, w, 1e-6), norms.rms_norm(x, w, 1e-6))
+    assert len(calls) == 2 and "rms_norm" in second.kernel_fallbacks
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert first == second and hash(first) == hash(
+        second
+    )  # the record is not a choice: equal backends stay equal
     with pytest.raises(RuntimeError, match="no kernel image"):
         kernels.rms_norm(x, w, 1e-6, mode="triton")
+
+
+def test_each_run_starts_with_no_kernel_fallbacks():
+    handle = open_model("dummy:flux-tiny")
+    first, second = open_run(handle), open_run(handle)
+    assert first.backends.kernel_fallbacks is not second.backends.kernel_fallbacks
+    assert first.backends.kernel_fallbacks.failed == {}
 
 
 # -- the engine through the dispatcher -----------------------------------------------------------------------------

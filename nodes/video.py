@@ -39,7 +39,7 @@ from ..engine.run import RunOptions
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import MAX_MEMORY_GB, env_float, env_int
 from ..engine.units import format_bytes
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
+from .base import CATEGORY, model_input, reports_input_errors, seed_input, single_prompt
 from .chunk_stream import ChunkStream
 from .host import Progress, check_interrupt, comfy_module, interrupt_check, preview_payload
 from .inputs import register_object_type
@@ -207,7 +207,7 @@ class FewStepCausalVideoSampler:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (FEWSTEP_MODEL, {"tooltip": "A Wan 2.1 causal student from FewStepDiTLoader."}),
+                "model": model_input("a Wan 2.1 causal student"),
                 "positive": ("CONDITIONING", {"tooltip": "umT5 prompt encoding [B, tokens, 4096]."}),
                 "width": (
                     "INT",

@@ -11,6 +11,7 @@ from .parts import (
     fewstep_sampler,
     first_block_gate,
     flux_text,
+    save_latent_and_report,
 )
 
 
@@ -57,14 +58,14 @@ Needs no files. For real images open flux_dev_step_cache.json."""
     sampler = fewstep_sampler(
         g, "FewStep Sampler (28 steps)", 2, gate[0], cond[0], latent[0], steps=28, schedule="flux.1-dev"
     )
-    g.add(
-        "SaveLatent",
-        "Save latent",
+    save_latent_and_report(
+        g,
+        sampler,
         3,
-        samples=sampler[0],
-        filename_prefix="fewstep/flux_dev_step_cache_dummy",
+        "fewstep/flux_dev_step_cache_dummy",
+        "Sampler report (cache telemetry)",
+        report_height=260,
     )
-    g.add("PreviewAny", "Sampler report (cache telemetry)", 3, ui_height=260, source=sampler[1])
 
 
 @workflow("flux_schnell_cache_gate_refuses")
@@ -102,14 +103,9 @@ Needs no files. For real images open flux_schnell_cache_gate_refuses.json."""
     model, cond, latent = dummy_flux_inputs(g)
     gate = first_block_gate(g, "FewStep Cache Gate", 2, model[0], 0.08)
     sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 2, gate[0], cond[0], latent[0])
-    g.add(
-        "SaveLatent",
-        "Save latent",
-        3,
-        samples=sampler[0],
-        filename_prefix="fewstep/flux_schnell_cache_gate_dummy",
+    save_latent_and_report(
+        g, sampler, 3, "fewstep/flux_schnell_cache_gate_dummy", "Sampler report (the gate's reason)"
     )
-    g.add("PreviewAny", "Sampler report (the gate's reason)", 3, ui_height=200, source=sampler[1])
 
 
 @workflow("native_flux_dev_cache_gate")

@@ -39,6 +39,15 @@ def decode_and_save(g: Graph, latent: Out, col: int, prefix: str) -> None:
     g.add("SaveImage", "Save image", col + 1, ui_height=420, images=image[0], filename_prefix=prefix)
 
 
+def save_latent_and_report(
+    g: Graph, sampler: Node, col: int, prefix: str, report: str = "Sampler report", report_height: int = 200
+) -> None:
+    """What a dummy image workflow ends with: the sampler's latent saved (random weights give noise, not a
+    picture) and its report shown."""
+    g.add("SaveLatent", "Save latent", col, samples=sampler[0], filename_prefix=prefix)
+    g.add("PreviewAny", report, col, ui_height=report_height, source=sampler[1])
+
+
 def dummy_flux_inputs(g: Graph, size: int = 256) -> tuple[Node, Node, Node]:
     """(model, conditioning, latent) with no files: dummy:flux-tiny, synthetic embeddings, an empty latent."""
     model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")

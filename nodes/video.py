@@ -191,7 +191,15 @@ def _check_wan(model, node: str) -> None:
         )
 
 
-class FewStepCausalVideoSampler:
+class ReturnsVideoChunks:
+    """The outputs of both causal video nodes: the chunks made by this run (LATENT and decoded frames), the
+    session to continue, the report."""
+
+    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
+    RETURN_NAMES = ("latent", "frames", "session", "report")
+
+
+class FewStepCausalVideoSampler(ReturnsVideoChunks):
     DESCRIPTION = (
         "Autoregressive video (CausVid / Self-Forcing on Wan 2.1): chunks of latent frames, each denoised in a few "
         "steps while attending to earlier chunks through a rolling KV cache (sink frames kept, oldest frames "
@@ -199,8 +207,6 @@ class FewStepCausalVideoSampler:
         "when a tiny VAE (taew2_1) is given, and a session that FewStepCausalContinue extends."
     )
     CATEGORY = f"{CATEGORY}/video"
-    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
-    RETURN_NAMES = ("latent", "frames", "session", "report")
     FUNCTION = "generate"
 
     @classmethod
@@ -339,14 +345,12 @@ class FewStepCausalVideoSampler:
         return ({"samples": latent}, images, SessionRef(key, session.frames_generated, recipe), report)
 
 
-class FewStepCausalContinue:
+class FewStepCausalContinue(ReturnsVideoChunks):
     DESCRIPTION = (
         "Continues a causal video session for more chunks, optionally with a new prompt (only the "
         "cross-attention cache is rebuilt, as in CausVid's prompt switching). Outputs the new chunks."
     )
     CATEGORY = f"{CATEGORY}/video"
-    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
-    RETURN_NAMES = ("latent", "frames", "session", "report")
     FUNCTION = "extend"
 
     @classmethod

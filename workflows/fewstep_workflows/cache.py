@@ -10,6 +10,7 @@ from .parts import (
     dummy_flux_inputs,
     fewstep_sampler,
     first_block_gate,
+    flux1_inputs,
     flux_text,
     save_latent_and_report,
 )
@@ -31,14 +32,17 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No files? Open flux_dev_step_cache_dummy.json."""
-    model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-dev)", 1, model_name="flux1-dev.safetensors"
-    )
-    cond = flux_text(g, 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    gate = first_block_gate(g, "FewStep Cache Gate (First-Block-Cache)", 2, model[0], 0.08)
+    inputs = flux1_inputs(g, variant="dev")
+    gate = first_block_gate(g, "FewStep Cache Gate (First-Block-Cache)", 2, inputs.model, 0.08)
     sampler = fewstep_sampler(
-        g, "FewStep Sampler (28 steps)", 3, gate[0], cond[0], latent[0], steps=28, schedule="flux.1-dev"
+        g,
+        "FewStep Sampler (28 steps)",
+        3,
+        gate[0],
+        inputs.cond,
+        inputs.latent,
+        steps=28,
+        schedule="flux.1-dev",
     )
     g.add("PreviewAny", "Sampler report (cache telemetry)", 3, ui_height=260, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_dev_step_cache")
@@ -82,13 +86,9 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No files? Open flux_schnell_cache_gate_refuses_dummy.json."""
-    model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
-    )
-    cond = flux_text(g, 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    gate = first_block_gate(g, "FewStep Cache Gate", 2, model[0], 0.08)
-    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, gate[0], cond[0], latent[0])
+    inputs = flux1_inputs(g)
+    gate = first_block_gate(g, "FewStep Cache Gate", 2, inputs.model, 0.08)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, gate[0], inputs.cond, inputs.latent)
     g.add("PreviewAny", "Sampler report (the gate's reason)", 3, ui_height=200, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell_cache_gate")
 

@@ -8,6 +8,7 @@ from .parts import (
     decode_and_save,
     dummy_flux_inputs,
     fewstep_sampler,
+    flux1_inputs,
     flux_text,
     save_latent_and_report,
 )
@@ -26,12 +27,8 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No files? Open flux_schnell_fewstep_dummy.json: the same sampler with random weights."""
-    model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
-    )
-    cond = flux_text(g, 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, model[0], cond[0], latent[0])
+    inputs = flux1_inputs(g)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, inputs.model, inputs.cond, inputs.latent)
     g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell")
 

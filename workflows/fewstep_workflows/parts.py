@@ -74,10 +74,13 @@ class ImageInputs:
             decode_and_save(g, latent, col, prefix)
 
 
-def schnell_inputs(g: Graph, size: int) -> ImageInputs:
-    """FLUX.1-schnell from its file, T5-XXL + CLIP-L, an empty ``size`` x ``size`` latent."""
+def flux1_inputs(g: Graph, size: int = 1024, variant: str = "schnell") -> ImageInputs:
+    """FLUX.1 [``variant``: schnell or dev] from its file, T5-XXL + CLIP-L, an empty ``size`` x ``size`` latent."""
     model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+        "FewStepDiTLoader",
+        f"FewStep DiT Loader (FLUX.1-{variant})",
+        1,
+        model_name=f"flux1-{variant}.safetensors",
     )
     cond = flux_text(g, 1)
     latent = g.add("EmptySD3LatentImage", "Image size", 1, width=size, height=size, batch_size=1)

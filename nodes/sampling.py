@@ -415,7 +415,9 @@ class FewStepSyntheticConditioning:
                 "seed": seed_input("Seed of the embeddings."),
             },
             "optional": {
-                "model": model_input("the conditioning is made in the text and pooled widths it takes"),
+                "model": model_input(
+                    "when connected, the conditioning has the text and pooled widths it takes"
+                ),
             },
         }
 

@@ -18,9 +18,8 @@ register_object_type(FEWSTEP_MODEL, ModelHandle, "a FEWSTEP_MODEL from FewStepDi
 
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
-ALL_FAMILIES = (
-    "FLUX.1, FLUX.2, Z-Image or Wan"  # what FewStepDiTLoader builds, for a node that takes any of them
-)
+# the families FewStepDiTLoader builds: what a node that takes any of them says it takes
+ALL_FAMILIES = "FLUX.1, FLUX.2, Z-Image or Wan"
 
 
 class ReturnsModel:
@@ -32,8 +31,8 @@ class ReturnsModel:
 
 
 def model_input(which: str | None = None) -> tuple:
-    """The ``model`` input of the nodes that run or extend a FEWSTEP_MODEL; ``which`` says what the node takes
-    beyond any model from the loader (the families it runs, or where else the model may come from)."""
+    """The ``model`` input of every node that runs or extends a FEWSTEP_MODEL, one wording for all; ``which``
+    adds what this node says about it (the families it runs, another node the model may come through)."""
     detail = f" ({which})" if which else ""
     return (FEWSTEP_MODEL, {"tooltip": f"A model from FewStepDiTLoader{detail}."})
 

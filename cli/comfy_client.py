@@ -645,8 +645,17 @@ class WebSocket:
 
 # -- UI-format workflows --------------------------------------------------------------------------------------------
 
-WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
-VIRTUAL_NODES = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+# The frontend's rules this model of the UI format and the workflow builder's (workflows/fewstep_workflows/) both
+# follow; the builder imports them from here. As ComfyUI frontend 1.27.10 (the one ComfyUI 0.3.64 pins) has them:
+# the input types shown as widgets, and the INT inputs that get a "control after generate" widget by name alone.
+WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+SEED_INPUT_NAMES = frozenset({"seed", "noise_seed"})
+# Node types that exist only in the frontend (the classes that set isVirtualNode: noteNode.ts, rerouteNode.ts,
+# widgetInputs.ts), left out of the API prompt. A note holds only text, so dropping it is the whole conversion; a
+# Reroute passes a link on and a PrimitiveNode writes its value into the widgets it is linked to, which the frontend
+# resolves before it drops them.
+NOTE_NODES = frozenset({"Note", "MarkdownNote"})
+FRONTEND_ONLY_NODES = NOTE_NODES | {"Reroute", "PrimitiveNode"}
 
 
 def is_ui_format(workflow) -> bool:
@@ -664,7 +673,7 @@ def _widget_inputs(info: dict) -> list[tuple[str, dict, bool]]:
             if not is_widget or opts.get("forceInput"):
                 continue
             companion = bool(opts.get("control_after_generate")) or (
-                kind == "INT" and name in ("seed", "noise_seed")
+                kind == "INT" and name in SEED_INPUT_NAMES
             )
             companion = companion or bool(opts.get("image_upload"))
             out.append((name, opts, companion))
@@ -674,8 +683,9 @@ def _widget_inputs(info: dict) -> list[tuple[str, dict, bool]]:
 def ui_to_api(workflow: dict, object_info: dict) -> dict:
     """Convert a canvas (UI) workflow to the API format, using the server's node definitions for widget names.
 
-    Muted or bypassed nodes, and frontend-only nodes (notes, reroutes, primitives), are not supported: their
-    effect on links is the frontend's business, so such workflows are refused with a clear message.
+    Notes are dropped. Muted or bypassed nodes, and the other frontend-only nodes (reroutes, primitives), are not
+    supported: their effect on links is the frontend's business, so such workflows are refused with a clear
+    message.
     """
     links = {}
     for link in workflow.get("links", []):
@@ -685,9 +695,9 @@ def ui_to_api(workflow: dict, object_info: dict) -> dict:
     api = {}
     for node in workflow["nodes"]:
         kind = node["type"]
-        if kind in ("Note", "MarkdownNote"):
+        if kind in NOTE_NODES:
             continue
-        if kind in VIRTUAL_NODES:
+        if kind in FRONTEND_ONLY_NODES:
             raise ValueError(
                 f"node {node['id']} is a frontend-only {kind}; export the workflow with "
                 "'Save (API)' in ComfyUI instead"

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from ..engine.attention import BACKENDS as ATTENTION_BACKENDS
 from ..engine.checks import check_finite_number, check_image_size
 from ..engine.compile.options import COMPILE_BACKENDS, COMPILE_MODES, GRAPH_MODES, CompileConfig
 from ..engine.conditioning import TextCondition
@@ -59,15 +60,18 @@ def add_text_tokens_argument(p: argparse.ArgumentParser, help: str) -> None:
     add_deprecated_alias(p, "--tokens", "--text-tokens", "text_tokens")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1-schnell") -> None:
+def add_model_arguments(
+    p: argparse.ArgumentParser, presets, default: str, model_help: str, checkpoints: str | None = None
+) -> None:
+    """The flags that say which diffusion model a command loads and how it is stored and run: ``--model`` (one of
+    ``presets``), ``--weights``, ``--dtype``, ``--weight-dtype``, ``--device``. ``checkpoints``: the checkpoint
+    layouts ``--weights`` reads, where the command names them."""
+    p.add_argument("--model", default=default, choices=sorted(presets), help=model_help)
+    layouts = f" ({checkpoints})" if checkpoints else ""
     p.add_argument(
-        "--model",
-        default=default_model,
-        choices=sorted(all_presets()),
-        help="model preset: the architecture built for dummy weights, and the default schedule",
-    )
-    p.add_argument(
-        "--weights", default="dummy", help="'dummy' (seeded random weights of --model) or a checkpoint path"
+        "--weights",
+        default="dummy",
+        help=f"'dummy' (seeded random weights of --model) or a checkpoint path{layouts}",
     )
     p.add_argument(
         "--dtype",
@@ -84,10 +88,13 @@ def add_model_arguments(p: argparse.ArgumentParser, default_model: str = "flux.1
     p.add_argument(
         "--device", default="auto", help="torch device: cpu, cuda, cuda:1 ... (auto: cuda when available)"
     )
+
+
+def add_attention_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention",
         default="auto",
-        choices=["auto", "sdpa", "flash-attn"],
+        choices=list(ATTENTION_BACKENDS),
         help="attention kernel (auto: flash-attn when installed, on CUDA in fp16/bf16 without a mask; else PyTorch "
         "SDPA)",
     )

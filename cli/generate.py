@@ -19,6 +19,7 @@ from ..engine.text_to_image import SampleRequest, check_image_model, sample
 from ..engine.vae import load_tiny_vae
 from ..engine.vae.tiny import variants_for
 from .common import (
+    add_attention_argument,
     add_compile_arguments,
     add_lora_argument,
     add_model_arguments,
@@ -48,7 +49,13 @@ HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage ti
 
 
 def add_arguments(p) -> None:
-    add_model_arguments(p)
+    add_model_arguments(
+        p,
+        all_presets(),
+        default="flux.1-schnell",
+        model_help="model preset: the architecture built for dummy weights, and the default schedule",
+    )
+    add_attention_argument(p)
     add_lora_argument(p)
     add_sampling_arguments(p)
     add_compile_arguments(p)

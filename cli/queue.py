@@ -110,14 +110,24 @@ def add_arguments(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+def _positive_number(what: str, maximum: float = math.inf):
+    """An argparse type: a finite number > 0 (and at most ``maximum``), refused naming ``what`` it counts."""
+    bound = f" and <= {maximum:.15g}" if math.isfinite(maximum) else ""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 < value <= maximum):
+            raise argparse.ArgumentTypeError(f"expected {what} > 0{bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+_seconds = _positive_number("a number of seconds")
+_gigabytes = _positive_number("GiB", MAX_TOTAL_GB)
 
 
 def _file_count(text: str) -> int:
@@ -127,16 +137,6 @@ def _file_count(text: str) -> int:
         value = 0
     if not 1 <= value <= 10**9:
         raise argparse.ArgumentTypeError(f"expected a number of files from 1 to 1000000000, got {text!r}")
-    return value
-
-
-def _gigabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_TOTAL_GB):
-        raise argparse.ArgumentTypeError(f"expected GiB > 0 and <= {MAX_TOTAL_GB:.15g}, got {text!r}")
     return value
 
 

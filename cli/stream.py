@@ -23,6 +23,7 @@ from .common import (
     add_compile_arguments,
     add_deprecated_alias,
     add_lora_argument,
+    add_model_arguments,
     add_text_tokens_argument,
     check_at_least,
     check_lora_files,
@@ -32,6 +33,7 @@ from .common import (
     prepare_out,
     progress_bar,
     say,
+    source_of,
     with_compile,
     with_loras,
     write_json,
@@ -42,33 +44,14 @@ HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per
 
 
 def add_arguments(p) -> None:
-    p.add_argument(
-        "--model",
+    add_model_arguments(
+        p,
+        FAMILIES["wan"].presets,
         default="wan-tiny",
-        choices=sorted(FAMILIES["wan"].presets),
-        help="Wan preset: the architecture built for dummy weights",
-    )
-    p.add_argument(
-        "--weights",
-        default="dummy",
-        help="'dummy' (seeded random weights of --model) or a checkpoint path (Self-Forcing, CausVid, ComfyUI)",
+        model_help="Wan preset: the architecture built for dummy weights",
+        checkpoints="Self-Forcing, CausVid, ComfyUI",
     )
     add_lora_argument(p)
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=list(COMPUTE_DTYPES),
-        help="compute dtype of the DiT (auto: bf16 on a GPU, fp16 on one without bf16, fp32 on the CPU)",
-    )
-    p.add_argument(
-        "--weight-dtype",
-        default="default",
-        choices=[k for k, v in WEIGHT_DTYPES.items() if k == "default" or v],
-        help="storage dtype of the linear weights (default: as the compute dtype)",
-    )
-    p.add_argument(
-        "--device", default="auto", help="torch device: cpu, cuda, cuda:1 ... (auto: cuda when available)"
-    )
     p.add_argument("--height", type=int, default=64, help="video height in pixels (multiple of 16)")
     p.add_argument("--width", type=int, default=96, help="video width in pixels (multiple of 16)")
     p.add_argument("--chunks", type=int, default=None, help="chunks to generate (default: 4)")
@@ -174,8 +157,7 @@ def run(args) -> int:
     check_lora_files(args.lora)
     if args.out:
         prepare_out(args.out)
-    source = f"dummy:{args.model}" if args.weights == "dummy" else args.weights
-    handle = open_model(source, weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
+    handle = open_model(source_of(args), weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
                         device=args.device, input_name="--weights")  # fmt: skip
     if handle.family.name != "wan":
         raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")

@@ -1,4 +1,5 @@
-"""Shared pieces of the node adapters: category prefix, type names, error attribution, one-prompt check."""
+"""Shared pieces of the node adapters: category prefix, type names, the input declarations several nodes
+make, error attribution, one-prompt check."""
 
 from __future__ import annotations
 
@@ -17,6 +18,28 @@ register_object_type(FEWSTEP_MODEL, ModelHandle, "a FEWSTEP_MODEL from FewStepDi
 
 
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
+# the families FewStepDiTLoader builds: what a node that takes any of them says it takes
+ALL_FAMILIES = "FLUX.1, FLUX.2, Z-Image or Wan"
+
+
+class ReturnsModel:
+    """A node whose one output is a FEWSTEP_MODEL named ``model``: the loader, and the nodes that hand the model
+    on with a LoRA, a step cache or compilation attached."""
+
+    RETURN_TYPES = (FEWSTEP_MODEL,)
+    RETURN_NAMES = ("model",)
+
+
+def model_input(which: str | None = None) -> tuple:
+    """The ``model`` input of every node that runs or extends a FEWSTEP_MODEL, one wording for all; ``which``
+    adds what this node says about it (the families it runs, another node the model may come through)."""
+    detail = f" ({which})" if which else ""
+    return (FEWSTEP_MODEL, {"tooltip": f"A model from FewStepDiTLoader{detail}."})
+
+
+def schedule_fraction_input(default: float, tooltip: str, minimum: float = 0.0) -> tuple:
+    """A fraction of the sampling schedule (denoise, where a step cache starts and ends, CFG gating's cutoff)."""
+    return ("FLOAT", {"default": default, "min": minimum, "max": 1.0, "step": 0.01, "tooltip": tooltip})
 
 
 def seed_input(tooltip: str) -> tuple:

@@ -40,7 +40,14 @@ from ..engine.cache.native import (
 )
 from ..engine.errors import InputError
 from ..engine.names import check_name, name_problem
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import (
+    ALL_FAMILIES,
+    CATEGORY,
+    ReturnsModel,
+    model_input,
+    reports_input_errors,
+    schedule_fraction_input,
+)
 from .host import comfy_module, list_model_files, register_model_folder
 
 MAGCACHE_FOLDER = "fewstep_magcache"  # ComfyUI's models/fewstep_magcache: the one folder calibrations live in
@@ -72,25 +79,11 @@ def _common_inputs(methods: tuple[str, ...], default_method: str, default_thresh
                 "input_change 0.1.",
             },
         ),
-        "start": (
-            "FLOAT",
-            {
-                "default": 0.1,
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.01,
-                "tooltip": "Steps before this fraction of the schedule are always computed.",
-            },
+        "start": schedule_fraction_input(
+            0.1, "Steps before this fraction of the schedule are always computed."
         ),
-        "end": (
-            "FLOAT",
-            {
-                "default": 1.0,
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.01,
-                "tooltip": "Steps from this fraction on are always computed (the last step always is).",
-            },
+        "end": schedule_fraction_input(
+            1.0, "Steps from this fraction on are always computed (the last step always is)."
         ),
         "force": (
             "BOOLEAN",
@@ -100,16 +93,10 @@ def _common_inputs(methods: tuple[str, ...], default_method: str, default_thresh
                 "as a warning. The result is usually worse.",
             },
         ),
-        "cfg_cutoff": (
-            "FLOAT",
-            {
-                "default": 1.0,
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.01,
-                "tooltip": "CFG gating: from this fraction of the steps on, skip the unconditional pass and "
-                "reuse its last difference to the conditional one. 1 = off. Only with cfg != 1.",
-            },
+        "cfg_cutoff": schedule_fraction_input(
+            1.0,
+            "CFG gating: from this fraction of the steps on, skip the unconditional pass and reuse its last "
+            "difference to the conditional one. 1 = off. Only with cfg != 1.",
         ),
     }
 
@@ -201,20 +188,18 @@ def _gate_from_inputs(
     )  # fmt: skip
 
 
-class FewStepCacheGate:
+class FewStepCacheGate(ReturnsModel):
     DESCRIPTION = (
         "Attaches a step cache (First-Block-Cache, TeaCache or MagCache, plus CFG gating) to a FEWSTEP_MODEL. Before "
         "each run it reads the schedule and the sampler and refuses, saying why, where caching cannot pay "
         "(distilled 1-9 step schedules, re-noising samplers). FewStepSampler's report lists what it did."
     )
     CATEGORY = f"{CATEGORY}/speed"
-    RETURN_TYPES = (FEWSTEP_MODEL,)
-    RETURN_NAMES = ("model",)
     FUNCTION = "attach"
 
     @classmethod
     def INPUT_TYPES(cls):
-        required = {"model": (FEWSTEP_MODEL, {"tooltip": "A model from FewStepDiTLoader (FLUX or Wan)."})}
+        required = {"model": model_input(ALL_FAMILIES)}
         required.update(_common_inputs(METHODS, "first_block", 0.08))
         return {"required": required, "optional": _optional_inputs()}
 

@@ -10,10 +10,10 @@ the ``compile`` feature to a new handle, and FewStepSampler applies it.
 from __future__ import annotations
 
 from ..engine.compile import COMPILE_BACKENDS, COMPILE_MODES, GRAPH_MODES, attach_compile, parse_buckets
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import ALL_FAMILIES, CATEGORY, ReturnsModel, model_input, reports_input_errors
 
 
-class FewStepCompile:
+class FewStepCompile(ReturnsModel):
     DESCRIPTION = (
         "Compiles a FEWSTEP_MODEL's DiT forward (torch.compile: 'regional' compiles the repeated block once and "
         "reuses it for every block; 'full' the whole forward) and/or replays it from CUDA graphs ('whole': one "
@@ -24,18 +24,13 @@ class FewStepCompile:
         "reasons, and graph replays / captures / eager calls with the reason."
     )
     CATEGORY = f"{CATEGORY}/speed"
-    RETURN_TYPES = (FEWSTEP_MODEL,)
-    RETURN_NAMES = ("model",)
     FUNCTION = "attach"
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (
-                    FEWSTEP_MODEL,
-                    {"tooltip": "A model from FewStepDiTLoader (FLUX.1, FLUX.2, Z-Image or Wan)."},
-                ),
+                "model": model_input(ALL_FAMILIES),
                 "compile": (
                     list(COMPILE_MODES),
                     {

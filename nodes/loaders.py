@@ -7,7 +7,7 @@ from ..engine.handle import open_model
 from ..engine.loader import DUMMY_PREFIX
 from ..engine.models.registry import all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import CATEGORY, ReturnsModel, reports_input_errors
 from .host import list_model_files, model_file_path, torch_device
 from .memory import make_patcher
 
@@ -16,7 +16,7 @@ def dummy_choices() -> list[str]:
     return [DUMMY_PREFIX + name for name in sorted(all_presets())]
 
 
-class FewStepDiTLoader:
+class FewStepDiTLoader(ReturnsModel):
     DESCRIPTION = (
         "Loads a diffusion transformer for the FewStep samplers: FLUX.1 (official BFL or diffusers layout), "
         "FLUX.2 klein / dev (BFL, ComfyUI repack or diffusers layout), Z-Image (Tongyi / diffusers or ComfyUI repack) "
@@ -26,8 +26,6 @@ class FewStepDiTLoader:
         "preset, for trying workflows without files."
     )
     CATEGORY = f"{CATEGORY}/loaders"
-    RETURN_TYPES = (FEWSTEP_MODEL,)
-    RETURN_NAMES = ("model",)
     FUNCTION = "load"
 
     @classmethod

@@ -15,7 +15,7 @@ from ..engine.loader import DUMMY_PREFIX
 from ..engine.lora import apply_lora
 from ..engine.lora.dummy import dummy_lora_name, write_dummy_lora
 from ..engine.lora.presets import LORA_PRESETS, lora_preset
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import CATEGORY, ReturnsModel, model_input, reports_input_errors
 from .host import list_model_files, model_file_path, temp_directory
 
 # dummy choice -> (rank, seed) of the random LoRA it writes for the connected model
@@ -33,7 +33,7 @@ def lora_choices() -> list[str]:
     return list_model_files("loras") + list(DUMMY_LORAS)
 
 
-class FewStepLoraLoader:
+class FewStepLoraLoader(ReturnsModel):
     DESCRIPTION = (
         "Applies a LoRA from models/loras to a FEWSTEP_MODEL at a strength (ComfyUI's arithmetic: strength x "
         "alpha / rank x up @ down). Reads ComfyUI, diffusers / PEFT, kohya, XLabs and lightx2v namings for FLUX.1, "
@@ -43,18 +43,13 @@ class FewStepLoraLoader:
         "(every linear layer) and reads it back, for trying workflows without files."
     )
     CATEGORY = f"{CATEGORY}/loaders"
-    RETURN_TYPES = (FEWSTEP_MODEL,)
-    RETURN_NAMES = ("model",)
     FUNCTION = "load"
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (
-                    FEWSTEP_MODEL,
-                    {"tooltip": "A model from FewStepDiTLoader (or another LoRA loader)."},
-                ),
+                "model": model_input("or another LoRA loader"),
                 "lora_name": (
                     lora_choices(),
                     {

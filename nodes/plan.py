@@ -7,7 +7,7 @@ import logging
 
 from ..engine.ops import weight_bytes
 from ..engine.plan import DEFAULT_MFU, GPUS, KV_LAYOUTS, WEIGHT_DTYPE_BYTES, plan_cost
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors
+from .base import ALL_FAMILIES, CATEGORY, model_input, reports_input_errors
 
 NODE = "FewStepCostPlan"
 log = logging.getLogger(__name__)
@@ -30,10 +30,7 @@ class FewStepCostPlan:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (
-                    FEWSTEP_MODEL,
-                    {"tooltip": "A FLUX.1, FLUX.2, Z-Image or Wan model from FewStepDiTLoader."},
-                ),
+                "model": model_input(ALL_FAMILIES),
                 "width": (
                     "INT",
                     {"default": 0, "min": 0, "max": 8192, "step": 16,

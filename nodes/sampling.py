@@ -13,7 +13,14 @@ from ..engine.run import RunOptions
 from ..engine.sampling import FLOW, SAMPLERS, SCHEDULES, VE
 from ..engine.text_to_image import SampleRequest, build_sigmas, check_image_model, sample
 from ..engine.vae.tiny import variants_for
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input
+from .base import (
+    CATEGORY,
+    FEWSTEP_MODEL,
+    model_input,
+    reports_input_errors,
+    schedule_fraction_input,
+    seed_input,
+)
 from .conditioning import from_comfy, to_comfy
 from .host import Progress, check_interrupt, comfy_module, interrupt_check, preview_payload
 from .memory import load_for_run
@@ -23,6 +30,20 @@ SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]
 # FewStepSampler knows its model, so it can also follow the model: "auto" (its default).
 AUTO = "auto"
 SAMPLER_SCHEDULE_CHOICES = [AUTO, *SCHEDULE_CHOICES]
+
+
+# FewStepSampler and FewStepSchedule both turn these two into sigmas with build_sigmas: one declaration each.
+def denoise_input() -> tuple:
+    return schedule_fraction_input(
+        1.0, "Fraction of the schedule to run (image-to-image below 1).", minimum=0.01
+    )
+
+
+def custom_sigmas_input() -> tuple:
+    tooltip = (
+        "With schedule 'custom': decreasing sigmas in [0, 1], comma separated; a final 0 is added if missing."
+    )
+    return ("STRING", {"default": "", "tooltip": tooltip})
 
 
 def auto_schedule(model) -> str:
@@ -48,7 +69,7 @@ class FewStepSampler:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (FEWSTEP_MODEL, {"tooltip": "A model from FewStepDiTLoader."}),
+                "model": model_input(),
                 "positive": ("CONDITIONING", {"tooltip": "Prompt encoding (CLIPTextEncodeFlux for FLUX)."}),
                 "latent_image": (
                     "LATENT",
@@ -98,27 +119,11 @@ class FewStepSampler:
                         "cfg != 1. FLUX-dev's distilled guidance goes in the conditioning instead.",
                     },
                 ),
-                "denoise": (
-                    "FLOAT",
-                    {
-                        "default": 1.0,
-                        "min": 0.01,
-                        "max": 1.0,
-                        "step": 0.01,
-                        "tooltip": "Fraction of the schedule to run (image-to-image below 1).",
-                    },
-                ),
+                "denoise": denoise_input(),
             },
             "optional": {
                 "negative": ("CONDITIONING", {"tooltip": "Negative prompt; enables CFG when cfg != 1."}),
-                "custom_sigmas": (
-                    "STRING",
-                    {
-                        "default": "",
-                        "tooltip": "With schedule 'custom': decreasing sigmas "
-                        "in [0, 1], comma separated; a final 0 is added if missing.",
-                    },
-                ),
+                "custom_sigmas": custom_sigmas_input(),
                 "preview_vae": (
                     "FEWSTEP_TINY_VAE",
                     {"tooltip": "Tiny VAE for per-step previews (taef1 for FLUX)."},
@@ -250,16 +255,7 @@ class FewStepSchedule:
             "required": {
                 "schedule": (SCHEDULE_CHOICES, {"default": "flux.1-schnell", "tooltip": "Schedule preset."}),
                 "steps": ("INT", {"default": 4, "min": 1, "max": 200, "tooltip": "Number of steps."}),
-                "denoise": (
-                    "FLOAT",
-                    {
-                        "default": 1.0,
-                        "min": 0.01,
-                        "max": 1.0,
-                        "step": 0.01,
-                        "tooltip": "Fraction of the schedule to run.",
-                    },
-                ),
+                "denoise": denoise_input(),
                 "width": (
                     "INT",
                     {
@@ -283,13 +279,7 @@ class FewStepSchedule:
                 ),
             },
             "optional": {
-                "custom_sigmas": (
-                    "STRING",
-                    {
-                        "default": "",
-                        "tooltip": "With schedule 'custom': comma separated decreasing sigmas in [0, 1].",
-                    },
-                ),
+                "custom_sigmas": custom_sigmas_input(),
             },
         }
 
@@ -425,9 +415,8 @@ class FewStepSyntheticConditioning:
                 "seed": seed_input("Seed of the embeddings."),
             },
             "optional": {
-                "model": (
-                    FEWSTEP_MODEL,
-                    {"tooltip": "Make the conditioning this model takes (its text and pooled widths)."},
+                "model": model_input(
+                    "when connected, the conditioning has the text and pooled widths it takes"
                 ),
             },
         }

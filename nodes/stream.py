@@ -21,7 +21,7 @@ from ..engine.stream import (
     check_frames,
     parse_t_index_list,
 )
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
+from .base import CATEGORY, model_input, reports_input_errors, seed_input, single_prompt
 from .host import Progress, check_interrupt, in_comfyui, interrupt_check, preview_payload
 from .memory import load_for_run
 from .vae import FEWSTEP_TINY_VAE, images_to_nchw, nchw_to_images
@@ -47,12 +47,7 @@ class FewStepStreamBatch:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (
-                    FEWSTEP_MODEL,
-                    {
-                        "tooltip": "An image model from FewStepDiTLoader (FLUX.1-schnell, FLUX.2 klein, Z-Image-Turbo)."
-                    },
-                ),
+                "model": model_input("an image model: FLUX.1-schnell, FLUX.2 klein, Z-Image-Turbo"),
                 "tiny_vae": (
                     FEWSTEP_TINY_VAE,
                     {

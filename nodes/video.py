@@ -39,7 +39,7 @@ from ..engine.run import RunOptions
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import MAX_MEMORY_GB, env_float, env_int
 from ..engine.units import format_bytes
-from .base import CATEGORY, FEWSTEP_MODEL, reports_input_errors, seed_input, single_prompt
+from .base import CATEGORY, model_input, reports_input_errors, seed_input, single_prompt
 from .chunk_stream import ChunkStream
 from .host import Progress, check_interrupt, comfy_module, interrupt_check, preview_payload
 from .inputs import register_object_type
@@ -191,7 +191,15 @@ def _check_wan(model, node: str) -> None:
         )
 
 
-class FewStepCausalVideoSampler:
+class ReturnsVideoChunks:
+    """The outputs of both causal video nodes: the chunks made by this run (LATENT and decoded frames), the
+    session to continue, the report."""
+
+    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
+    RETURN_NAMES = ("latent", "frames", "session", "report")
+
+
+class FewStepCausalVideoSampler(ReturnsVideoChunks):
     DESCRIPTION = (
         "Autoregressive video (CausVid / Self-Forcing on Wan 2.1): chunks of latent frames, each denoised in a few "
         "steps while attending to earlier chunks through a rolling KV cache (sink frames kept, oldest frames "
@@ -199,15 +207,13 @@ class FewStepCausalVideoSampler:
         "when a tiny VAE (taew2_1) is given, and a session that FewStepCausalContinue extends."
     )
     CATEGORY = f"{CATEGORY}/video"
-    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
-    RETURN_NAMES = ("latent", "frames", "session", "report")
     FUNCTION = "generate"
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (FEWSTEP_MODEL, {"tooltip": "A Wan 2.1 causal student from FewStepDiTLoader."}),
+                "model": model_input("a Wan 2.1 causal student"),
                 "positive": ("CONDITIONING", {"tooltip": "umT5 prompt encoding [B, tokens, 4096]."}),
                 "width": (
                     "INT",
@@ -339,14 +345,12 @@ class FewStepCausalVideoSampler:
         return ({"samples": latent}, images, SessionRef(key, session.frames_generated, recipe), report)
 
 
-class FewStepCausalContinue:
+class FewStepCausalContinue(ReturnsVideoChunks):
     DESCRIPTION = (
         "Continues a causal video session for more chunks, optionally with a new prompt (only the "
         "cross-attention cache is rebuilt, as in CausVid's prompt switching). Outputs the new chunks."
     )
     CATEGORY = f"{CATEGORY}/video"
-    RETURN_TYPES = ("LATENT", "IMAGE", FEWSTEP_SESSION, "STRING")
-    RETURN_NAMES = ("latent", "frames", "session", "report")
     FUNCTION = "extend"
 
     @classmethod

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from fewstep.cli import COMMANDS, HelpFormatter, build_parser
+from fewstep.engine.attention import BACKENDS
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -111,6 +112,21 @@ def test_a_flag_name_shared_by_commands_has_one_dest_and_type_everywhere():
             assert all("seconds" in text for text in helps[flag]), helps[flag]
             continue
         assert len(set(uses.values())) == 1, (flag, uses)
+
+
+def test_the_model_flags_are_declared_once():
+    """generate and stream take the model flags from one function (cli.common.add_model_arguments): the flags
+    they share read the same, and --attention lists the engine's own backends."""
+    subs = _subparsers(build_parser())
+
+    def flags(command):
+        return {a.option_strings[-1]: (a.default, a.choices, a.help) for a in _options(subs[command])}
+
+    generate, stream = flags("generate"), flags("stream")
+    for flag in ("--dtype", "--weight-dtype", "--device", "--lora"):
+        assert generate[flag] == stream[flag], flag
+    assert stream["--weights"][2].startswith(generate["--weights"][2])
+    assert generate["--attention"][1] == list(BACKENDS)
 
 
 def test_frames_name_one_unit():

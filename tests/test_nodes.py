@@ -56,6 +56,26 @@ def test_every_node_follows_the_contract(pack):
                 assert isinstance(kind, str) and kind.isupper(), (node_id, name)
 
 
+def test_inputs_several_nodes_take_are_declared_once(pack):
+    """The model input, the FEWSTEP_MODEL output, denoise and custom_sigmas each have one declaration
+    (nodes.base, nodes.sampling) that every node taking them uses: one name, type and wording everywhere."""
+    base = sys.modules[f"{COMFY_MODULE_NAME}.nodes.base"]
+    for node_id, cls in pack.NODE_CLASS_MAPPINGS.items():
+        for _section, name, entry in _inputs(cls):
+            if entry[0] == "FEWSTEP_MODEL":
+                assert name == "model", (node_id, name)
+                assert entry[1]["tooltip"].startswith("A model from FewStepDiTLoader"), node_id
+                assert set(entry[1]) == {"tooltip"}, node_id
+        if "FEWSTEP_MODEL" in cls.RETURN_TYPES:
+            assert issubclass(cls, base.ReturnsModel), node_id
+            assert (cls.RETURN_TYPES, cls.RETURN_NAMES) == (("FEWSTEP_MODEL",), ("model",)), node_id
+    sampler, schedule = (
+        pack.NODE_CLASS_MAPPINGS[n].INPUT_TYPES() for n in ("FewStepSampler", "FewStepSchedule")
+    )
+    assert sampler["required"]["denoise"] == schedule["required"]["denoise"]
+    assert sampler["optional"]["custom_sigmas"] == schedule["optional"]["custom_sigmas"]
+
+
 def _default_args(cls, **links):
     args = {}
     for section, name, entry in _inputs(cls):

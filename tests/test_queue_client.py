@@ -22,7 +22,13 @@ from pathlib import Path
 import pytest
 
 from fewstep.cli import main
-from fewstep.cli.comfy_client import ComfyClient, server_address, ui_to_api
+from fewstep.cli.comfy_client import (
+    FRONTEND_ONLY_NODES,
+    NOTE_NODES,
+    ComfyClient,
+    server_address,
+    ui_to_api,
+)
 from fewstep.cli.queue import format_node_errors
 
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455's fixed key suffix
@@ -192,6 +198,25 @@ def test_ui_to_api_refuses_muted_or_bypassed_nodes(mode):
         ValueError, match=r"node 5 \(KSampler\) is muted or bypassed; export with 'Save \(API\)'"
     ):
         ui_to_api(_ui_workflow(sampler_mode=mode), OBJECT_INFO)
+
+
+def test_ui_to_api_drops_exactly_the_frontend_only_nodes():
+    """The node types ComfyUI frontend 1.27.10 marks virtual (isVirtualNode: Note and MarkdownNote, Reroute,
+    PrimitiveNode) never reach the API prompt: notes are dropped, the two that rewire links are refused; every
+    other node is kept, a backend node named like one of them (PrimitiveInt) included."""
+    assert {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"} == FRONTEND_ONLY_NODES
+    assert {"Note", "MarkdownNote"} == NOTE_NODES
+    kept = ui_to_api(_ui_workflow(), OBJECT_INFO)
+    for kind in sorted(FRONTEND_ONLY_NODES):
+        wf = _ui_workflow()
+        wf["nodes"].append({"id": 8, "type": kind, "widgets_values": ["text"]})
+        if kind in NOTE_NODES:
+            assert ui_to_api(wf, OBJECT_INFO) == kept
+        else:
+            with pytest.raises(ValueError, match=f"node 8 is a frontend-only {kind}; export"):
+                ui_to_api(wf, OBJECT_INFO)
+    backend = {n["type"] for n in _ui_workflow()["nodes"]} - FRONTEND_ONLY_NODES
+    assert {n["class_type"] for n in kept.values()} == backend
 
 
 def test_ui_to_api_refuses_frontend_only_and_unknown_nodes():

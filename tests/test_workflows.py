@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import workflow_check as wc  # noqa: E402
 
+from fewstep.cli.comfy_client import FRONTEND_ONLY_NODES, ui_to_api  # noqa: E402
+
 WORKFLOWS = wc.ROOT / "workflows"
 FILES = sorted(WORKFLOWS.glob("*.json"))
 UI_FILES = [p for p in FILES if not p.name.endswith(".api.json")]
@@ -86,6 +88,36 @@ def test_workflow_is_valid(path, specs):
 def test_ui_workflow_matches_its_api_twin(path, specs):
     api = json.loads(path.with_name(path.name.replace(".json", ".api.json")).read_text())
     assert wc.compare_twins(json.loads(path.read_text()), api, specs) == []
+
+
+def object_info_entry(spec) -> dict:
+    """``spec`` as a server's /object_info lists it: each input as [type, options], a combo as [choices, options]."""
+    inputs = {"required": {}, "optional": {}}
+    for i in spec.inputs:
+        inputs["required" if i.required else "optional"][i.name] = [
+            list(i.options) if i.type == "COMBO" else i.type,
+            i.opts,
+        ]
+    return {"input": inputs}
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.name)
+def test_the_cli_converts_a_ui_workflow_to_its_api_twin(path, specs):
+    """The two models of the formats agree: ``fewstep queue``'s conversion of a shipped UI file (ui_to_api) is the
+    API file the builder wrote, with the frontend-only nodes (the Note) dropped and every other node kept."""
+    ui = json.loads(path.read_text())
+    api = json.loads(path.with_name(path.name.replace(".json", ".api.json")).read_text())
+    converted = ui_to_api(ui, {name: object_info_entry(spec) for name, spec in specs.items()})
+    assert converted == api
+    dropped = {n["type"] for n in ui["nodes"]} - {n["class_type"] for n in converted.values()}
+    assert dropped == {"Note"} and dropped <= FRONTEND_ONLY_NODES
+
+
+def test_frontend_only_nodes_other_than_notes_are_refused(specs):
+    ui = load("flux_schnell_fewstep_dummy.json")
+    ui["nodes"].append({"id": 99, "type": "Reroute", "inputs": [], "outputs": [], "widgets_values": []})
+    ui["last_node_id"] = 99
+    assert_error(wc.validate(ui, specs), "node 99 (Reroute)", "a frontend-only node")
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.name)

@@ -10,7 +10,9 @@ from .parts import (
     dummy_flux_inputs,
     fewstep_sampler,
     first_block_gate,
+    flux1_inputs,
     flux_text,
+    save_latent_and_report,
 )
 
 
@@ -30,14 +32,17 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No files? Open flux_dev_step_cache_dummy.json."""
-    model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-dev)", 1, model_name="flux1-dev.safetensors"
-    )
-    cond = flux_text(g, 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    gate = first_block_gate(g, "FewStep Cache Gate (First-Block-Cache)", 2, model[0], 0.08)
+    inputs = flux1_inputs(g, variant="dev")
+    gate = first_block_gate(g, "FewStep Cache Gate (First-Block-Cache)", 2, inputs.model, 0.08)
     sampler = fewstep_sampler(
-        g, "FewStep Sampler (28 steps)", 3, gate[0], cond[0], latent[0], steps=28, schedule="flux.1-dev"
+        g,
+        "FewStep Sampler (28 steps)",
+        3,
+        gate[0],
+        inputs.cond,
+        inputs.latent,
+        steps=28,
+        schedule="flux.1-dev",
     )
     g.add("PreviewAny", "Sampler report (cache telemetry)", 3, ui_height=260, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_dev_step_cache")
@@ -57,14 +62,14 @@ Needs no files. For real images open flux_dev_step_cache.json."""
     sampler = fewstep_sampler(
         g, "FewStep Sampler (28 steps)", 2, gate[0], cond[0], latent[0], steps=28, schedule="flux.1-dev"
     )
-    g.add(
-        "SaveLatent",
-        "Save latent",
+    save_latent_and_report(
+        g,
+        sampler,
         3,
-        samples=sampler[0],
-        filename_prefix="fewstep/flux_dev_step_cache_dummy",
+        "fewstep/flux_dev_step_cache_dummy",
+        "Sampler report (cache telemetry)",
+        report_height=260,
     )
-    g.add("PreviewAny", "Sampler report (cache telemetry)", 3, ui_height=260, source=sampler[1])
 
 
 @workflow("flux_schnell_cache_gate_refuses")
@@ -81,13 +86,9 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No files? Open flux_schnell_cache_gate_refuses_dummy.json."""
-    model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
-    )
-    cond = flux_text(g, 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    gate = first_block_gate(g, "FewStep Cache Gate", 2, model[0], 0.08)
-    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, gate[0], cond[0], latent[0])
+    inputs = flux1_inputs(g)
+    gate = first_block_gate(g, "FewStep Cache Gate", 2, inputs.model, 0.08)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, gate[0], inputs.cond, inputs.latent)
     g.add("PreviewAny", "Sampler report (the gate's reason)", 3, ui_height=200, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell_cache_gate")
 
@@ -102,14 +103,9 @@ Needs no files. For real images open flux_schnell_cache_gate_refuses.json."""
     model, cond, latent = dummy_flux_inputs(g)
     gate = first_block_gate(g, "FewStep Cache Gate", 2, model[0], 0.08)
     sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 2, gate[0], cond[0], latent[0])
-    g.add(
-        "SaveLatent",
-        "Save latent",
-        3,
-        samples=sampler[0],
-        filename_prefix="fewstep/flux_schnell_cache_gate_dummy",
+    save_latent_and_report(
+        g, sampler, 3, "fewstep/flux_schnell_cache_gate_dummy", "Sampler report (the gate's reason)"
     )
-    g.add("PreviewAny", "Sampler report (the gate's reason)", 3, ui_height=200, source=sampler[1])
 
 
 @workflow("native_flux_dev_cache_gate")

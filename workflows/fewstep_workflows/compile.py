@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .graph import Graph, workflow
-from .parts import FLUX_SIDE_FILES, ImageInputs, dummy_image_inputs, fewstep_sampler, schnell_inputs
+from .parts import FLUX_SIDE_FILES, ImageInputs, dummy_image_inputs, fewstep_sampler, flux1_inputs
 
 
 def compiled_image(g: Graph, inputs: ImageInputs, backend: str, prefix: str) -> None:
@@ -31,7 +31,7 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No files? Open flux_schnell_compiled_dummy.json."""
-    compiled_image(g, schnell_inputs(g, 1024), "inductor", "fewstep/schnell_compiled")
+    compiled_image(g, flux1_inputs(g, 1024), "inductor", "fewstep/schnell_compiled")
 
 
 @workflow("flux_schnell_compiled_dummy")

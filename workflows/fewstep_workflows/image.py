@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from .graph import Graph, workflow
-from .parts import FLUX_SIDE_FILES, decode_and_save, dummy_flux_inputs, fewstep_sampler, flux_text
+from .parts import (
+    FLUX_SIDE_FILES,
+    decode_and_save,
+    dummy_flux_inputs,
+    fewstep_sampler,
+    flux1_inputs,
+    flux_text,
+    save_latent_and_report,
+)
 
 
 @workflow("flux_schnell_fewstep")
@@ -19,12 +27,8 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No files? Open flux_schnell_fewstep_dummy.json: the same sampler with random weights."""
-    model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
-    )
-    cond = flux_text(g, 1)
-    latent = g.add("EmptySD3LatentImage", "Image size", 1, width=1024, height=1024, batch_size=1)
-    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, model[0], cond[0], latent[0])
+    inputs = flux1_inputs(g)
+    sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 3, inputs.model, inputs.cond, inputs.latent)
     g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
     decode_and_save(g, sampler[0], 4, "fewstep/flux_schnell")
 
@@ -41,8 +45,7 @@ The latent is written to output/fewstep/ by SaveLatent; the report shows sigmas 
 Needs no files. For real images open flux_schnell_fewstep.json."""
     model, cond, latent = dummy_flux_inputs(g)
     sampler = fewstep_sampler(g, "FewStep Sampler (4 steps)", 2, model[0], cond[0], latent[0])
-    g.add("SaveLatent", "Save latent", 3, samples=sampler[0], filename_prefix="fewstep/flux_schnell_dummy")
-    g.add("PreviewAny", "Sampler report", 3, ui_height=200, source=sampler[1])
+    save_latent_and_report(g, sampler, 3, "fewstep/flux_schnell_dummy")
 
 
 @workflow("native_fewstep_schedule")

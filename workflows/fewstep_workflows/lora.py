@@ -12,6 +12,7 @@ from .parts import (
     decode_and_save,
     dummy_wan_inputs,
     fewstep_sampler,
+    save_latent_and_report,
     wan_text,
 )
 
@@ -90,14 +91,7 @@ Needs no files. For real images open flux_dev_hyper_lora.json."""
     sampler = fewstep_sampler(
         g, "FewStep Sampler (8 steps)", 3, model[0], cond[0], latent[0], steps=preset[0], schedule="flux.1-dev",
     )  # fmt: skip
-    g.add(
-        "SaveLatent",
-        "Save latent",
-        4,
-        samples=sampler[0],
-        filename_prefix="fewstep/flux_dev_hyper_lora_dummy",
-    )
-    g.add("PreviewAny", "Sampler report", 4, ui_height=200, source=sampler[1])
+    save_latent_and_report(g, sampler, 4, "fewstep/flux_dev_hyper_lora_dummy")
     g.add("PreviewAny", "Preset settings", 3, ui_height=140, source=preset[4])
 
 

@@ -7,6 +7,8 @@ by ``compare_object_info``).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass, field
@@ -16,14 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the pack: workflows/fewstep_workfl
 # The module name the pack is imported under (ComfyUI names a custom-node module after its folder).
 PACK_MODULE = "ComfyUI-FewStep-test"
 
-WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
-SEED_NAMES = {"seed", "noise_seed"}  # the frontend adds a control widget to these even without the flag
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 MODEL_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
 IMAGE_FILE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".mp4", ".webm", ".mov", ".mkv")
 DUMMY_PREFIX = "dummy:"
-# Frontend-only nodes: they have no backend class and are left out of the API format.
-VIRTUAL_NODES = {"Note", "MarkdownNote"}
 
 
 @dataclass(frozen=True)
@@ -36,13 +34,13 @@ class InputSpec:
 
     @property
     def is_widget(self) -> bool:
-        return self.type in WIDGET_TYPES and not self.opts.get("forceInput")
+        return self.type in comfy_format().WIDGET_TYPES and not self.opts.get("forceInput")
 
     @property
     def has_control(self) -> bool:
         """Whether the frontend follows this widget with a 'control after generate' value."""
         return bool(self.opts.get("control_after_generate")) or (
-            self.type == "INT" and self.name in SEED_NAMES
+            self.type == "INT" and self.name in comfy_format().SEED_INPUT_NAMES
         )
 
     @property
@@ -284,6 +282,14 @@ def load_pack(root: Path = ROOT):
         del sys.modules[PACK_MODULE]
         raise
     return module
+
+
+@functools.cache
+def comfy_format():
+    """The pack's model of ComfyUI's workflow formats (cli/comfy_client.py, imported with the pack): the one owner
+    of the frontend's rules this builder follows too (the widget types, the seed names that get a control widget,
+    the frontend-only node types)."""
+    return importlib.import_module(f"{load_pack().__name__}.cli.comfy_client")
 
 
 def node_specs() -> dict[str, NodeSpec]:

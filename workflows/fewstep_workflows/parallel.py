@@ -11,7 +11,7 @@ from .parts import (
     dummy_image_inputs,
     dummy_wan_inputs,
     fewstep_sampler,
-    schnell_inputs,
+    flux1_inputs,
     self_forcing_inputs,
 )
 
@@ -56,7 +56,7 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No GPUs? Open flux_sequence_parallel_dummy.json (two CPU workers on gloo)."""
-    sequence_parallel_image(g, schnell_inputs(g, 2048), save_col=5, prefix="fewstep/schnell_sp")
+    sequence_parallel_image(g, flux1_inputs(g, 2048), save_col=5, prefix="fewstep/schnell_sp")
 
 
 @workflow("flux_sequence_parallel_dummy")

@@ -39,6 +39,15 @@ def decode_and_save(g: Graph, latent: Out, col: int, prefix: str) -> None:
     g.add("SaveImage", "Save image", col + 1, ui_height=420, images=image[0], filename_prefix=prefix)
 
 
+def save_latent_and_report(
+    g: Graph, sampler: Node, col: int, prefix: str, report: str = "Sampler report", report_height: int = 200
+) -> None:
+    """What a dummy image workflow ends with: the sampler's latent saved (random weights give noise, not a
+    picture) and its report shown."""
+    g.add("SaveLatent", "Save latent", col, samples=sampler[0], filename_prefix=prefix)
+    g.add("PreviewAny", report, col, ui_height=report_height, source=sampler[1])
+
+
 def dummy_flux_inputs(g: Graph, size: int = 256) -> tuple[Node, Node, Node]:
     """(model, conditioning, latent) with no files: dummy:flux-tiny, synthetic embeddings, an empty latent."""
     model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")
@@ -65,10 +74,13 @@ class ImageInputs:
             decode_and_save(g, latent, col, prefix)
 
 
-def schnell_inputs(g: Graph, size: int) -> ImageInputs:
-    """FLUX.1-schnell from its file, T5-XXL + CLIP-L, an empty ``size`` x ``size`` latent."""
+def flux1_inputs(g: Graph, size: int = 1024, variant: str = "schnell") -> ImageInputs:
+    """FLUX.1 [``variant``: schnell or dev] from its file, T5-XXL + CLIP-L, an empty ``size`` x ``size`` latent."""
     model = g.add(
-        "FewStepDiTLoader", "FewStep DiT Loader (FLUX.1-schnell)", 1, model_name="flux1-schnell.safetensors"
+        "FewStepDiTLoader",
+        f"FewStep DiT Loader (FLUX.1-{variant})",
+        1,
+        model_name=f"flux1-{variant}.safetensors",
     )
     cond = flux_text(g, 1)
     latent = g.add("EmptySD3LatentImage", "Image size", 1, width=size, height=size, batch_size=1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .graph import Graph, Out, workflow
-from .parts import FLUX_SIDE_FILES, dummy_image_inputs, schnell_inputs, tiny_decoded_image
+from .parts import FLUX_SIDE_FILES, dummy_image_inputs, flux1_inputs, tiny_decoded_image
 
 
 @workflow("flux_schnell_tiny_decode")
@@ -21,7 +21,7 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES.splitlines()[1]}
 
 No files? Open flux_schnell_tiny_decode_dummy.json."""
-    inputs = schnell_inputs(g, 1024)
+    inputs = flux1_inputs(g, 1024)
     tiny = g.add("FewStepTinyVAELoader", "Tiny VAE (TAEF1)", inputs.col, vae_name="taef1.safetensors")
     tiny_decoded_image(
         g, inputs, tiny[0], "FewStep Sampler (4 steps, previews)", "Tiny decode", 420, "fewstep/schnell_tiny"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .nodes import DUMMY_PREFIX, IMAGE_FILE_SUFFIXES, MODEL_FILE_SUFFIXES, VIRTUAL_NODES, InputSpec, NodeSpec
+from .nodes import DUMMY_PREFIX, IMAGE_FILE_SUFFIXES, MODEL_FILE_SUFFIXES, InputSpec, NodeSpec, comfy_format
 
 
 @dataclass
@@ -77,12 +77,16 @@ def read_ui(workflow: dict, specs: dict[str, NodeSpec]) -> tuple[dict[str, Graph
     if "version" not in workflow:
         errors.append("no 'version' key (the frontend rejects the file)")
 
+    frontend = comfy_format()
     for n in nodes:
         node = GraphNode(str(n["id"]), n["type"], n.get("title"))
         values = n.get("widgets_values", [])
-        if node.class_type in VIRTUAL_NODES:
+        if node.class_type in frontend.NOTE_NODES:
             if not (isinstance(values, list) and len(values) == 1 and isinstance(values[0], str)):
                 errors.append(f"{where(node)}: widgets_values must be [text]")
+            continue
+        if node.class_type in frontend.FRONTEND_ONLY_NODES:
+            errors.append(f"{where(node)}: a frontend-only node; the shipped workflows link nodes directly")
             continue
         graph[node.id] = node
         spec = specs.get(node.class_type)

@@ -140,7 +140,7 @@ class Flux2(StagedModel):
         self.double_stream_modulation_img = Modulation(hidden, double=True)
         self.double_stream_modulation_txt = Modulation(hidden, double=True)
         self.single_stream_modulation = Modulation(hidden, double=False)
-        self.final_layer = LastLayer(hidden, params.out_channels)
+        self.final_layer = LastLayer(hidden, 1, params.out_channels, bias=False)
 
     def embed(
         self,

@@ -33,11 +33,11 @@ from torch import nn
 from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import RopeFreqs, axis_angles
+from .norms import RMSNorm
 from .staged import StagedHidden, StagedModel, check_head_split, replace_after_prefix
 from .zimage_layers import (
     TIME_MID_SIZE,
     FinalLayer,
-    RMSNorm,
     TimestepEmbedder,
     ZImageTransformerBlock,
     adaln_dim,

@@ -74,23 +74,43 @@ def noise_for(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None
     return torch.cat([rows[i] for i in batch_index], dim=0)
 
 
-def check_image_model(handle: ModelHandle, input_name: str = "model") -> None:
-    """Refuse a model this image sampler cannot run (a video model, an inpainting / control variant)."""
+@dataclass(frozen=True)
+class ImageModelUse:
+    """What runs an image model, in the words of :func:`check_image_model`'s two refusals.
+
+    ``video``: why a video model is refused and what to use instead (``{model}``: the preset, or "this
+    checkpoint"; ``{family}``: its family). ``latent``: what the model's latent must be, after "this checkpoint
+    takes N input channels per token (an inpainting/control variant); " (``{description}``: the family in a few
+    words, ``{channels}`` and ``{latent}``: its latent's channels and format)."""
+
+    video: str
+    latent: str
+
+
+TEXT_TO_IMAGE = ImageModelUse(
+    video="this sampler runs image DiTs (FLUX.1, FLUX.2, Z-Image); {model} is a {family} video model: use the "
+    "causal video sampler (FewStepCausalVideoSampler, `python -m fewstep stream`)",
+    latent="text-to-image sampling of {description} needs the {channels}-channel {latent} latent",
+)
+
+
+def check_image_model(
+    handle: ModelHandle, input_name: str = "model", use: ImageModelUse = TEXT_TO_IMAGE
+) -> None:
+    """Refuse a model an image pipeline cannot run (a video model, an inpainting / control variant); ``use``
+    words the refusal for that pipeline (this sampler by default, the stream batch's ``STREAM_BATCH``)."""
     fam = handle.family
     if not fam.is_image:
         raise InputError(
-            input_name,
-            f"this sampler runs image DiTs (FLUX.1, FLUX.2, Z-Image); {handle.preset or 'this checkpoint'} is a "
-            f"{fam.name} video model: use the causal video sampler (FewStepCausalVideoSampler, "
-            "`python -m fewstep stream`)",
+            input_name, use.video.format(model=handle.preset or "this checkpoint", family=fam.name)
         )
     fmt = fam.latent_format
     if handle.params.latent_channels != fmt.channels:
+        needs = use.latent.format(description=fam.image.description, channels=fmt.channels, latent=fmt.name)
         raise InputError(
             input_name,
             f"this checkpoint takes {handle.params.in_channels} input channels per token (an inpainting/control "
-            f"variant); text-to-image sampling of {fam.image.description} needs the {fmt.channels}-channel "
-            f"{fmt.name} latent",
+            f"variant); {needs}",
         )
 
 

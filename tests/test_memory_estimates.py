@@ -219,6 +219,36 @@ def test_the_budget_subtracts_what_is_held_only_under_the_limit(monkeypatch):
     assert preflight.available_bytes("cpu") == 10 * 2**30
 
 
+def test_a_refusal_states_the_figures_its_decision_used(monkeypatch):
+    """One budget per check: the ledger (worker pools are measured live) is read once, and the refusal's limit,
+    held bytes and usable budget are the ones the decision compared with."""
+    monkeypatch.setattr(preflight, "_host_available_bytes", lambda: 10 * 2**30)
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "1")
+    reads = []
+
+    def holdings(device=None):  # what the pack holds grows between two reads, as a pool's resident memory can
+        reads.append(device)
+        return [ledger_module.Holding("model", 1, (len(reads) * 256) << 20)]
+
+    monkeypatch.setattr(LEDGER, "holdings", holdings)
+    budget = preflight.memory_budget("cpu")
+    assert (budget.free, budget.limit, budget.held) == (10 * 2**30, 2**30, 256 << 20)
+    assert budget.available == 768 << 20 and budget.usable == int((768 << 20) * preflight.USABLE_FRACTION)
+    reads.clear()
+    with pytest.raises(InputError) as refused:
+        preflight.check_fits({"weights": 2**30}, "cpu", "model")
+    assert len(reads) == 1
+    assert str(refused.value) == (
+        "input 'model': this needs about 1.00 GiB (weights 1.00 GiB) but only 691.20 MiB of available host memory "
+        "can be used on cpu; refused before allocating. FEWSTEP_MEMORY_LIMIT_GB allows the pack 1.00 GiB in all "
+        "and it already holds 256.00 MiB on cpu (1 model 256.00 MiB): free some of it (unload models, end video "
+        "sessions) or raise the limit"
+    )
+    monkeypatch.delenv("FEWSTEP_MEMORY_LIMIT_GB")
+    reads.clear()
+    assert preflight.memory_budget("cpu").available == 10 * 2**30 and not reads  # no limit: the ledger unread
+
+
 def test_lora_backups_are_held_while_their_state_lives():
     from fewstep.engine.lora.merge import MergedWeights
 

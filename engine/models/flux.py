@@ -15,7 +15,6 @@ to every block.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import rope_freqs
 from .flux_layers import DoubleStreamBlock, LastLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
+from .staged import StagedHidden, StagedModel, check_head_split, replace_after_prefix
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,13 @@ def default_axes_dim(head_dim: int) -> tuple[int, ...] | None:
     return axes
 
 
-class Flux(nn.Module):
+class Flux(StagedModel):
     family = "flux"
+    block_stacks = ("double_blocks", "single_blocks")  # double-stream blocks, then single-stream ones
 
     def __init__(self, params: FluxParams):
         super().__init__()
-        if params.hidden_size % params.num_heads:
-            raise ValueError(f"hidden size {params.hidden_size} is not divisible by {params.num_heads} heads")
-        if sum(params.axes_dim) != params.head_dim:
-            raise ValueError(f"axes_dim {params.axes_dim} does not sum to the head size {params.head_dim}")
+        check_head_split(params.hidden_size, params.num_heads, params.axes_dim)
         self.params = params
         hidden = params.hidden_size
         self.img_in = Linear(params.in_channels, hidden, bias=True)
@@ -106,13 +104,8 @@ class Flux(nn.Module):
         )
         self.final_layer = LastLayer(hidden, 1, params.out_channels)
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the residual stack: the double-stream blocks, then the single-stream ones."""
-        return len(self.double_blocks) + len(self.single_blocks)
-
-    # -- stages: forward = finish(run_blocks(embed(...))); a step cache runs block 0, decides, then either runs
-    # the remaining blocks or reuses a residual it kept (engine.cache), without the model knowing about it ----
+    # -- stages (engine.models.staged): a step cache runs block 0, decides, then either runs the remaining blocks
+    # or reuses a residual it kept (engine.cache), without the model knowing about it ------------------------
     def embed(
         self,
         img: torch.Tensor,
@@ -129,19 +122,14 @@ class Flux(nn.Module):
             raise ValueError("img and txt must be [batch, tokens, channels]")
         dtype = img.dtype
         img = self.img_in(img)
-        vec = self.time_in(timestep_embedding(timesteps, 256).to(dtype))
-        if self.params.guidance_embed:
-            if guidance is None:
-                raise ValueError("this FLUX model has a guidance embedding: pass guidance")
-            vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+        vec = time_guidance_vector(self, timesteps, guidance, dtype, "FLUX")
         vec = vec + self.vector_in(y.to(dtype))
         txt = self.txt_in(txt.to(dtype))
         freqs = rope_freqs(torch.cat((txt_ids, img_ids), dim=1), self.params.axes_dim, self.params.theta)
         return FluxHidden(img=img, txt=txt, vec=vec, freqs=freqs, backends=backends)
 
-    def run_blocks(self, h: FluxHidden, start: int = 0, stop: int | None = None) -> FluxHidden:
-        """Blocks ``start`` to ``stop - 1`` of the stack (double-stream blocks first, then single-stream)."""
-        return run_stream_blocks(self, h, start, stop)
+    def run_block(self, h: FluxHidden, index: int) -> None:
+        run_stream_block(self, h, index)
 
     def finish(self, h: FluxHidden) -> torch.Tensor:
         """The final layer on the image tokens: velocity ``[B, L_img, out_channels]``."""
@@ -161,13 +149,13 @@ class Flux(nn.Module):
     ) -> torch.Tensor:
         """``block_runner(model, hidden) -> hidden``, when given, runs the block stack in place of
         ``run_blocks`` (a step cache's hook); without one this is the reference forward."""
-        h = self.embed(img, img_ids, txt, txt_ids, timesteps, y, guidance, backends)
-        h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
-        return self.finish(h)
+        return self.run_stages(
+            self.embed(img, img_ids, txt, txt_ids, timesteps, y, guidance, backends), block_runner
+        )
 
 
 @dataclass
-class FluxHidden:
+class FluxHidden(StagedHidden):
     """The residual stream between two stages of one forward.
 
     ``img``/``txt`` are the two streams of the double-stream phase; once a single-stream block ran, ``joint``
@@ -179,8 +167,6 @@ class FluxHidden:
     vec: torch.Tensor
     freqs: object
     joint: torch.Tensor | None = None
-    backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
-    interrupt_check: Callable[[], None] | None = None  # the host's Cancel check, before each block
 
     @property
     def double_mod(self) -> tuple:
@@ -200,29 +186,47 @@ class FluxHidden:
         """The same state with other image tokens (a step cache's reused result)."""
         if self.joint is None:
             return dataclasses.replace(self, img=img)
-        return dataclasses.replace(self, joint=torch.cat((self.joint[:, : self.txt.shape[1]], img), dim=1))
+        return dataclasses.replace(self, joint=replace_after_prefix(self.joint, self.txt.shape[1], img))
 
 
-def run_stream_blocks(model: nn.Module, h: FluxHidden, start: int = 0, stop: int | None = None) -> FluxHidden:
-    """Blocks ``start`` to ``stop - 1`` of a FLUX-style stack (FLUX.1, FLUX.2): ``model.double_blocks`` on the two
-    streams, then ``model.single_blocks`` on ``[txt, img]``; each block reads ``h.double_mod`` / ``h.single_mod``."""
+def run_stream_block(model: StagedModel, h: FluxHidden, index: int) -> None:
+    """Block ``index`` of a FLUX-style stack (FLUX.1, FLUX.2), in place on ``h``: ``model.double_blocks`` on the
+    two streams, then ``model.single_blocks`` on ``[txt, img]``; each block reads ``h.double_mod`` /
+    ``h.single_mod``."""
     n_double = len(model.double_blocks)
-    stop = model.num_blocks if stop is None else stop
-    if h.joint is not None and start < n_double:
-        raise ValueError(f"block {start} is a double-stream block but the stream is already joint")
-    img, txt, joint = h.img, h.txt, h.joint
-    for i in range(start, stop):
-        if h.interrupt_check is not None:  # the host's Cancel: a flag read, no device sync
-            h.interrupt_check()
-        if i < n_double:
-            img, txt = model.double_blocks[i](img, txt, *h.double_mod, h.freqs, backends=h.backends)
-        else:
-            if joint is None:
-                joint = torch.cat((txt, img), dim=1)
-            joint = model.single_blocks[i - n_double](
-                joint, h.single_mod, h.freqs, txt.shape[1], backends=h.backends
-            )
-    return dataclasses.replace(h, img=img, txt=txt, joint=joint)
+    if index < n_double:
+        if h.joint is not None:
+            raise ValueError(f"block {index} is a double-stream block but the stream is already joint")
+        h.img, h.txt = model.double_blocks[index](h.img, h.txt, *h.double_mod, h.freqs, backends=h.backends)
+        return
+    if h.joint is None:
+        h.joint = torch.cat((h.txt, h.img), dim=1)
+    h.joint = model.single_blocks[index - n_double](
+        h.joint, h.single_mod, h.freqs, h.txt.shape[1], backends=h.backends
+    )
+
+
+def time_guidance_vector(
+    model: StagedModel, timesteps: torch.Tensor, guidance: torch.Tensor | None, dtype: torch.dtype, name: str
+) -> torch.Tensor:
+    """The conditioning vector of a FLUX-style model (FLUX.1, FLUX.2: ``model.time_in``, ``model.guidance_in``)
+    from the flow time and, for a model with a guidance embedding, the distilled guidance (``name`` for the
+    error when it is missing)."""
+    vec = model.time_in(timestep_embedding(timesteps, 256).to(dtype))
+    if model.params.guidance_embed:
+        if guidance is None:
+            raise ValueError(f"this {name} model has a guidance embedding: pass guidance")
+        vec = vec + model.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+    return vec
+
+
+def guidance_input(model: StagedModel, cond, default: float, batch: int, device) -> torch.Tensor | None:
+    """The ``guidance [B]`` input of a FLUX-style forward: the conditioning's distilled guidance (``default``
+    where it carries none), or None for a model without a guidance embedding."""
+    if not model.params.guidance_embed:
+        return None
+    g = default if cond.guidance is None else cond.guidance
+    return torch.full((batch,), float(g), device=device, dtype=torch.float32)
 
 
 def pack_latent(x: torch.Tensor) -> torch.Tensor:
@@ -288,10 +292,6 @@ def flux_velocity(
 
     ``block_runner``: see :meth:`Flux.forward`."""
     b, _, h, w = x.shape
-    guidance = None
-    if model.params.guidance_embed:
-        g = DEFAULT_GUIDANCE if cond.guidance is None else cond.guidance
-        guidance = torch.full((b,), float(g), device=x.device, dtype=torch.float32)
     out = model(
         img=pack_latent(x),
         img_ids=image_ids(b, h, w, device=x.device),
@@ -299,7 +299,7 @@ def flux_velocity(
         txt_ids=text_ids(b, cond.context.shape[1], device=x.device),
         timesteps=sigma,
         y=cond.pooled,
-        guidance=guidance,
+        guidance=guidance_input(model, cond, DEFAULT_GUIDANCE, b, x.device),
         block_runner=block_runner,
         backends=backends,
     )

@@ -24,9 +24,9 @@ from torch import nn
 from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import rope_freqs
-from .flux import FluxHidden, run_stream_blocks
+from .flux import FluxHidden, guidance_input, run_stream_block, time_guidance_vector
 from .flux2_layers import DoubleStreamBlock, LastLayer, MLPEmbedder, Modulation, SingleStreamBlock
-from .flux_layers import timestep_embedding
+from .staged import StagedModel, check_head_split
 
 
 @dataclass(frozen=True)
@@ -117,15 +117,13 @@ def default_axes_dim(head_dim: int) -> tuple[int, ...] | None:
     return (head_dim // 4,) * 4
 
 
-class Flux2(nn.Module):
+class Flux2(StagedModel):
     family = "flux2"
+    block_stacks = ("double_blocks", "single_blocks")  # double-stream blocks, then single-stream ones
 
     def __init__(self, params: Flux2Params):
         super().__init__()
-        if params.hidden_size % params.num_heads:
-            raise ValueError(f"hidden size {params.hidden_size} is not divisible by {params.num_heads} heads")
-        if sum(params.axes_dim) != params.head_dim:
-            raise ValueError(f"axes_dim {params.axes_dim} does not sum to the head size {params.head_dim}")
+        check_head_split(params.hidden_size, params.num_heads, params.axes_dim)
         self.params = params
         hidden = params.hidden_size
         self.img_in = Linear(params.in_channels, hidden, bias=False)
@@ -142,12 +140,7 @@ class Flux2(nn.Module):
         self.double_stream_modulation_img = Modulation(hidden, double=True)
         self.double_stream_modulation_txt = Modulation(hidden, double=True)
         self.single_stream_modulation = Modulation(hidden, double=False)
-        self.final_layer = LastLayer(hidden, params.out_channels)
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the residual stack: the double-stream blocks, then the single-stream ones."""
-        return len(self.double_blocks) + len(self.single_blocks)
+        self.final_layer = LastLayer(hidden, 1, params.out_channels, bias=False)
 
     def embed(
         self,
@@ -163,11 +156,7 @@ class Flux2(nn.Module):
         if x.ndim != 3 or ctx.ndim != 3:
             raise ValueError("x and ctx must be [batch, tokens, channels]")
         dtype = x.dtype
-        vec = self.time_in(timestep_embedding(timesteps, 256).to(dtype))
-        if self.params.guidance_embed:
-            if guidance is None:
-                raise ValueError("this FLUX.2 model has a guidance embedding: pass guidance")
-            vec = vec + self.guidance_in(timestep_embedding(guidance, 256).to(dtype))
+        vec = time_guidance_vector(self, timesteps, guidance, dtype, "FLUX.2")
         freqs = rope_freqs(torch.cat((ctx_ids, x_ids), dim=1), self.params.axes_dim, self.params.theta)
         return Flux2Hidden(
             img=self.img_in(x),
@@ -180,9 +169,8 @@ class Flux2(nn.Module):
             backends=backends,
         )
 
-    def run_blocks(self, h: Flux2Hidden, start: int = 0, stop: int | None = None) -> Flux2Hidden:
-        """Blocks ``start`` to ``stop - 1`` of the stack (double-stream blocks first, then single-stream)."""
-        return run_stream_blocks(self, h, start, stop)
+    def run_block(self, h: Flux2Hidden, index: int) -> None:
+        run_stream_block(self, h, index)
 
     def finish(self, h: Flux2Hidden) -> torch.Tensor:
         """The final layer on the image tokens: velocity ``[B, L_img, 128]``."""
@@ -201,9 +189,9 @@ class Flux2(nn.Module):
     ) -> torch.Tensor:
         """``block_runner(model, hidden) -> hidden``, when given, runs the block stack in place of
         ``run_blocks`` (a step cache's hook); without one this is the reference forward."""
-        h = self.embed(x, x_ids, timesteps, ctx, ctx_ids, guidance, backends)
-        h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
-        return self.finish(h)
+        return self.run_stages(
+            self.embed(x, x_ids, timesteps, ctx, ctx_ids, guidance, backends), block_runner
+        )
 
 
 @dataclass
@@ -314,17 +302,13 @@ def flux2_velocity(
         raise ValueError(
             f"FLUX.2 conditioning must be {model.params.context_in_dim} wide, got {cond.context.shape[-1]}"
         )
-    guidance = None
-    if model.params.guidance_embed:
-        g = DEFAULT_GUIDANCE if cond.guidance is None else cond.guidance
-        guidance = torch.full((b,), float(g), device=x.device, dtype=torch.float32)
     out = model(
         x=pack_latent(x),
         x_ids=image_ids(b, h, w, device=x.device),
         timesteps=sigma,
         ctx=cond.context,
         ctx_ids=text_ids(b, cond.context.shape[1], device=x.device),
-        guidance=guidance,
+        guidance=guidance_input(model, cond, DEFAULT_GUIDANCE, b, x.device),
         block_runner=block_runner,
         backends=backends,
     )

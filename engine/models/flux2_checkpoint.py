@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
+from .checkpoint_keys import block_indices, fuse_rows, move_renamed, swap_halves
 from .flux2 import PRESETS, Flux2Params, default_axes_dim
-from .flux_checkpoint import _block_indices, _swap_halves  # the same key patterns as FLUX.1
 
 StateDict = dict[str, torch.Tensor]
 
@@ -80,31 +80,20 @@ def diffusers_to_official(sd: StateDict) -> StateDict:
     out: StateDict = {}
 
     def fuse(dst: str, parts: list[str]) -> None:
-        present = [p for p in parts if p in src]
-        if present and len(present) != len(parts):
-            missing = sorted(set(parts) - set(present))
-            raise CheckpointError("weights", f"diffusers FLUX.2 layout: {dst} needs {missing}")
-        if present:
-            out[dst] = torch.cat([src.pop(p) for p in parts], dim=0)
+        fuse_rows(src, out, dst, parts, "diffusers FLUX.2 layout")
 
-    for i in _block_indices(sd, "transformer_blocks."):
+    for i in block_indices(sd, "transformer_blocks."):
         p, q = f"transformer_blocks.{i}.attn.", f"double_blocks.{i}."
         fuse(q + "img_attn.qkv.weight", [f"{p}to_{n}.weight" for n in "qkv"])
         fuse(q + "txt_attn.qkv.weight", [f"{p}add_{n}_proj.weight" for n in "qkv"])
-        for a, b in _DOUBLE_RENAMES.items():
-            if f"transformer_blocks.{i}.{a}" in src:
-                out[q + b] = src.pop(f"transformer_blocks.{i}.{a}")
-    for i in _block_indices(sd, "single_transformer_blocks."):
+        move_renamed(src, out, _DOUBLE_RENAMES, f"transformer_blocks.{i}.", q)
+    for i in block_indices(sd, "single_transformer_blocks."):
         p, q = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        for a, b in _SINGLE_RENAMES.items():
-            if p + a in src:
-                out[q + b] = src.pop(p + a)
-    for a, b in DIFFUSERS_TOP_MODULES.items():
-        if f"{a}.weight" in src:
-            out[f"{b}.weight"] = src.pop(f"{a}.weight")
+        move_renamed(src, out, _SINGLE_RENAMES, p, q)
+    move_renamed(src, out, DIFFUSERS_TOP_MODULES, ends=(".weight",))  # FLUX.2 has no biases
     if "norm_out.linear.weight" in src:
         # diffusers' AdaLayerNormContinuous emits (scale, shift); the official final layer (shift, scale).
-        out["final_layer.adaLN_modulation.1.weight"] = _swap_halves(src.pop("norm_out.linear.weight"))
+        out["final_layer.adaLN_modulation.1.weight"] = swap_halves(src.pop("norm_out.linear.weight"))
     out.update(src)
     return out
 
@@ -164,8 +153,8 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> Flux2Pa
         context_in_dim=context_in_dim,
         hidden_size=hidden,
         num_heads=hidden // head_dim,
-        depth=len(_block_indices(sd, "double_blocks.")),
-        depth_single_blocks=len(_block_indices(sd, "single_blocks.")),
+        depth=len(block_indices(sd, "double_blocks.")),
+        depth_single_blocks=len(block_indices(sd, "single_blocks.")),
         axes_dim=axes,
         mlp_ratio=mlp_hidden / hidden,
         guidance_embed="guidance_in.in_layer.weight" in sd,

@@ -19,7 +19,7 @@ from torch import nn
 from ..backends import Backends
 from ..ops import Linear
 from ..rope import RopeFreqs
-from .flux_layers import MLPEmbedder, QKNorm, double_stream, norm_modulate, rope_attention, timestep_embedding
+from .flux_layers import LastLayer, MLPEmbedder, QKNorm, double_stream, single_stream, timestep_embedding
 
 __all__ = [
     "DoubleStreamBlock",
@@ -111,7 +111,8 @@ class SingleStreamBlock(nn.Module):
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.mlp_hidden_dim = int(hidden_size * mlp_ratio)
-        self.linear1 = Linear(hidden_size, hidden_size * 3 + 2 * self.mlp_hidden_dim, bias=False)
+        self.mlp_in_dim = 2 * self.mlp_hidden_dim  # gate and value, which the SiLU gate multiplies
+        self.linear1 = Linear(hidden_size, hidden_size * 3 + self.mlp_in_dim, bias=False)
         self.linear2 = Linear(hidden_size + self.mlp_hidden_dim, hidden_size, bias=False)
         self.norm = QKNorm(hidden_size // num_heads)
         self.pre_norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
@@ -119,25 +120,4 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, x, mod: ModTriple, freqs: RopeFreqs, txt_tokens: int = 0, *, backends: Backends):
         """``x [B, txt_tokens + L_img, C]``: the text tokens first, then the image tokens."""
-        shift, scale, gate = mod
-        qkv, mlp = torch.split(
-            self.linear1(norm_modulate(self.pre_norm, x, shift, scale, backends)),
-            [3 * self.hidden_size, 2 * self.mlp_hidden_dim],
-            -1,
-        )
-        q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(2)
-        q, k = self.norm(q, k, backends)
-        attn = rope_attention(q, k, v, freqs, txt_tokens, backends)
-        return x + gate * self.linear2(torch.cat((attn, self.mlp_act(mlp)), dim=2))
-
-
-class LastLayer(nn.Module):
-    def __init__(self, hidden_size: int, out_channels: int):
-        super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.linear = Linear(hidden_size, out_channels, bias=False)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden_size, 2 * hidden_size, bias=False))
-
-    def forward(self, x: torch.Tensor, vec: torch.Tensor, backends: Backends) -> torch.Tensor:
-        shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)
-        return self.linear(norm_modulate(self.norm_final, x, shift[:, None, :], scale[:, None, :], backends))
+        return single_stream(self, x, mod, freqs, txt_tokens, backends)

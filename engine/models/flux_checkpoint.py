@@ -7,11 +7,10 @@ final layer's (shift, scale) halves; :func:`diffusers_to_official` fuses and swa
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ..errors import CheckpointError
+from .checkpoint_keys import MODULE_ENDS, block_indices, fuse_rows, move_renamed, swap_halves
 from .flux import PRESETS, FluxParams, default_axes_dim
 
 StateDict = dict[str, torch.Tensor]
@@ -33,16 +32,6 @@ def is_diffusers(keys) -> bool:
         and any(k.startswith("transformer_blocks.") for k in keys)
         and "single_stream_modulation.linear.weight" not in keys  # diffusers' FLUX.2
     )
-
-
-def _block_indices(keys, prefix: str) -> list[int]:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    return sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
-
-
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat((second, first), dim=0)
 
 
 # diffusers module -> official module (also what engine/lora/names.py maps LoRA modules by)
@@ -86,48 +75,26 @@ def diffusers_to_official(sd: StateDict) -> StateDict:
     src = dict(sd)
     out: StateDict = {}
 
-    def take(key: str) -> torch.Tensor:
-        return src.pop(key)
-
     def fuse(dst: str, parts: list[str]) -> None:
         for end in ("weight", "bias"):
-            names = [f"{p}.{end}" for p in parts]
-            present = [n for n in names if n in src]
-            if present and len(present) != len(names):
-                missing = sorted(set(names) - set(present))
-                raise CheckpointError("weights", f"diffusers FLUX layout: {dst}.{end} needs {missing}")
-            if present:
-                out[f"{dst}.{end}"] = torch.cat([take(n) for n in names], dim=0)
+            fuse_rows(src, out, f"{dst}.{end}", [f"{p}.{end}" for p in parts], "diffusers FLUX layout")
 
-    for i in _block_indices(sd, "transformer_blocks."):
+    for i in block_indices(sd, "transformer_blocks."):
         p, q = f"transformer_blocks.{i}.", f"double_blocks.{i}."
         fuse(q + "img_attn.qkv", [p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"])
         fuse(q + "txt_attn.qkv", [p + "attn.add_q_proj", p + "attn.add_k_proj", p + "attn.add_v_proj"])
-        for a, b in DIFFUSERS_DOUBLE_MODULES.items():
-            for end in ("weight", "bias"):
-                if f"{p}{a}.{end}" in src:
-                    out[f"{q}{b}.{end}"] = take(f"{p}{a}.{end}")
-        for a, b in _DOUBLE_NORMS.items():
-            if p + a in src:
-                out[q + b] = take(p + a)
-    for i in _block_indices(sd, "single_transformer_blocks."):
+        move_renamed(src, out, DIFFUSERS_DOUBLE_MODULES, p, q, MODULE_ENDS)
+        move_renamed(src, out, _DOUBLE_NORMS, p, q)
+    for i in block_indices(sd, "single_transformer_blocks."):
         p, q = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
         fuse(q + "linear1", [p + "attn.to_q", p + "attn.to_k", p + "attn.to_v", p + "proj_mlp"])
-        for a, b in DIFFUSERS_SINGLE_MODULES.items():
-            for end in ("weight", "bias"):
-                if f"{p}{a}.{end}" in src:
-                    out[f"{q}{b}.{end}"] = take(f"{p}{a}.{end}")
-        for a, b in _SINGLE_NORMS.items():
-            if p + a in src:
-                out[q + b] = take(p + a)
-    for a, b in DIFFUSERS_TOP_MODULES.items():
-        for end in ("weight", "bias"):
-            if f"{a}.{end}" in src:
-                out[f"{b}.{end}"] = take(f"{a}.{end}")
+        move_renamed(src, out, DIFFUSERS_SINGLE_MODULES, p, q, MODULE_ENDS)
+        move_renamed(src, out, _SINGLE_NORMS, p, q)
+    move_renamed(src, out, DIFFUSERS_TOP_MODULES, ends=MODULE_ENDS)
     for end in ("weight", "bias"):
         # diffusers' AdaLayerNormContinuous emits (scale, shift); the official final layer (shift, scale).
         if f"norm_out.linear.{end}" in src:
-            out[f"final_layer.adaLN_modulation.1.{end}"] = _swap_halves(take(f"norm_out.linear.{end}"))
+            out[f"final_layer.adaLN_modulation.1.{end}"] = swap_halves(src.pop(f"norm_out.linear.{end}"))
     out.update(src)
     return out
 
@@ -160,8 +127,8 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> FluxPar
         hidden_size=hidden,
         mlp_ratio=mlp_hidden / hidden,
         num_heads=hidden // head_dim,
-        depth=len(_block_indices(sd, "double_blocks.")),
-        depth_single_blocks=len(_block_indices(sd, "single_blocks.")),
+        depth=len(block_indices(sd, "double_blocks.")),
+        depth_single_blocks=len(block_indices(sd, "single_blocks.")),
         axes_dim=axes,
         qkv_bias="double_blocks.0.img_attn.qkv.bias" in sd,
         guidance_embed="guidance_in.in_layer.weight" in sd,

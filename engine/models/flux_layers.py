@@ -181,6 +181,7 @@ class SingleStreamBlock(nn.Module):
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.mlp_hidden_dim = int(hidden_size * mlp_ratio)
+        self.mlp_in_dim = self.mlp_hidden_dim  # the MLP's share of linear1's output
         self.linear1 = Linear(hidden_size, hidden_size * 3 + self.mlp_hidden_dim)
         self.linear2 = Linear(hidden_size + self.mlp_hidden_dim, hidden_size)
         self.norm = QKNorm(hidden_size // num_heads)
@@ -190,24 +191,35 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, x, vec, freqs: RopeFreqs, txt_tokens: int = 0, *, backends: Backends):
         """``x [B, txt_tokens + L_img, C]``: the text tokens first, then the image tokens."""
-        shift, scale, gate = self.modulation(vec)
-        qkv, mlp = torch.split(
-            self.linear1(norm_modulate(self.pre_norm, x, shift, scale, backends)),
-            [3 * self.hidden_size, self.mlp_hidden_dim],
-            -1,
-        )
-        q, k, v = qkv.unflatten(-1, (3, self.num_heads, -1)).unbind(2)
-        q, k = self.norm(q, k, backends)
-        attn = rope_attention(q, k, v, freqs, txt_tokens, backends)
-        return x + gate * self.linear2(torch.cat((attn, self.mlp_act(mlp)), dim=2))
+        return single_stream(self, x, self.modulation(vec), freqs, txt_tokens, backends)
+
+
+def single_stream(block: nn.Module, x, mod, freqs: RopeFreqs, txt_tokens: int, backends: Backends):
+    """The single-stream update of FLUX.1 and FLUX.2 (they differ in where the modulation comes from and in the
+    MLP): ``mod`` is the (shift, scale, gate) triple; ``block`` holds ``pre_norm``, ``linear1`` (qkv, then
+    ``mlp_in_dim`` MLP inputs), ``norm``, ``mlp_act`` and ``linear2``."""
+    shift, scale, gate = mod
+    qkv, mlp = torch.split(
+        block.linear1(norm_modulate(block.pre_norm, x, shift, scale, backends)),
+        [3 * block.hidden_size, block.mlp_in_dim],
+        -1,
+    )
+    q, k, v = qkv.unflatten(-1, (3, block.num_heads, -1)).unbind(2)
+    q, k = block.norm(q, k, backends)
+    attn = rope_attention(q, k, v, freqs, txt_tokens, backends)
+    return x + gate * block.linear2(torch.cat((attn, block.mlp_act(mlp)), dim=2))
 
 
 class LastLayer(nn.Module):
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+    """adaLN (shift and scale from the conditioning vector) then the projection to the output patches."""
+
+    def __init__(
+        self, hidden_size: int, patch_size: int, out_channels: int, bias: bool = True
+    ):  # FLUX.2: no bias
         super().__init__()
         self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.linear = Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden_size, 2 * hidden_size, bias=True))
+        self.linear = Linear(hidden_size, patch_size * patch_size * out_channels, bias=bias)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), Linear(hidden_size, 2 * hidden_size, bias=bias))
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor, backends: Backends) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)

@@ -16,7 +16,6 @@ the model (a step cache) can run part of the block stack; the model imports none
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import RopeFreqs, rope_freqs
+from .staged import StagedHidden, StagedModel
 from .wan_layers import Head, WanAttentionBlock
 
 
@@ -79,8 +79,9 @@ def sinusoidal_embedding(dim: int, position: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=1)
 
 
-class Wan(nn.Module):
+class Wan(StagedModel):
     family = "wan"
+    block_stacks = ("blocks",)
 
     def __init__(self, params: WanParams):
         super().__init__()
@@ -158,11 +159,7 @@ class Wan(nn.Module):
         x = torch.einsum("bfhwpqrc->bcfphqwr", x)
         return x.reshape(tokens.shape[0], c, f * pt, h * ph, w * pw)
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    # -- stages: forward = finish(run_blocks(embed(...))), so a step cache can run part of the stack ------------
+    # -- stages (engine.models.staged), so a step cache can run part of the stack -------------------------------
     def embed(
         self,
         x: torch.Tensor,
@@ -187,23 +184,16 @@ class Wan(nn.Module):
         ctx = context_embedded if context_embedded is not None else self.embed_context(context)
         if freqs is None:
             freqs = self.rope(grid, start_frame, x.device) if kv is None else kv.query_rope()
-        return WanHidden(tokens, e, e0, freqs, ctx, grid, kv, cross_kv, backends)
+        return WanHidden(tokens, e, e0, freqs, ctx, grid, kv, cross_kv, backends=backends)
 
-    def run_blocks(self, h: WanHidden, start: int = 0, stop: int | None = None) -> WanHidden:
-        """Blocks ``start`` to ``stop - 1``."""
-        stop = self.num_blocks if stop is None else stop
-        tokens = h.tokens
-        for i in range(start, stop):
-            if h.interrupt_check is not None:  # the host's Cancel: a flag read, no device sync
-                h.interrupt_check()
-            block = self.blocks[i]
-            tokens = block(
-                tokens, h.e0, h.freqs, h.ctx, h.grid[0],
-                kv=None if h.kv is None else h.kv.layer(i),
-                cross_kv=None if h.cross_kv is None else h.cross_kv.layer(i),
-                backends=h.backends,
-            )  # fmt: skip
-        return dataclasses.replace(h, tokens=tokens)
+    def run_block(self, h: WanHidden, index: int) -> None:
+        """Block ``index``, with that layer's view of the causal KV cache and of the text keys/values."""
+        h.tokens = self.blocks[index](
+            h.tokens, h.e0, h.freqs, h.ctx, h.grid[0],
+            kv=None if h.kv is None else h.kv.layer(index),
+            cross_kv=None if h.cross_kv is None else h.cross_kv.layer(index),
+            backends=h.backends,
+        )  # fmt: skip
 
     def finish(self, h: WanHidden) -> torch.Tensor:
         """The head and unpatchify: velocity ``[B, C, F, H, W]`` in float32."""
@@ -236,12 +226,11 @@ class Wan(nn.Module):
             x, timestep, context, context_embedded=context_embedded, start_frame=start_frame, kv=kv,
             cross_kv=cross_kv, freqs=freqs, backends=backends,
         )  # fmt: skip
-        h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
-        return self.finish(h)
+        return self.run_stages(h, block_runner)
 
 
 @dataclass
-class WanHidden:
+class WanHidden(StagedHidden):
     """The residual stream between two stages of one forward (tokens float32 ``[B, F*T, C]``)."""
 
     tokens: torch.Tensor
@@ -252,8 +241,6 @@ class WanHidden:
     grid: tuple[int, int, int]
     kv: object = None
     cross_kv: object = None
-    backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
-    interrupt_check: Callable[[], None] | None = None  # the host's Cancel check, before each block
 
     @property
     def stream(self) -> torch.Tensor:

@@ -7,11 +7,10 @@ ComfyUI repacks put it under ``model.diffusion_model.``; ``engine.weights`` unwr
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ..errors import CheckpointError
+from .checkpoint_keys import block_indices
 from .wan import PRESETS, WanParams
 
 StateDict = dict[str, torch.Tensor]
@@ -37,7 +36,7 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> WanPara
             f"{source} is a Wan image-to-video model (cross_attn.k_img); "
             "only text-to-video Wan models are supported",
         )
-    layers = len({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
+    layers = len(block_indices(sd, "blocks."))
     patch = tuple(patch)
     heads = _heads_for(dim)
     return WanParams(

@@ -18,18 +18,7 @@ from torch import nn
 from ..backends import Backends
 from ..ops import Linear
 from ..rope import RopeFreqs
-
-
-class WanRMSNorm(nn.Module):
-    """RMS norm over the whole hidden size (q/k norm before the heads are split), computed in float32."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, backends: Backends) -> torch.Tensor:
-        return backends.rms_norm(x, self.weight, self.eps)
+from .norms import RMSNorm
 
 
 class WanLayerNorm(nn.LayerNorm):
@@ -52,8 +41,8 @@ class WanSelfAttention(nn.Module):
         self.k = Linear(dim, dim)
         self.v = Linear(dim, dim)
         self.o = Linear(dim, dim)
-        self.norm_q = WanRMSNorm(dim, eps)
-        self.norm_k = WanRMSNorm(dim, eps)
+        self.norm_q = RMSNorm(dim, eps)  # over the whole width, before the heads are split
+        self.norm_k = RMSNorm(dim, eps)
 
     def forward(self, x: torch.Tensor, freqs: RopeFreqs, kv, backends: Backends) -> torch.Tensor:
         b, s = x.shape[:2]

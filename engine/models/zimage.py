@@ -24,7 +24,6 @@ The forward is three stages, ``finish(run_blocks(embed(...)))``, as FLUX's: ``em
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +33,11 @@ from torch import nn
 from ..backends import DEFAULT_BACKENDS, Backends
 from ..ops import Linear
 from ..rope import RopeFreqs, axis_angles
+from .norms import RMSNorm
+from .staged import StagedHidden, StagedModel, check_head_split, replace_after_prefix
 from .zimage_layers import (
     TIME_MID_SIZE,
     FinalLayer,
-    RMSNorm,
     TimestepEmbedder,
     ZImageTransformerBlock,
     adaln_dim,
@@ -145,7 +145,7 @@ def unpatchify(tokens: torch.Tensor, height: int, width: int, patch_size: int) -
 
 
 @dataclass
-class ZImageHidden:
+class ZImageHidden(StagedHidden):
     """The single-stream sequence ``joint [B, txt_tokens + img_padded, dim]`` (caption first) between stages."""
 
     joint: torch.Tensor
@@ -155,8 +155,6 @@ class ZImageHidden:
     img_tokens: int  # real image tokens (before the image padding)
     height: int  # latent height and width, for unpatchify
     width: int
-    backends: Backends = DEFAULT_BACKENDS  # how this run computes attention, norms and RoPE
-    interrupt_check: Callable[[], None] | None = None  # the host's Cancel check, before each block
 
     @property
     def stream(self) -> torch.Tensor:
@@ -165,18 +163,18 @@ class ZImageHidden:
 
     def with_stream(self, img: torch.Tensor) -> ZImageHidden:
         """The same state with other image tokens (a step cache's reused result)."""
-        return dataclasses.replace(self, joint=torch.cat((self.joint[:, : self.txt_tokens], img), dim=1))
+        return dataclasses.replace(self, joint=replace_after_prefix(self.joint, self.txt_tokens, img))
 
 
-class ZImage(nn.Module):
+class ZImage(StagedModel):
     family = "zimage"
+    block_stacks = ("layers",)  # the refiners run inside embed: a step cache sees the single-stream layers
 
     def __init__(self, params: ZImageParams):
         super().__init__()
-        if params.dim % params.n_heads:
-            raise ValueError(f"dim {params.dim} is not divisible by {params.n_heads} heads")
-        if sum(params.axes_dims) != params.head_dim:
-            raise ValueError(f"axes_dims {params.axes_dims} does not sum to the head size {params.head_dim}")
+        check_head_split(
+            params.dim, params.n_heads, params.axes_dims, width_name="dim", axes_name="axes_dims"
+        )
         if params.f_patch_size != 1:
             raise ValueError("only image models (f_patch_size 1) are supported")
         self.params = params
@@ -205,11 +203,6 @@ class ZImage(nn.Module):
         self.layers = nn.ModuleList(
             ZImageTransformerBlock(**block, modulation=True) for _ in range(params.n_layers)
         )
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks of the residual stack a step cache sees: the single-stream ``layers``."""
-        return len(self.layers)
 
     def embed(
         self, x: torch.Tensor, t: torch.Tensor, cap_feats: torch.Tensor, backends: Backends = DEFAULT_BACKENDS
@@ -267,15 +260,11 @@ class ZImage(nn.Module):
             backends=backends,
         )
 
-    def run_blocks(self, h: ZImageHidden, start: int = 0, stop: int | None = None) -> ZImageHidden:
-        """Single-stream layers ``start`` to ``stop - 1``."""
-        stop = self.num_blocks if stop is None else stop
-        joint = h.joint
-        for i in range(start, stop):
-            if h.interrupt_check is not None:  # the host's Cancel: a flag read, no device sync
-                h.interrupt_check()
-            joint = self.layers[i](joint, h.freqs, h.vec, replicated_prefix=h.txt_tokens, backends=h.backends)
-        return dataclasses.replace(h, joint=joint)
+    def run_block(self, h: ZImageHidden, index: int) -> None:
+        """Single-stream layer ``index`` (the caption prefix is replicated under sequence parallelism)."""
+        h.joint = self.layers[index](
+            h.joint, h.freqs, h.vec, replicated_prefix=h.txt_tokens, backends=h.backends
+        )
 
     def finish(self, h: ZImageHidden) -> torch.Tensor:
         """The final layer on the real image tokens -> the reference output ``[B, C, H, W]``."""
@@ -294,9 +283,7 @@ class ZImage(nn.Module):
         """``block_runner(model, hidden) -> hidden``, when given, runs the single-stream stack in place of
         ``run_blocks`` (a step cache's hook); without one this is the reference forward. ``backends``: how this
         run computes attention, norms and RoPE (``engine.backends``)."""
-        h = self.embed(x, t, cap_feats, backends)
-        h = self.run_blocks(h) if block_runner is None else block_runner(self, h)
-        return self.finish(h)
+        return self.run_stages(self.embed(x, t, cap_feats, backends), block_runner)
 
 
 def random_inputs(

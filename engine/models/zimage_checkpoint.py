@@ -19,6 +19,7 @@ import re
 import torch
 
 from ..errors import CheckpointError
+from .checkpoint_keys import block_indices
 from .zimage import PRESETS, ZImageParams
 from .zimage_layers import ffn_hidden_dim
 
@@ -89,11 +90,6 @@ def comfy_to_official(sd: StateDict, patch_key: str = "2-1") -> StateDict:
             key = key.replace(a, b)
         out[key] = value
     return out
-
-
-def _block_indices(keys, prefix: str) -> list[int]:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    return sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
 
 
 def default_axes_dims(head_dim: int) -> tuple[int, ...] | None:
@@ -176,8 +172,8 @@ def params_from_state_dict(sd: StateDict, source: str = "checkpoint") -> ZImageP
         patch_size=patch_size,
         f_patch_size=f_patch_size,
         dim=dim,
-        n_layers=len(_block_indices(sd, "layers.")),
-        n_refiner_layers=len(_block_indices(sd, "noise_refiner.")),
+        n_layers=len(block_indices(sd, "layers.")),
+        n_refiner_layers=len(block_indices(sd, "noise_refiner.")),
         n_heads=dim // head_dim,
         n_kv_heads=dim // head_dim,
         qk_norm=qk_norm,

@@ -22,6 +22,7 @@ from ..backends import Backends
 from ..ops import Linear
 from ..rope import RopeFreqs
 from .flux_layers import timestep_embedding
+from .norms import RMSNorm
 
 ADALN_EMBED_DIM = 256  # src/config/model.py ADALN_EMBED_DIM: the modulation input is min(dim, 256) wide
 FREQUENCY_EMBEDDING_SIZE = 256
@@ -30,16 +31,6 @@ TIME_MID_SIZE = 1024  # TimestepEmbedder(mid_size=1024) in the reference
 
 def adaln_dim(dim: int) -> int:
     return min(dim, ADALN_EMBED_DIM)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, backends: Backends) -> torch.Tensor:
-        return backends.rms_norm(x, self.weight, self.eps)
 
 
 class TimestepEmbedder(nn.Module):

@@ -13,13 +13,14 @@ than the device reports free. A refusal then lists what is held, so that a user 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import InputError
 from ..settings import MAX_MEMORY_GB, env_float
 from ..units import format_bytes
-from .ledger import LEDGER
+from .ledger import LEDGER, Holding
 
 # Keep a margin for what the estimate does not see (allocator fragmentation, the host's own working set).
 USABLE_FRACTION = 0.9
@@ -101,15 +102,46 @@ def device_free_bytes(device: torch.device | str | None = None) -> int:
     return _host_available_bytes()
 
 
-def available_bytes(device: torch.device | str | None = None) -> int:
-    """Bytes this process can still allocate on ``device``: what the device reports free and, under
-    ``FEWSTEP_MEMORY_LIMIT_GB``, no more than the limit less what the pack already holds there (the ledger)."""
-    budget = device_free_bytes(device)
-    limit = _limit_bytes()
-    if limit is not None:
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What work may still allocate on one device, read once: the refusal of :func:`check_fits` states the very
+    figures its decision used (the ledger measures worker pools live, so a second read could differ)."""
+
+    device: torch.device
+    free: int  # what the device reports this process can still allocate (device_free_bytes)
+    limit: int | None  # FEWSTEP_MEMORY_LIMIT_GB in bytes (None: unset)
+    holdings: tuple[Holding, ...]  # what the pack holds on the device (read only under the limit)
+
+    @property
+    def held(self) -> int:
+        return sum(h.nbytes for h in self.holdings)
+
+    @property
+    def available(self) -> int:
+        """The device's free memory and, under the limit, no more than the limit less what the pack holds."""
+        if self.limit is None:
+            return self.free
         # the device's free memory has the pack's holdings taken out already: the min subtracts them once
-        budget = min(budget, max(0, limit - LEDGER.held_bytes(device)))
-    return budget
+        return min(self.free, max(0, self.limit - self.held))
+
+    @property
+    def usable(self) -> int:
+        """What one estimate may add up to (:data:`USABLE_FRACTION` of :attr:`available`)."""
+        return int(self.available * USABLE_FRACTION)
+
+
+def memory_budget(device: torch.device | str | None = None) -> MemoryBudget:
+    """The device's :class:`MemoryBudget` now (the one place ``FEWSTEP_MEMORY_LIMIT_GB`` and the ledger meet)."""
+    device = torch.device(device or "cpu")
+    free = device_free_bytes(device)
+    limit = _limit_bytes()
+    holdings = tuple(LEDGER.holdings(device)) if limit is not None else ()
+    return MemoryBudget(device, free, limit, holdings)
+
+
+def available_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes this process can still allocate on ``device`` (:attr:`MemoryBudget.available`)."""
+    return memory_budget(device).available
 
 
 def check_fits(
@@ -125,23 +157,24 @@ def check_fits(
     message lists them, the total and the budget; ``hint`` says what to change (a smaller preset, fewer frames).
     """
     total = int(sum(parts.values()))
-    budget = int(available_bytes(device) * USABLE_FRACTION)
-    if total > budget:
+    budget = memory_budget(device)
+    if total > budget.usable:
         detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
-        dev = torch.device(device or "cpu")
+        dev = budget.device
         where_mem = "free GPU memory" if dev.type == "cuda" else "available host memory"
-        limit = _limit_bytes()
-        held = LEDGER.describe(dev) if limit is not None else ""
-        if held:
+        held = ""
+        if budget.holdings:
             held = (
-                f". FEWSTEP_MEMORY_LIMIT_GB allows the pack {format_bytes(limit)} in all and it already holds "
-                f"{format_bytes(LEDGER.held_bytes(dev))} on {dev} ({held}): free some of it (unload models, end "
-                "video sessions) or raise the limit"
+                f". FEWSTEP_MEMORY_LIMIT_GB allows the pack {format_bytes(budget.limit)} in all and it already "
+                f"holds {format_bytes(budget.held)} on {dev} ({', '.join(h.describe() for h in budget.holdings)})"
+                ": free some of it (unload models, end video sessions) or raise the limit"
             )
         raise InputError(
             input_name,
-            f"this needs about {format_bytes(total)} ({detail}) but only {format_bytes(budget)} of {where_mem} "
-            f"can be used on {dev}; refused before allocating" + (f". {hint}" if hint else "") + held,
+            f"this needs about {format_bytes(total)} ({detail}) but only {format_bytes(budget.usable)} of "
+            f"{where_mem} can be used on {dev}; refused before allocating"
+            + (f". {hint}" if hint else "")
+            + held,
             where,
         )
     return total

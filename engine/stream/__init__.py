@@ -18,7 +18,6 @@ from .pipeline import (
     StreamStats,
     check_frame_size,
     check_frames,
-    check_model,
     check_tiny_vae,
     frame_geometry,
 )
@@ -37,7 +36,6 @@ __all__ = [
     "advance",
     "check_frame_size",
     "check_frames",
-    "check_model",
     "check_tiny_vae",
     "cosine_similarity",
     "frame_geometry",

@@ -72,7 +72,7 @@ from ..denoiser import concat_conditions
 from ..errors import InputError
 from ..handle import ModelHandle
 from ..run import RunOptions, open_run
-from ..text_to_image import check_condition
+from ..text_to_image import ImageModelUse, check_condition, check_image_model
 from ..vae.tiny import variants_for
 from .config import StreamConfig
 from .guidance import advance, guided_velocity, residual_velocity
@@ -127,22 +127,12 @@ class StreamStats:
         return [rows for rows, n in self.row_runs for _ in range(n)]
 
 
-def check_model(handle: ModelHandle, input_name: str = "model") -> None:
-    fam = handle.family
-    if not fam.is_image:
-        raise InputError(
-            input_name,
-            f"the stream batch runs FLUX-family image DiTs and Z-Image (img2img per frame); {fam.name} is a video "
-            "model: use the causal video sampler",
-        )
-    fmt = fam.latent_format
-    if handle.params.latent_channels != fmt.channels:
-        raise InputError(
-            input_name,
-            f"this checkpoint takes {handle.params.in_channels} input channels per token (an inpainting/control "
-            f"variant); the stream batch needs the {fmt.channels}-channel {fmt.name} latent of "
-            f"{fam.image.description}",
-        )
+# The stream batch's words for the refusals of text_to_image.check_image_model.
+STREAM_BATCH = ImageModelUse(
+    video="the stream batch runs FLUX-family image DiTs and Z-Image (img2img per frame); {family} is a video "
+    "model: use the causal video sampler",
+    latent="the stream batch needs the {channels}-channel {latent} latent of {description}",
+)
 
 
 def _same_space(tiny_vae, fmt) -> bool:
@@ -285,7 +275,7 @@ class StreamBatch:
     ):
         config = config or StreamConfig()
         config.check()
-        check_model(handle)
+        check_image_model(handle, use=STREAM_BATCH)
         if tiny_vae is not None:
             check_tiny_vae(tiny_vae, handle)
         self.geometry = frame_geometry(handle, tiny_vae)

@@ -65,14 +65,13 @@ import torch
 from torch import nn
 
 from ... import kernels
-from ...kernels.kv_quant import QuantizedAttentionInputs, group_bytes, packed_dim
+from ...kernels import kv_quant
+from ...kernels.kv_quant import QuantizedAttentionInputs, packed_dim
 from ..backends import DEFAULT_BACKENDS, Backends
 from ..errors import InputError
 from ..rope import RopeFreqs
 
 ROPE_MODES = ("cache", "absolute")
-KV_DTYPES = ("bf16", "int8", "int4")
-_KV_BITS = {"bf16": None, "int8": 8, "int4": 4}
 
 
 @dataclass(frozen=True)
@@ -129,17 +128,119 @@ class WindowSpec:
         return key_frame < end and (key_frame < self.sink_frames or key_frame >= end - self.ring_frames)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """How ``kv_dtype`` stores a (token, head) row of K or V once it is out of the full-precision slots."""
+
+    name: str
+    bits: int | None  # None: unquantized, in the compute dtype (bf16 on a GPU)
+    note: str
+
+    def group_bytes(self, head_dim: int, element_size: int = 2) -> int:
+        """Bytes of one (token, head) row of K or of V (unquantized: ``element_size``, the compute dtype's)."""
+        if self.bits is None:
+            return element_size * head_dim
+        return kv_quant.group_bytes(head_dim, self.bits)  # codes + float16 scale + float16 zero point
+
+
+KV_LAYOUTS: dict[str, KVLayout] = {
+    k.name: k
+    for k in (
+        KVLayout("bf16", None, "the compute dtype, unquantized"),
+        KVLayout("int8", 8, "uint8 codes + fp16 scale and zero point per (token, head)"),
+        KVLayout("int4", 4, "two 4-bit codes per byte + fp16 scale and zero point per (token, head)"),
+    )
+}
+KV_DTYPES = tuple(KV_LAYOUTS)
+
+
+def kv_layout(name: str, input_name: str = "kv_dtype") -> KVLayout:
+    if name not in KV_LAYOUTS:
+        raise InputError(input_name, f"unknown KV cache dtype {name!r}; known: {', '.join(KV_LAYOUTS)}")
+    return KV_LAYOUTS[name]
+
+
+def kv_bytes_per_token(
+    layers: int, heads: int, head_dim: int, layout: KVLayout, element_size: int = 2
+) -> int:
+    """K and V of one token over every layer (batch 1), as ``layout`` stores it (``element_size``: the compute
+    dtype's, for unquantized rows)."""
+    return 2 * layers * heads * layout.group_bytes(head_dim, element_size)
+
+
+@dataclass(frozen=True)
+class KVFrames:
+    """Latent frames of K/V by how they are stored: ``full`` frames of K and V in the compute dtype (the sinks
+    included), ``quantized`` frames of K and V (int8 / int4), ``sink_copies`` frames of unrotated sink keys (K
+    only, compute dtype). Either the slots a cache allocates (:meth:`allocated`) or the ones it fills."""
+
+    full: int
+    quantized: int
+    sink_copies: int
+
+    @classmethod
+    def allocated(cls, window: WindowSpec, bits: int | None, keep_recent_chunks: int, rope: str) -> KVFrames:
+        """The slots of a cache (see the module docstring): unquantized, the whole window in the compute dtype;
+        quantized, the sinks and the current and ``keep_recent_chunks`` newest chunks in the compute dtype and
+        the rest of the window quantized; ``rope="cache"`` adds a copy of the sinks' keys."""
+        ring = window.ring_frames
+        full_ring = ring if bits is None else (keep_recent_chunks + 1) * window.chunk_frames
+        sink_copies = window.sink_frames if rope == "cache" else 0
+        return cls(window.sink_frames + full_ring, ring - full_ring, sink_copies)
+
+    def nbytes(self, tokens_per_frame: int, full_token: int, quantized_token: int) -> int:
+        """Bytes of these frames; ``full_token`` / ``quantized_token``: K and V of one token, every layer and
+        batch row, in the compute dtype / quantized."""
+        keys_only = full_token // 2
+        return tokens_per_frame * (
+            self.full * full_token + self.quantized * quantized_token + self.sink_copies * keys_only
+        )
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    per_token: int  # as stored for good (quantized for int8 / int4), every batch row
+    per_chunk: int  # one chunk's tokens at per_token
+    window: int  # the cache's allocation: KVCache.nbytes
+    full_frames: int  # frame slots kept in the compute dtype (all of them unquantized)
+    quantized_frames: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def kv_cache_bytes(
+    layers: int, batch: int, tokens_per_frame: int, heads: int, head_dim: int, window: WindowSpec,
+    dtype: torch.dtype = torch.bfloat16, kv_dtype: str = "bf16", keep_recent_chunks: int = 1, rope: str = "cache",
+) -> KVBytes:  # fmt: skip
+    """THE formula for the bytes of a :class:`KVCache` built with the same arguments (``dtype``: the compute
+    dtype), computed without allocating: the planner, the memory preflight of a session and the pool's session
+    size all read it, and a cache allocates exactly ``.window`` bytes (``KVCache.nbytes``)."""
+    layout = kv_layout(kv_dtype)
+    element_size = dtype.itemsize
+    full_token = batch * kv_bytes_per_token(layers, heads, head_dim, KV_LAYOUTS["bf16"], element_size)
+    token = batch * kv_bytes_per_token(layers, heads, head_dim, layout, element_size)
+    frames = KVFrames.allocated(window, layout.bits, keep_recent_chunks, rope)
+    return KVBytes(
+        per_token=token,
+        per_chunk=token * tokens_per_frame * window.chunk_frames,
+        window=frames.nbytes(tokens_per_frame, full_token, token),
+        full_frames=frames.full,
+        quantized_frames=frames.quantized,
+    )
+
+
 def check_kv_storage(
     kv_dtype: str, keep_recent_chunks: int, window: WindowSpec, head_dim: int, where: str | None = None
 ) -> int | None:
     """The quantization bits of ``kv_dtype`` (None: unquantized), or an :class:`InputError`."""
-    if kv_dtype not in _KV_BITS:
+    if kv_dtype not in KV_LAYOUTS:
         raise InputError(
             "kv_dtype",
             f"unsupported KV storage {kv_dtype!r}; expected bf16 (the compute dtype, unquantized), int8 or int4",
             where,
         )
-    bits = _KV_BITS[kv_dtype]
+    bits = KV_LAYOUTS[kv_dtype].bits
     if bits is None:
         return None
     if bits == 4 and head_dim % 2:
@@ -266,10 +367,10 @@ class KVCache(nn.Module):
         self.rope = rope
         # frame slots: [0, sinks) for the sinks, then a ring of `full_ring` full-precision slots; quantized
         # storage: a ring of `quant_ring` slots (see the module docstring)
-        ring = window.ring_frames
-        self.full_ring = ring if self.bits is None else (keep_recent_chunks + 1) * window.chunk_frames
-        self.quant_ring = ring - self.full_ring
-        full_frames = window.sink_frames + self.full_ring
+        frames = KVFrames.allocated(window, self.bits, keep_recent_chunks, rope)  # what kv_cache_bytes counts
+        full_frames = frames.full
+        self.full_ring = full_frames - window.sink_frames
+        self.quant_ring = frames.quantized
         shape = (batch, full_frames * tokens_per_frame, heads, head_dim)
         self._storage: list[str] = []  # the K/V buffers (what nbytes counts)
         for i in range(layers):
@@ -277,9 +378,9 @@ class KVCache(nn.Module):
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
                 self._storage.append(name)
         # rope="cache" with sinks: each layer's sink keys unrotated, the source `begin` re-positions them from
-        self.sink_copies = rope == "cache" and window.sink_frames > 0
+        self.sink_copies = frames.sink_copies > 0
         if self.sink_copies:
-            sink_shape = (batch, window.sink_frames * tokens_per_frame, heads, head_dim)
+            sink_shape = (batch, frames.sink_copies * tokens_per_frame, heads, head_dim)
             for i in range(layers):
                 self.register_buffer(
                     f"sink_k{i}", torch.zeros(sink_shape, dtype=dtype, device=device), persistent=False
@@ -368,23 +469,25 @@ class KVCache(nn.Module):
     def v_quant(self) -> list[QuantizedKV]:
         return [self.layer_quant(i)[1] for i in range(self.layers)] if self.quant_ring else []
 
-    # -- accounting ----------------------------------------------------------------------------------------------
+    # -- accounting: the one formula of the module (kv_cache_bytes / KVFrames) -----------------------------------
     @staticmethod
     def planned_bytes(
         layers: int, batch: int, tokens_per_frame: int, heads: int, head_dim: int, window: WindowSpec,
         dtype: torch.dtype, kv_dtype: str = "bf16", keep_recent_chunks: int = 1, rope: str = "cache",
     ) -> int:  # fmt: skip
-        """The :attr:`nbytes` a cache built with these arguments will allocate, computed without allocating (the
-        memory preflight refuses a window that cannot fit before its buffers are zero-filled)."""
-        bits = _KV_BITS[kv_dtype]
-        ring = window.ring_frames
-        full_ring = ring if bits is None else (keep_recent_chunks + 1) * window.chunk_frames
-        rows = 2 * layers * batch * tokens_per_frame * heads  # K and V rows per frame slot, all layers
-        elt = torch.empty((), dtype=dtype).element_size()
-        full = (window.sink_frames + full_ring) * rows * head_dim * elt
-        quantized = 0 if bits is None else (ring - full_ring) * rows * group_bytes(head_dim, bits)
-        sink_copies = window.sink_frames * rows // 2 * head_dim * elt if rope == "cache" else 0  # keys only
-        return full + quantized + sink_copies
+        """The :attr:`nbytes` a cache built with these arguments will allocate (:func:`kv_cache_bytes`)."""
+        return kv_cache_bytes(
+            layers,
+            batch,
+            tokens_per_frame,
+            heads,
+            head_dim,
+            window,
+            dtype,
+            kv_dtype,
+            keep_recent_chunks,
+            rope,
+        ).window
 
     @property
     def nbytes(self) -> int:
@@ -395,23 +498,28 @@ class KVCache(nn.Module):
     def bytes_per_token(self) -> int:
         """``2 x heads x head_dim x layers x element size``: K and V of one full-precision token, all layers."""
         k0 = self.layer_kv(0)[0]
-        b, _, h, d = k0.shape
-        return 2 * h * d * self.layers * k0.element_size()
+        _, _, heads, head_dim = k0.shape
+        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS["bf16"], k0.element_size())
 
     def quantized_bytes_per_token(self) -> int:
         """``2 x heads x (codes + scale + zero point) x layers``: K and V of one quantized token (0 if none)."""
         if self.bits is None:
             return 0
-        b, _, h, d = self.layer_kv(0)[0].shape
-        return 2 * h * group_bytes(d, self.bits) * self.layers
+        _, _, heads, head_dim = self.layer_kv(0)[0].shape
+        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS[self.kv_dtype])
 
     def bytes_used(self) -> int:
         """Bytes of the occupied slots (full precision and quantized) and sink copies, all layers and the whole
         batch."""
-        full = sum(f is not None for f in self.slot_frame) * self.bytes_per_token()
-        quant = sum(f is not None for f in self.quant_slot_frame) * self.quantized_bytes_per_token()
-        copies = self.sinks_copied * self.bytes_per_token() // 2  # keys only
-        return (full + quant + copies) * self.tokens_per_frame * self.layer_kv(0)[0].shape[0]
+        filled = KVFrames(
+            full=sum(f is not None for f in self.slot_frame),
+            quantized=sum(f is not None for f in self.quant_slot_frame),
+            sink_copies=self.sinks_copied,
+        )
+        batch = self.layer_kv(0)[0].shape[0]
+        return filled.nbytes(
+            self.tokens_per_frame, batch * self.bytes_per_token(), batch * self.quantized_bytes_per_token()
+        )
 
     # -- positions -----------------------------------------------------------------------------------------------
     def slot_of(self, frame: int) -> int:

@@ -43,7 +43,15 @@ from ..plan.ledger import LEDGER, session_bytes_on
 from ..plan.preflight import check_fits
 from ..sampling import sample_dmd, schedule_sigmas
 from .clean_context import clean_context_pass
-from .kv_cache import CrossAttentionCache, KVCache, WindowSpec, check_kv_storage, kv_cache_bytes
+from .kv_cache import (
+    KV_LAYOUTS,
+    CrossAttentionCache,
+    KVCache,
+    WindowSpec,
+    check_kv_storage,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+)
 
 # ``before_forward(chunk index, denoising step or None for the clean-context pass)``, called before every forward
 ForwardHook = Callable[[int, "int | None"], None]
@@ -447,7 +455,7 @@ def session_bytes(
         "prompt padding": 2 * batch * p.text_len * p.text_dim * 4,
         # a block's working set (hidden states, FFN, q/k/v) plus one layer's window read back for attention
         "chunk activations": batch * chunk_tokens * (p.ffn_dim + 6 * p.dim) * 4
-        + 2 * batch * window_tokens * heads * p.head_dim * elt,
+        + batch * window_tokens * kv_bytes_per_token(1, heads, p.head_dim, KV_LAYOUTS["bf16"], elt),
     }  # fmt: skip
     if tiny_vae is not None:
         decode = tiny_vae.decode_bytes(batch, window.chunk_frames, height, width)

@@ -166,7 +166,7 @@ class KVCache(nn.Module):
         """Bytes of the occupied slots (full precision and quantized) and sink copies, all layers and the whole
         batch."""
         full, quantized = self.slots.filled()
-        filled = KVFrames(full, quantized, self.sinks_copied)
+        filled = KVFrames(full, quantized, 0 if self.sinks is None else self.sinks.copied)
         batch = self.layer_kv(0)[0].shape[0]
         return filled.nbytes(
             self.tokens_per_frame, batch * self.bytes_per_token(), batch * self.quantized_bytes_per_token()
@@ -178,21 +178,11 @@ class KVCache(nn.Module):
         """Which frame each full-precision slot holds."""
         return self.slots.full
 
-    @property
-    def quant_slot_frame(self) -> list[int | None]:
-        """Which frame each quantized slot holds."""
-        return self.slots.quantized
-
     def slot_of(self, frame: int) -> int:
         return self.slots.slot_of(frame)
 
     def quant_slot_of(self, frame: int) -> int:
         return self.slots.quant_slot_of(frame)
-
-    @property
-    def sinks_copied(self) -> int:
-        """Sink frames whose unrotated keys are in the sink copies (``rope="cache"``)."""
-        return 0 if self.sinks is None else self.sinks.copied
 
     @property
     def sink_offset(self) -> int:

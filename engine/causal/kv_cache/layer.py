@@ -30,10 +30,11 @@ class LayerView:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backends: Backends) -> torch.Tensor:
         """Write the chunk's ``k, v [B, C*T, H, D]`` (k unrotated) into its slots and attend to the whole
-        window, computed with the run's ``backends``. Every tensor here has the same shape for every chunk: the slots written come from the
-        ``write_index`` buffer, the slots hidden (empty, or out of the window) from ``key_visible``."""
+        window, computed with the run's ``backends``. Every tensor here has the same shape for every chunk: the
+        slots written come from the ``write_index`` buffer, the slots hidden (empty, or out of the window) from
+        ``key_visible``."""
         keys, values = self.keys, self.values
-        # rotated once, here: at the chunk's absolute frame positions in both RoPE modes (see the module docstring)
+        # rotated once, here: at the chunk's absolute frame positions in both RoPE modes (see the package docstring)
         k = backends.apply_rope(k, self.query_freqs)
         keys.index_copy_(1, self.write_index, k.to(keys.dtype))
         values.index_copy_(1, self.write_index, v.to(values.dtype))

@@ -25,6 +25,7 @@ from _common import header, median, save, setup_threads
 from fewstep import kernels
 from fewstep.engine import load_dit
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
+from fewstep.engine.causal.kv_cache import kv_cache_bytes
 from fewstep.engine.models.wan import PRESETS
 from fewstep.kernels import kv_quant, norms, rope
 
@@ -56,14 +57,8 @@ def formula_matches_allocation() -> bool:
         for device in ("meta", "cpu"):
             cache = KVCache(2, 2, 6, 4, 128, WindowSpec(3, 12, 2), torch.bfloat16, device, kv_dtype=kv_dtype,
                             keep_recent_chunks=1)  # fmt: skip
-            formula = (
-                2
-                * 6
-                * (
-                    (cache.window.sink_frames + cache.full_ring) * cache.bytes_per_token()
-                    + cache.quant_ring * cache.quantized_bytes_per_token()
-                )
-            )
+            # the KV cache's one formula (the planner's, the preflight's): the sinks' key copies included
+            formula = kv_cache_bytes(2, 2, 6, 4, 128, cache.window, torch.bfloat16, kv_dtype, 1).window
             allocated = sum(b.nbytes for b in cache.buffers())
             ok &= cache.nbytes == formula == allocated
             if device == "cpu":

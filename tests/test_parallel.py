@@ -208,6 +208,10 @@ def test_causal_video_chunks_on_two_ranks_equal_single_process(pool, wan, degree
     p = wan.params
     assert remote.cache.bytes_per_token() == 2 * (p.num_heads // u) * p.head_dim * p.num_layers * 4
     assert remote.stats.recent[-1].kv_bytes == local.cache.nbytes // (u * r)  # this rank's share
+    # the session's size (the session store counts it) is what its ranks allocate, all together
+    assert (
+        remote.stats.recent[-1].kv_bytes == remote.kv_bytes_per_rank and remote.nbytes == local.cache.nbytes
+    )
 
 
 class _CancelledByHookError(Exception):

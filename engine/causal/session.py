@@ -43,7 +43,15 @@ from ..plan.ledger import LEDGER, session_bytes_on
 from ..plan.preflight import check_fits
 from ..sampling import sample_dmd, schedule_sigmas
 from .clean_context import clean_context_pass
-from .kv_cache import CrossAttentionCache, KVCache, WindowSpec, check_kv_storage
+from .kv_cache import (
+    KV_LAYOUTS,
+    CrossAttentionCache,
+    KVCache,
+    WindowSpec,
+    check_kv_storage,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+)
 
 # ``before_forward(chunk index, denoising step or None for the clean-context pass)``, called before every forward
 ForwardHook = Callable[[int, "int | None"], None]
@@ -440,14 +448,14 @@ def session_bytes(
     chunk_tokens = tokens_per_frame * window.chunk_frames
     window_tokens = tokens_per_frame * window.window_frames
     parts = {
-        "KV window": KVCache.planned_bytes(p.num_layers, batch, tokens_per_frame, heads, p.head_dim, window,
-                                           dtype, config.kv_dtype, config.keep_recent_chunks, config.rope),
+        "KV window": kv_cache_bytes(p.num_layers, batch, tokens_per_frame, heads, p.head_dim, window, dtype,
+                                    config.kv_dtype, config.keep_recent_chunks, config.rope).window,
         "cross-attention cache": (2 * p.num_layers + 1) * batch * p.text_len * p.dim * elt,
         # embed_context pads the float32 umT5 tokens to text_len: the zeros and the concatenation live together
         "prompt padding": 2 * batch * p.text_len * p.text_dim * 4,
         # a block's working set (hidden states, FFN, q/k/v) plus one layer's window read back for attention
         "chunk activations": batch * chunk_tokens * (p.ffn_dim + 6 * p.dim) * 4
-        + 2 * batch * window_tokens * heads * p.head_dim * elt,
+        + batch * window_tokens * kv_bytes_per_token(1, heads, p.head_dim, KV_LAYOUTS["bf16"], elt),
     }  # fmt: skip
     if tiny_vae is not None:
         decode = tiny_vae.decode_bytes(batch, window.chunk_frames, height, width)

@@ -3,6 +3,8 @@
 The byte bound is ``max_bytes`` when given; otherwise ``DEFAULT_SESSION_FRACTION`` of the memory of the device
 the first session runs on (GPU memory, or host RAM; ``FEWSTEP_MEMORY_LIMIT_GB`` caps it), decided when that
 session is added. The newest session is always kept, even when it alone is over the bound.
+A session counts its ``nbytes``: its caches, or for a session on a worker pool the KV caches of all its ranks
+(``RemoteVideoSession.nbytes``, the KV cache's one formula).
 """
 
 from __future__ import annotations

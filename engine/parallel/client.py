@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..cache import STEP_CACHE_FEATURE
-from ..causal.kv_cache import check_kv_storage
+from ..causal.kv_cache import KV_LAYOUTS, check_kv_storage, kv_bytes_per_token, kv_cache_bytes
 from ..causal.session import (
     CausalConfig,
     ChunkResult,
@@ -284,8 +284,15 @@ class RemoteVideoSession:
         self.tiny_vae = tiny_vae
         self.decoder = tiny_vae.stream_decoder() if tiny_vae is not None else None
         self.stats = SessionStats()
-        elt = torch.empty((), dtype=handle.dtype).element_size()
-        self.cache = RemoteCacheInfo(2 * (p.num_heads // u) * p.head_dim * p.num_layers * elt, tokens // r)
+        # each rank's cache: its ring part of every frame's tokens, its Ulysses part of the heads
+        rank_tokens, rank_heads = tokens // r, p.num_heads // u
+        full = KV_LAYOUTS["bf16"]
+        per_token = kv_bytes_per_token(p.num_layers, rank_heads, p.head_dim, full, handle.dtype.itemsize)
+        self.cache = RemoteCacheInfo(per_token, rank_tokens)
+        self.kv_bytes_per_rank = kv_cache_bytes(
+            p.num_layers, self.batch, rank_tokens, rank_heads, p.head_dim, config.window, handle.dtype,
+            config.kv_dtype, config.keep_recent_chunks, config.rope,
+        ).window  # fmt: skip
         self.cache_decision = None
         self.frames_generated = 0
         self.started = False
@@ -306,8 +313,13 @@ class RemoteVideoSession:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of KV cache the session holds on each rank (the store's LRU counts this)."""
-        return self.cache.per_token * self.cache.tokens_per_frame * self.config.window_frames * self.batch
+        """Bytes of KV cache the pool's ranks allocate for this session, all ranks together (what the session
+        store's byte-bounded LRU counts): each of the ``ulysses x ring`` ranks holds a ``KVCache`` of its ring part
+        of every frame's tokens and its Ulysses part of the heads, ``kv_cache_bytes`` of that layout (int8 / int4
+        tiers and the sinks' key copies included). Both splits are exact (checked when the session is made), so
+        the sum equals the bytes of the unsplit cache. The ranks' cross-attention caches are not counted."""
+        ulysses, ring = self.degrees
+        return ulysses * ring * self.kv_bytes_per_rank
 
     def set_prompt(self, context: torch.Tensor) -> None:
         self._check_alive()

@@ -5,13 +5,9 @@ follows the engine (``engine.ops.store_linear_weights``): the weight matrices of
 element, everything else (biases, norms, Wan's patch-embedding convolution and modulation tables) stays in the
 16-bit compute dtype.
 
-The KV cache (``engine.causal.KVCache``) holds K and V of every layer, ``2 x layers x heads x head_dim``
-elements per token, for ``window_frames x tokens_per_frame`` tokens (with sinks under the default cache-relative
-RoPE, plus an unrotated copy of the sinks' keys). ``bf16`` keeps them all in the compute
-dtype. ``int8`` / ``int4`` (``kernels.kv_quant``) keep the sinks, the current chunk and the newest
-``keep_recent_chunks`` completed chunks in the compute dtype and quantize the rest of the window per (token,
-head) row: the codes (``head_dim`` bytes for int8, ``head_dim / 2`` for int4) plus a float16 scale and a float16
-zero point, so ``head_dim + 4`` and ``head_dim / 2 + 4`` bytes per row against ``2 x head_dim`` in bf16.
+The KV cache's bytes (``KV_LAYOUTS``, ``kv_layout``, ``kv_bytes_per_token``, ``kv_cache_bytes``) are the KV cache
+module's own formula (``engine.causal.kv_cache``), re-exported here for the planner: the cache allocates exactly
+what it counts.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..causal.kv_cache import WindowSpec
-from ..errors import InputError
+from ..causal.kv_cache import KV_LAYOUTS, KVBytes, KVLayout, kv_bytes_per_token, kv_cache_bytes, kv_layout
 from ..ops import Linear
 
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -97,85 +92,6 @@ def image_activation_bytes(p, image_tokens: int, text_tokens: int, rows: int, dt
     per_token = FLUX_ACTIVATION_FACTOR * (12 * hidden + 3 * mlp) * dtype_bytes
     rope = 2 * (hidden // heads) * 4
     return rows * tokens * (per_token + rope)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    name: str
-    bits: int | None  # None: unquantized, in the compute dtype (bf16 on a GPU)
-    note: str
-
-    def group_bytes(self, head_dim: int) -> int:
-        """Bytes of one (token, head) row of K or of V."""
-        if self.bits is None:
-            return 2 * head_dim
-        return head_dim * self.bits // 8 + 4  # codes + float16 scale + float16 zero point
-
-
-KV_LAYOUTS: dict[str, KVLayout] = {
-    k.name: k
-    for k in (
-        KVLayout("bf16", None, "the compute dtype, unquantized"),
-        KVLayout("int8", 8, "uint8 codes + fp16 scale and zero point per (token, head)"),
-        KVLayout("int4", 4, "two 4-bit codes per byte + fp16 scale and zero point per (token, head)"),
-    )
-}
-
-
-def kv_layout(name: str, input_name: str = "kv_dtype") -> KVLayout:
-    if name not in KV_LAYOUTS:
-        raise InputError(input_name, f"unknown KV cache dtype {name!r}; known: {', '.join(KV_LAYOUTS)}")
-    return KV_LAYOUTS[name]
-
-
-def kv_bytes_per_token(layers: int, heads: int, head_dim: int, layout: KVLayout) -> int:
-    """K and V of one token over every layer (batch 1), as the layout stores it."""
-    return 2 * layers * heads * layout.group_bytes(head_dim)
-
-
-@dataclass(frozen=True)
-class KVBytes:
-    per_token: int  # as stored for good (quantized for int8 / int4)
-    per_chunk: int  # one chunk's tokens at per_token
-    window: int  # the cache's allocation: full-precision slots + quantized slots
-    full_frames: int  # frame slots kept in the compute dtype (all of them unquantized)
-    quantized_frames: int
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-def kv_cache_bytes(
-    layers: int,
-    heads: int,
-    head_dim: int,
-    tokens_per_frame: int,
-    window: WindowSpec,
-    layout: KVLayout,
-    keep_recent_chunks: int = 1,
-    batch: int = 1,
-    rope: str = "cache",
-) -> KVBytes:
-    """Bytes of ``engine.causal.KVCache`` (the layout of ``kernels.kv_quant`` for int8 / int4): unquantized, all
-    ``window_frames`` slots in the compute dtype; quantized, the sinks, the current chunk and the newest
-    ``keep_recent_chunks`` completed chunks stay in the compute dtype and the rest of the window is quantized.
-    ``rope="cache"`` with sinks adds an unrotated copy of the sinks' keys (compute dtype), from which every
-    chunk re-positions them."""
-    full_token = batch * kv_bytes_per_token(layers, heads, head_dim, KV_LAYOUTS["bf16"])
-    token = batch * kv_bytes_per_token(layers, heads, head_dim, layout)
-    if layout.bits is None:
-        full = window.window_frames
-    else:
-        full = window.sink_frames + (keep_recent_chunks + 1) * window.chunk_frames
-    quantized = window.window_frames - full
-    sink_copies = window.sink_frames if rope == "cache" else 0  # keys only: half a K/V row
-    return KVBytes(
-        per_token=token,
-        per_chunk=token * tokens_per_frame * window.chunk_frames,
-        window=(full * full_token + quantized * token + sink_copies * full_token // 2) * tokens_per_frame,
-        full_frames=full,
-        quantized_frames=quantized,
-    )
 
 
 __all__ = [

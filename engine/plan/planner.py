@@ -24,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..causal.kv_cache import WindowSpec, check_kv_storage
+import torch
+
+from ..causal.kv_cache import KV_LAYOUTS, WindowSpec, check_kv_storage, kv_cache_bytes, kv_layout
 from ..checks import check_image_size
 from ..errors import InputError
 from ..models.registry import FAMILIES, Family, all_presets
@@ -41,14 +43,7 @@ from .flops import (
     zimage_forward_flops,
 )
 from .hardware import DEFAULT_MFU, GpuSpec, check_mfu, gpu_spec
-from .memory import (
-    KV_LAYOUTS,
-    WEIGHT_DTYPE_BYTES,
-    ParameterCount,
-    kv_cache_bytes,
-    kv_layout,
-    preset_parameters,
-)
+from .memory import WEIGHT_DTYPE_BYTES, ParameterCount, preset_parameters
 from .vae import flux2_ae_decode_flops, flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
 
 WAN_FPS = 16  # Wan 2.1 (and its causal students) make 16 frames per second of video
@@ -405,8 +400,10 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
     steady = last.times(steps + 1)
     first_chunk = first.times(steps) + wan_prompt_flops(p, batch)
 
-    kv = {
-        n: kv_cache_bytes(p.num_layers, p.num_heads, p.head_dim, tpf, spec, lay, keep_recent, batch)
+    kv = {  # a GPU stream computes, and keeps its unquantized K/V, in bf16
+        n: kv_cache_bytes(
+            p.num_layers, batch, tpf, p.num_heads, p.head_dim, spec, torch.bfloat16, n, keep_recent
+        )
         for n, lay in KV_LAYOUTS.items()
         if lay.bits is None or keep_recent * chunk + chunk <= spec.ring_frames
     }

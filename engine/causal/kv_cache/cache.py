@@ -1,0 +1,279 @@
+""":class:`KVCache`: the self-attention keys and values of every layer of one video stream, and the per-chunk
+tensors a forward reads. It composes the pieces of the package: the slots (``window.py``), the quantized tier
+(``quantized.py``), the sinks' re-positioning (``sinks.py``), the bytes (``bytes.py``) and one layer's attention
+(``layer.py``); see the package docstring for the whole design."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .... import kernels
+from ...errors import InputError
+from ...rope import RopeFreqs
+from .bytes import KV_LAYOUTS, KVFrames, kv_bytes_per_token, kv_cache_bytes
+from .layer import LayerView
+from .quantized import QUANTIZED_PARTS, QuantizedKV, check_kv_storage, quantize_aged, quantized_rows
+from .sinks import SinkKeys
+from .window import ROPE_MODES, SlotRing, WindowSpec
+
+
+class KVCache(nn.Module):
+    """Self-attention K/V of all layers for one video stream (see the package docstring).
+
+    Its registered buffers are exactly the K/V storage, per layer ``i``: ``k{i}``, ``v{i}`` (the sinks and the
+    full-precision ring), ``sink_k{i}`` (unrotated sink keys, ``rope="cache"`` with sinks), ``kq{i}``,
+    ``vq{i}`` and their ``_scale`` / ``_zero`` (the quantized ring). Every access goes through the registered
+    names, so ``.to()`` / ``.cuda()`` leave no stale alias."""
+
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        tokens_per_frame: int,
+        heads: int,
+        head_dim: int,
+        window: WindowSpec,
+        dtype: torch.dtype,
+        device,
+        rope: str = "cache",
+        kv_dtype: str = "bf16",
+        keep_recent_chunks: int = 1,
+        kernel_mode: str = "auto",
+    ):
+        """``kernel_mode``: the run's kernel mode (``Backends.kernel_mode``), for the quantization of frames that
+        age out of the full-precision ring and the sinks' re-positioning (in :meth:`begin`, outside any
+        forward)."""
+        super().__init__()
+        if rope not in ROPE_MODES:
+            raise InputError("rope", f"unknown RoPE mode {rope!r}; expected one of {', '.join(ROPE_MODES)}")
+        self.window = window.check()
+        self.bits = check_kv_storage(kv_dtype, keep_recent_chunks, window, head_dim)
+        self.kv_dtype, self.keep_recent_chunks = kv_dtype, keep_recent_chunks
+        self.kernel_mode = kernels.check_mode(kernel_mode)
+        self.tokens_per_frame, self.layers, self.rope = tokens_per_frame, layers, rope
+        frames = KVFrames.allocated(window, self.bits, keep_recent_chunks, rope)  # what kv_cache_bytes counts
+        self.full_ring, self.quant_ring = frames.full - window.sink_frames, frames.quantized
+        self.slots = SlotRing(window, self.full_ring, self.quant_ring)
+        self.sinks = SinkKeys(window, tokens_per_frame, self.kernel_mode) if frames.sink_copies else None
+
+        def storage(
+            name: str, frame_count: int, row: tuple[int, ...] = (heads, head_dim), kind=dtype
+        ) -> None:
+            shape = (batch, frame_count * tokens_per_frame, *row)
+            self.register_buffer(name, torch.zeros(shape, dtype=kind, device=device), persistent=False)
+
+        for i in range(layers):  # the sinks and the full-precision ring
+            storage(f"k{i}", frames.full)
+            storage(f"v{i}", frames.full)
+        for i in range(layers if frames.sink_copies else 0):  # the sinks' unrotated keys (sinks.py)
+            storage(f"sink_k{i}", frames.sink_copies)
+        for i in range(layers if frames.quantized else 0):  # the quantized ring (quantized.py)
+            for name in ("k", "v"):
+                for suffix, (row, kind) in zip(QUANTIZED_PARTS, quantized_rows(heads, head_dim, self.bits)):
+                    storage(f"{name}q{i}{suffix}", frames.quantized, row, kind)
+        # Per-chunk bookkeeping as device tensors of fixed shapes, rewritten in place by `begin` (so a forward,
+        # compiled or replayed from a CUDA graph, reads the same tensors every chunk): the token slots the
+        # chunk writes, and which token slots (full precision, then quantized) its queries see.
+        # Not registered buffers: the module's buffers are exactly the K/V storage (nbytes); `_apply` moves them.
+        slot_tokens = (frames.full + frames.quantized) * tokens_per_frame
+        self.write_index = torch.zeros(
+            window.chunk_frames * tokens_per_frame, dtype=torch.long, device=device
+        )
+        self.key_visible = torch.zeros(slot_tokens, dtype=torch.bool, device=device)
+        # RoPE frame positions of the chunk's frames (their absolute indices, in both modes) and their rotations
+        # (float32 tables from float64 angles, `Wan.frame_rope`, whatever `.to(dtype)` does to the storage)
+        self.chunk_positions = torch.zeros(window.chunk_frames, dtype=torch.long, device=device)
+        self._query_freqs: RopeFreqs | None = None
+        self.frames_committed = 0  # frames whose clean K/V are final
+        self.frames_quantized = 0  # frames quantized so far (each once)
+        self._chunk: tuple[int, int] | None = None
+
+    _BOOKKEEPING = ("write_index", "key_visible", "chunk_positions")
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.cuda()`` / ``.half()``: the storage as nn.Module converts it, and the bookkeeping to
+        the storage's device (integer tensors: ``fn`` leaves their dtype alone)."""
+        super()._apply(fn, recurse)
+        for name in self._BOOKKEEPING:
+            setattr(self, name, fn(getattr(self, name)))
+        freqs = self._query_freqs
+        if freqs is not None:
+            device = self.write_index.device
+            self._query_freqs = RopeFreqs(freqs.cos.to(device), freqs.sin.to(device))
+        return self
+
+    # -- storage, by layer ---------------------------------------------------------------------------------------
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k{index}"), getattr(self, f"v{index}")
+
+    def sink_keys(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s unrotated sink keys ``[B, S*T, H, D]`` (``rope="cache"`` with sinks)."""
+        return getattr(self, f"sink_k{index}")
+
+    def layer_quant(self, index: int) -> tuple[QuantizedKV, QuantizedKV]:
+        return tuple(
+            QuantizedKV(*(getattr(self, f"{name}q{index}{suffix}") for suffix in QUANTIZED_PARTS))
+            for name in ("k", "v")
+        )
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return [self.layer_kv(i)[0] for i in range(self.layers)]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [self.layer_kv(i)[1] for i in range(self.layers)]
+
+    @property
+    def k_quant(self) -> list[QuantizedKV]:
+        return [self.layer_quant(i)[0] for i in range(self.layers)] if self.quant_ring else []
+
+    @property
+    def v_quant(self) -> list[QuantizedKV]:
+        return [self.layer_quant(i)[1] for i in range(self.layers)] if self.quant_ring else []
+
+    def layer(self, index: int) -> LayerView:
+        return LayerView(self, *self.layer_kv(index), self.layer_quant(index) if self.quant_ring else None)
+
+    # -- bytes: the formula of bytes.py --------------------------------------------------------------------------
+    @staticmethod
+    def planned_bytes(*args, **kwargs) -> int:
+        """The :attr:`nbytes` of a cache built with these arguments (all but ``device``), without allocating:
+        ``kv_cache_bytes(...).window``."""
+        return kv_cache_bytes(*args, **kwargs).window
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K/V storage (every layer's buffers, scales and zero points and sink copies included; the
+        per-chunk bookkeeping, a few integers per slot, is not counted)."""
+        return sum(buffer.nbytes for buffer in self.buffers())
+
+    def bytes_per_token(self) -> int:
+        """``2 x heads x head_dim x layers x element size``: K and V of one full-precision token, all layers."""
+        k0 = self.layer_kv(0)[0]
+        _, _, heads, head_dim = k0.shape
+        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS["bf16"], k0.element_size())
+
+    def quantized_bytes_per_token(self) -> int:
+        """``2 x heads x (codes + scale + zero point) x layers``: K and V of one quantized token (0 if none)."""
+        if self.bits is None:
+            return 0
+        _, _, heads, head_dim = self.layer_kv(0)[0].shape
+        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS[self.kv_dtype])
+
+    def bytes_used(self) -> int:
+        """Bytes of the occupied slots (full precision and quantized) and sink copies, all layers and the whole
+        batch."""
+        full, quantized = self.slots.filled()
+        filled = KVFrames(full, quantized, 0 if self.sinks is None else self.sinks.copied)
+        batch = self.layer_kv(0)[0].shape[0]
+        return filled.nbytes(
+            self.tokens_per_frame, batch * self.bytes_per_token(), batch * self.quantized_bytes_per_token()
+        )
+
+    # -- host bookkeeping (plain integers, read for reports and tests) -------------------------------------------
+    @property
+    def slot_frame(self) -> list[int | None]:
+        """Which frame each full-precision slot holds."""
+        return self.slots.full
+
+    def slot_of(self, frame: int) -> int:
+        return self.slots.slot_of(frame)
+
+    def quant_slot_of(self, frame: int) -> int:
+        return self.slots.quant_slot_of(frame)
+
+    @property
+    def sink_offset(self) -> int:
+        """The offset the sink slots' keys are rotated at (see the package docstring)."""
+        return 0 if self.sinks is None else self.sinks.offset
+
+    def position_of(self, frame: int, chunk_start: int) -> int:
+        """RoPE frame position of ``frame`` as read by the chunk starting at ``chunk_start`` (what attention
+        computes; the stored rotations differ from it by one offset, see the package docstring)."""
+        return frame if self.rope == "absolute" else self.window.cache_position(frame, chunk_start)
+
+    # -- one chunk -----------------------------------------------------------------------------------------------
+    def begin(self, chunk_start: int, frames: int, grid_hw: tuple[int, int], rope_fn) -> None:
+        """Prepare forwards over the chunk ``[chunk_start, chunk_start + frames)``: rewrite the bookkeeping
+        tensors in place (host-to-device copies of values computed on the host; nothing is read back).
+
+        ``rope_fn(frame_positions [F], (h, w)) -> RopeFreqs`` builds rotations for whole frames.
+        """
+        if chunk_start != self.frames_committed:
+            raise InputError(
+                "chunk",
+                f"the next chunk must start at frame {self.frames_committed} (the frames "
+                f"committed so far), not {chunk_start}",
+            )
+        if frames != self.window.chunk_frames:
+            raise InputError("chunk", f"chunks are {self.window.chunk_frames} latent frames, got {frames}")
+        if self._chunk == (chunk_start, frames):
+            return
+        t = self.tokens_per_frame
+        chunk = range(chunk_start, chunk_start + frames)
+        if self.quant_ring:
+            layers = ((self.layer_kv(i), self.layer_quant(i)) for i in range(self.layers))
+            aged = self.slots.age_out(chunk)
+            self.frames_quantized += quantize_aged(aged, layers, t, self.bits, self.kernel_mode)
+        written = self.slots.place(chunk)
+        visible = self.slots.see(chunk_start)
+        tokens = torch.arange(t)
+        self.write_index.copy_((torch.tensor(written)[:, None] * t + tokens).flatten())
+        self.key_visible.copy_(torch.tensor(visible).repeat_interleave(t))
+        self.chunk_positions.copy_(torch.tensor(list(chunk)))
+        self._query_freqs = _refill(self._query_freqs, rope_fn(self.chunk_positions, grid_hw))
+        if self.sinks is not None:
+            copies = [self.sink_keys(i) for i in range(self.layers)]
+            self.sinks.reposition(chunk_start, self.frames_committed, self.k, copies, grid_hw, rope_fn)
+        self._chunk = (chunk_start, frames)
+
+    def key_mask(self) -> torch.Tensor | None:
+        """The keys this chunk's queries may see, ``[1, 1, 1, slots * T]`` (None once every slot is visible:
+        the window is full and the step is a pure function of fixed shapes, unmasked)."""
+        return None if self.slots.all_visible else self.key_visible.view(1, 1, 1, -1)
+
+    def visible_rows(self) -> torch.Tensor:
+        """Token indices (into :meth:`LayerView.read_window`) of the visible slots, in slot order."""
+        t = self.tokens_per_frame
+        slots = torch.tensor(self.slots.visible_slots, dtype=torch.long)
+        return (slots[:, None] * t + torch.arange(t)).flatten().to(self.key_visible.device)
+
+    def read_frames(self) -> list[int]:
+        """The frames the current chunk reads, in the order of ``layer(i).read()``'s tokens."""
+        by_slot = self.slots.frames_by_slot()
+        return [by_slot[i] for i in self.slots.visible_slots]
+
+    def query_rope(self) -> RopeFreqs:
+        return self._query_freqs
+
+    def capture_state(self) -> tuple:
+        """The host state a captured step branches on, hashable: whether the window is full (unmasked) or still
+        filling (masked), and the addresses of every tensor a step reads, which a CUDA graph holds (a moved or
+        rebuilt cache is another key)."""
+        q = self.query_rope()
+        rope = [] if q is None else [q.cos, q.sin]
+        tensors = [*self.buffers(), self.write_index, self.key_visible, *rope]
+        return (self.key_mask() is None, tuple(t.data_ptr() for t in tensors))
+
+    def commit(self) -> None:
+        """The current chunk's clean K/V are written: the next chunk may begin."""
+        if self._chunk is None:
+            raise InputError("chunk", "no chunk to commit")
+        self.frames_committed = self._chunk[0] + self._chunk[1]
+        self._chunk = None
+
+
+def _refill(buffer: RopeFreqs | None, fresh: RopeFreqs) -> RopeFreqs:
+    """``fresh`` copied into ``buffer`` in place when it has the same layout (the tensors a captured forward
+    reads stay the same objects), else ``fresh`` itself becomes the buffer (first chunk, or moved device)."""
+    same = buffer is not None and all(
+        old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+        for old, new in ((buffer.cos, fresh.cos), (buffer.sin, fresh.sin))
+    )
+    if not same:
+        return RopeFreqs(fresh.cos.clone(), fresh.sin.clone())
+    buffer.cos.copy_(fresh.cos)
+    buffer.sin.copy_(fresh.sin)
+    return buffer

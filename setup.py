@@ -25,6 +25,9 @@ class BuildPy(build_py):
 
 setup(
     package_dir={"fewstep": "."},
-    packages=["fewstep", *(f"fewstep.{name}" for name in find_packages(".", include=[f"{s}*" for s in SHIPPED]))],
+    packages=[
+        "fewstep",
+        *(f"fewstep.{name}" for name in find_packages(".", include=[f"{s}*" for s in SHIPPED])),
+    ],
     cmdclass={"build_py": BuildPy},
 )

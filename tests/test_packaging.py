@@ -19,7 +19,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # what setup.py ships besides the root's own modules (__init__, __main__)
 SHIPPED = ("cli", "engine", "kernels", "nodes")
-NOT_SOURCE = (".git", ".venv", "__pycache__", "build", "dist", "*.egg-info", "out", ".pytest_cache", ".ruff_cache")
+NOT_SOURCE = (
+    ".git",
+    ".venv",
+    "__pycache__",
+    "build",
+    "dist",
+    "*.egg-info",
+    "out",
+    ".pytest_cache",
+    ".ruff_cache",
+)
 
 pytestmark = pytest.mark.slow
 

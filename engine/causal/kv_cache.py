@@ -77,36 +77,17 @@ _KV_BITS = {"bf16": None, "int8": 8, "int4": 4}
 
 @dataclass(frozen=True)
 class WindowSpec:
-    """How many latent frames a chunk sees: ``window_frames`` in all, the first ``sink_frames`` kept forever."""
+    """How many latent frames a chunk sees: ``window_frames`` in all, the first ``sink_frames`` kept forever.
+
+    Checked once, when it is built (an :class:`InputError` naming the input; the node or command that built it
+    locates it): every holder of a ``WindowSpec`` may rely on it."""
 
     chunk_frames: int
     window_frames: int
     sink_frames: int = 0
 
-    def check(self, where: str | None = None) -> WindowSpec:
-        c, w, s = self.chunk_frames, self.window_frames, self.sink_frames
-        if c < 1:
-            raise InputError("chunk_frames", f"expected at least 1 latent frame per chunk, got {c}", where)
-        if w < c:
-            raise InputError(
-                "window_frames",
-                f"the window ({w} latent frames) is smaller than a chunk ({c}); "
-                "a chunk must see at least itself",
-                where,
-            )
-        if s < 0 or s >= w:
-            raise InputError(
-                "sink_frames",
-                f"{s} sink frames do not fit a window of {w} frames (need 0 <= sink < window)",
-                where,
-            )
-        if s + c > w:
-            raise InputError(
-                "window_frames",
-                f"the window ({w}) must hold the {s} sink frames and a chunk of {c} (at least {s + c})",
-                where,
-            )
-        return self
+    def __post_init__(self):
+        check_window(self.chunk_frames, self.window_frames, self.sink_frames)
 
     @property
     def ring_frames(self) -> int:
@@ -129,10 +110,31 @@ class WindowSpec:
         return key_frame < end and (key_frame < self.sink_frames or key_frame >= end - self.ring_frames)
 
 
+def check_window(c: int, w: int, s: int) -> None:
+    """Whether a chunk of ``c`` latent frames, a window of ``w`` and ``s`` sinks fit together (``WindowSpec``)."""
+    if c < 1:
+        raise InputError("chunk_frames", f"expected at least 1 latent frame per chunk, got {c}")
+    if w < c:
+        raise InputError(
+            "window_frames",
+            f"the window ({w} latent frames) is smaller than a chunk ({c}); a chunk must see at least itself",
+        )
+    if s < 0 or s >= w:
+        raise InputError(
+            "sink_frames", f"{s} sink frames do not fit a window of {w} frames (need 0 <= sink < window)"
+        )
+    if s + c > w:
+        raise InputError(
+            "window_frames",
+            f"the window ({w}) must hold the {s} sink frames and a chunk of {c} (at least {s + c})",
+        )
+
+
 def check_kv_storage(
-    kv_dtype: str, keep_recent_chunks: int, window: WindowSpec, head_dim: int, where: str | None = None
+    kv_dtype: str, keep_recent_chunks: int, window: WindowSpec, head_dim: int | None, where: str | None = None
 ) -> int | None:
-    """The quantization bits of ``kv_dtype`` (None: unquantized), or an :class:`InputError`."""
+    """The quantization bits of ``kv_dtype`` (None: unquantized), or an :class:`InputError`. ``head_dim`` None:
+    the settings alone (a ``CausalConfig`` when it is built); the model's part is :func:`check_kv_head_dim`."""
     if kv_dtype not in _KV_BITS:
         raise InputError(
             "kv_dtype",
@@ -142,13 +144,8 @@ def check_kv_storage(
     bits = _KV_BITS[kv_dtype]
     if bits is None:
         return None
-    if bits == 4 and head_dim % 2:
-        raise InputError(
-            "kv_dtype",
-            f"int4 packs two values per byte along the head dimension; this model's head_dim {head_dim} is odd "
-            "(use int8 or bf16)",
-            where,
-        )
+    if head_dim is not None:
+        check_kv_head_dim(kv_dtype, head_dim, where)
     c, ring = window.chunk_frames, window.ring_frames
     most = ring // c - 1
     if keep_recent_chunks < 0 or keep_recent_chunks > most:
@@ -160,6 +157,17 @@ def check_kv_storage(
             where,
         )
     return bits
+
+
+def check_kv_head_dim(kv_dtype: str, head_dim: int, where: str | None = None) -> None:
+    """The model's part of a KV storage choice: int4 packs two values of the head dimension per byte."""
+    if _KV_BITS.get(kv_dtype) == 4 and head_dim % 2:
+        raise InputError(
+            "kv_dtype",
+            f"int4 packs two values per byte along the head dimension; this model's head_dim {head_dim} is odd "
+            "(use int8 or bf16)",
+            where,
+        )
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,7 @@ class KVCache(nn.Module):
         super().__init__()
         if rope not in ROPE_MODES:
             raise InputError("rope", f"unknown RoPE mode {rope!r}; expected one of {', '.join(ROPE_MODES)}")
-        self.window = window.check()
+        self.window = window  # checked when it was built
         self.bits = check_kv_storage(kv_dtype, keep_recent_chunks, window, head_dim)
         self.kv_dtype, self.keep_recent_chunks = kv_dtype, keep_recent_chunks
         self.kernel_mode = kernels.check_mode(kernel_mode)

@@ -19,9 +19,9 @@ import logging
 from torch import nn
 
 from ..errors import InputError
-from .graphs import GraphedCallable, cuda_graph
+from .graphs import GraphedCallable
 from .options import DEFAULT_BREAKS, CompileConfig, graph_device_problem
-from .regional import BucketCheck, CompiledModel, compile_model
+from .regional import BucketCheck, CompiledModel
 from .telemetry import CompileTelemetry, CompileWatch
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ class CompiledDiT:
         self.config = config
         self.compiled: CompiledModel | None = None
         if config.mode != "off":
-            self.compiled = compile_model(model, config.mode, config.dynamic, config.buckets, config.backend)
+            # the config was checked when it was built: compiled here without checking it again
+            self.compiled = CompiledModel(model, config.mode, config.dynamic, config.buckets, config.backend)
         self.graph_problem: str | None = None
         self._graphs: GraphedCallable | None = None
         if config.graphs_requested:
@@ -81,14 +82,15 @@ class CompiledDiT:
             return None
         if self._graphs is None:
             traced = self.compiled is None
-            self._graphs = cuda_graph(
+            # the graph options were checked with the config, and the device when this feature was made
+            # (graph_problem: why graphs cannot run here, None: they can), so nothing is checked again
+            self._graphs = GraphedCallable(
                 self.forward, self.config.cuda_graph, max_graphs=self.config.max_graphs,
-                warmup=self.config.warmup, allow_fallback=True, weights=self.model,
-                segments=self.config.graph_segments, traced=traced, break_at=self.config.break_at,
+                warmup=self.config.warmup, weights=self.model, segments=self.config.graph_segments,
+                traced=traced, break_at=self.config.break_at,
                 accept=BucketCheck(self.model, self.config.buckets) if self.config.buckets else None,
+                disabled_reason=self.graph_problem,
             )  # fmt: skip
-            if self.graph_problem is not None:
-                self._graphs.disabled_reason = self.graph_problem
             if traced:
                 self._graphs.names = {id(m): name for name, m in self.model.named_modules()}
         return self._graphs

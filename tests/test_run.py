@@ -13,7 +13,7 @@ from conftest import make_cond
 
 from fewstep.engine import open_model
 from fewstep.engine.causal import CausalConfig, VideoSession, kv_cache, open_session
-from fewstep.engine.compile import attach_compile
+from fewstep.engine.compile import attach_compile, attach_compile_config
 from fewstep.engine.compile import graphs as compile_graphs
 from fewstep.engine.compile import options as compile_options
 from fewstep.engine.compile.feature import COMPILE_FEATURE
@@ -108,6 +108,11 @@ def test_compile_options_are_checked_once(monkeypatch):
     compiled = attach_compile(handle, "regional", backend="eager")
     run = open_run(compiled)
     run.finish()
+    assert len(posts) == 1 and torch_checks == [("compile", "compile")]
+
+    posts.clear(), torch_checks.clear()
+    config = CompileConfig(mode="regional", backend="eager")  # a command checks its flags before loading
+    assert attach_compile_config(handle, config).feature(COMPILE_FEATURE).config is config
     assert len(posts) == 1 and torch_checks == [("compile", "compile")]
 
     posts.clear(), torch_checks.clear()

@@ -203,6 +203,12 @@ def attach_compile(
         allow_fallback=allow_fallback, max_graphs=max_graphs, warmup=warmup, break_at=tuple(break_at),
         graph_segments=graph_segments,
     )  # fmt: skip
+    return attach_compile_config(handle, config)
+
+
+def attach_compile_config(handle, config: CompileConfig):
+    """:func:`attach_compile` with a :class:`CompileConfig` already built (and so checked): nothing is checked
+    again (a command that checked its flags before loading the model hands its config on)."""
     if config.mode == "off" and config.cuda_graph == "off":
         return handle.replace(features=tuple((k, v) for k, v in handle.features if k != COMPILE_FEATURE))
     return handle.with_feature(COMPILE_FEATURE, CompiledDiT(handle.model, config))
@@ -220,5 +226,6 @@ __all__ = [
     "CompiledDiT",
     "STEP_CACHE_NO_GRAPH",
     "attach_compile",
+    "attach_compile_config",
     "start_compile_run",
 ]

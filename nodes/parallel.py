@@ -3,9 +3,10 @@
 The FEWSTEP_PARALLEL value is the pool's configuration; the pool itself lives in ``engine.parallel.pool``'s
 registry, is started by the launcher (so start-up errors show on this node) and restarted by a sampler's run when
 it was stopped in between: a sampler only puts the pool into its run options (:func:`run_options`), and the engine
-hands the run to it (``engine.run.placement``). It stops when the launcher is switched off, on interpreter exit, after a worker failure,
-and when ComfyUI frees memory: the pool is registered with ComfyUI's memory manager as a model of its own, whose
-unload (``POST /free``, the Manager's "Unload models", or memory needed elsewhere) shuts the workers down.
+hands the run to it (``engine.run.placement``). It stops when the launcher is switched off, on interpreter exit,
+after a worker failure, and when ComfyUI frees memory: the pool is registered with ComfyUI's memory manager as a
+model of its own, whose unload (``POST /free``, the Manager's "Unload models", or memory needed elsewhere) shuts
+the workers down.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_the_window_is_checked_once_per_local_session_open(wan, window_checks):
 
 def test_the_window_is_checked_once_per_pool_session_open(wan, window_checks, monkeypatch):
     config = CausalConfig(chunk_frames=2, window_frames=6, steps=2)
-    monkeypatch.setattr(OnPool, "pool", lambda self: _stub_pool())
+    monkeypatch.setattr(OnPool, "pool", lambda self, where=None: _stub_pool())
     session, compiled = open_session(
         wan, _context(), H, W, config, 3, options=RunOptions(pool=OnPool(_stub_pool().config))
     )

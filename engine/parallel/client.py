@@ -71,9 +71,9 @@ class OnPool:
                 "parallel", "expected a FEWSTEP_PARALLEL from FewStepParallelLauncher", self.where
             )
 
-    def pool(self) -> WorkerPool:
-        """The running pool (started if needed)."""
-        pool = get_pool(self.config, self.where, interrupt=self.interrupt)
+    def pool(self, where: str | None = None) -> WorkerPool:
+        """The running pool (started if needed; ``where``: who asks, else :attr:`where`)."""
+        pool = get_pool(self.config, where or self.where, interrupt=self.interrupt)
         if self.on_use is not None:
             self.on_use(self.config)
         return pool
@@ -85,7 +85,9 @@ class OnPool:
     def open_video_session(self, handle: ModelHandle, context: torch.Tensor, height: int, width: int,
                            config: CausalConfig, seed: int, tiny_vae=None, where: str | None = None):  # fmt: skip
         """A :class:`RemoteVideoSession` on the pool (``causal.recipe.open_session`` with this placement)."""
-        return RemoteVideoSession(self.pool(), handle, context, height, width, config, seed, tiny_vae, where)
+        return RemoteVideoSession(
+            self.pool(where), handle, context, height, width, config, seed, tiny_vae, where
+        )
 
 
 def model_spec(handle: ModelHandle) -> dict:

@@ -13,7 +13,8 @@ else decides how the model computes:
 * ``pool``: where the run computes. None: this process, composed as below. Otherwise the placement that
   computes it instead (``engine.parallel.client.OnPool``: a launcher's worker pool, started if needed); the entry
   points ask :func:`placement` once and hand the whole run to it (``text_to_image.sample``,
-  ``causal.recipe.open_session``), so a node or command only puts the pool into its options;
+  ``causal.recipe.open_session``), so a node or command only puts the pool into its options (a stream batch
+  runs in this process only: :func:`open_run` refuses options that place the run elsewhere);
 * ``sharding``: this rank's sequence-parallel layout in a worker pool (``engine.parallel.sharding``): its block
   runner shards the tokens and puts the mesh's plan into the blocks' backends (``Backends.with_parallel``), around
   the run's own block runner (a step cache's); :attr:`Run.blocks` composes them, and a worker's video session

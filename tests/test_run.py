@@ -12,6 +12,7 @@ from compile_doubles import EMULATED
 from conftest import make_cond
 
 from fewstep.engine import open_model
+from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
 from fewstep.engine.causal import CausalConfig, VideoSession, kv_cache, open_session
 from fewstep.engine.compile import attach_compile, attach_compile_config
 from fewstep.engine.compile import graphs as compile_graphs
@@ -154,3 +155,23 @@ def test_a_session_runs_what_its_run_composed(wan):
     assert session.backends is run.backends and session.blocks == run.blocks and session.chunk_cache is None
     plain = VideoSession(wan.model, _context(), H, W, config, 3)
     assert torch.equal(session.run(1)[0].latents, plain.run(1)[0].latents)
+
+
+def test_a_run_wraps_the_model_once():
+    handle = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
+    compiled = attach_compile(handle, "regional", backend="eager")
+    run = open_run(compiled)
+    assert run.model is compiled.feature(COMPILE_FEATURE).compiled and run.model.model is handle.model
+    run.finish()
+    graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)
+    run = open_run(graphed)
+    feature = graphed.feature(COMPILE_FEATURE)
+    assert run.model._feature is feature and feature.graphs.fn is handle.model  # the graphs wrap the model
+    run.finish()
+    # a step cache's block runner cannot be followed by a graph: the run calls the model itself
+    gate = make_gate("first_block", threshold=0.5, force=True)
+    run = open_run(
+        graphed.with_feature(STEP_CACHE_FEATURE, gate), sigmas=torch.linspace(1, 0, 9), sampler="euler"
+    )
+    assert run.model is handle.model and run.compiled.notes
+    run.abort()

@@ -113,21 +113,20 @@ class CompiledDiT:
         return self.config.describe()
 
 
-class _RunModel:
-    """Stands for the model in one sampling run: the family adapters and the denoiser call it like the model."""
+class _GraphedRun:
+    """Stands for the model in a run that replays CUDA graphs (the family adapters and the denoiser call it like
+    the model): a call with a block runner (whose Python a graph cannot follow) runs the compiled forward or the
+    model, every other call the graphs. A run without graphs needs no stand-in: its model is the compiled forward
+    itself (or the model), so a forward is never wrapped more than once."""
 
-    def __init__(self, feature: CompiledDiT, use_graphs: bool):
+    def __init__(self, feature: CompiledDiT):
         self._feature = feature
-        self._use_graphs = use_graphs
 
     def __call__(self, *args, block_runner=None, **kwargs):
         f = self._feature
-        if block_runner is not None:  # a step cache runs the block stack from Python: no graph
-            target = f.compiled if f.compiled is not None else f.model
-            return target(*args, block_runner=block_runner, **kwargs)
-        if self._use_graphs:
-            return f.graphs(*args, **kwargs)
-        return f.forward(*args, **kwargs)
+        if block_runner is not None:  # the block stack runs from Python: no graph
+            return f.forward(*args, block_runner=block_runner, **kwargs)
+        return f.graphs(*args, **kwargs)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -160,7 +159,8 @@ class CompileRun:
             self.whole_forward = f"the forward is replayed from CUDA graphs (cuda_graph {config.cuda_graph})"
         elif feature.compiled is not None and config.mode == "full":
             self.whole_forward = "the forward is compiled whole (compile full)"
-        self.model = _RunModel(feature, use_graphs)
+        # what the run calls: the graphs' stand-in, else the compiled forward (or the model: graphs refused)
+        self.model = _GraphedRun(feature) if use_graphs else feature.forward
         self._graphs = feature.graphs if use_graphs else None
         self._before = self._graphs.stats.copy() if self._graphs is not None else None
         self._watch = CompileWatch().start() if feature.compiled is not None else None

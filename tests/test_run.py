@@ -3,6 +3,7 @@ and each config is checked once, when it is built."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import types
 
@@ -20,7 +21,7 @@ from fewstep.engine.compile import options as compile_options
 from fewstep.engine.compile.feature import COMPILE_FEATURE
 from fewstep.engine.compile.options import CompileConfig
 from fewstep.engine.errors import InputError
-from fewstep.engine.parallel import ParallelConfig
+from fewstep.engine.parallel import CausalSharding, ParallelConfig, jobs
 from fewstep.engine.parallel.client import OnPool, RemoteVideoSession
 from fewstep.engine.run import RunOptions, open_run, placement
 from fewstep.engine.text_to_image import SampleRequest, sample
@@ -175,3 +176,30 @@ def test_a_run_wraps_the_model_once():
     )
     assert run.model is handle.model and run.compiled.notes
     run.abort()
+
+
+def test_a_pool_rank_opens_its_session_with_the_local_opener(wan, window_checks, monkeypatch):
+    """The worker's video job goes through causal.recipe.open_session with its rank's sharding in the options
+    (here the opener records them and opens an unsharded session: no process group in this test)."""
+    config = CausalConfig(chunk_frames=2, window_frames=6, steps=2)
+    opened = []
+
+    def opener(handle, context, height, width, causal_config, seed, tiny_vae=None, where=None, options=None):
+        opened.append((handle, causal_config, options))
+        return open_session(handle, context, height, width, causal_config, seed, tiny_vae, where)
+
+    monkeypatch.setattr(jobs, "open_session", opener)
+    mesh = types.SimpleNamespace(agree=lambda flag: flag, stats=types.SimpleNamespace(snapshot=dict))
+    ctx = types.SimpleNamespace(
+        model=lambda spec: wan, mesh=lambda degrees: mesh, sessions=collections.OrderedDict(), device="cpu",
+        progress=lambda step=True: None, cancel_requested=lambda: False, rank=1,
+    )  # fmt: skip
+    job = {"model": {}, "key": "k", "start": True, "context": _context(), "height": H, "width": W, "seed": 3,
+           "config": dataclasses.asdict(config), "chunks": 1}  # fmt: skip
+    window_checks.clear()
+    assert jobs.run_video(ctx, job) is None  # rank 1 reports nothing itself
+    ((handle, rank_config, options),) = opened
+    assert handle is wan and rank_config == config and len(window_checks) == 1  # rebuilt from the job: once
+    assert isinstance(options.sharding, CausalSharding) and options.sharding.mesh is mesh
+    assert not options.compile and not options.step_cache and options.in_process
+    assert ctx.sessions["k"].frames_generated == 2

@@ -217,9 +217,9 @@ def with_compile(handle, config: CompileConfig | None):
     """``handle`` with the engine's compile feature for ``config`` (the handle itself when it is None)."""
     if config is None:
         return handle
-    from ..engine.compile import attach_compile
+    from ..engine.compile import attach_compile_config
 
-    return attach_compile(handle, config.mode, config.cuda_graph, backend=config.backend)
+    return attach_compile_config(handle, config)  # checked once, when compile_config built it
 
 
 def compile_report(telemetry) -> dict | None:

@@ -10,13 +10,20 @@ else decides how the model computes:
 * ``loras``: the handle's LoRA patches are merged into the model's weights before anything else reads them
   (``engine.lora.merge``), and a handle without patches gets the base weights back; :attr:`Run.weights_keeper`
   repeats that at the entry of every later call of a run that spans several;
+* ``pool``: where the run computes. None: this process, composed as below. Otherwise the placement that
+  computes it instead (``engine.parallel.client.OnPool``: a launcher's worker pool, started if needed); the entry
+  points ask :func:`placement` once and hand the whole run to it (``text_to_image.sample``,
+  ``causal.recipe.open_session``), so a node or command only puts the pool into its options (a stream batch
+  runs in this process only: :func:`open_run` refuses options that place the run elsewhere);
 * ``sharding``: this rank's sequence-parallel layout in a worker pool (``engine.parallel.sharding``): its block
   runner shards the tokens and puts the mesh's plan into the blocks' backends (``Backends.with_parallel``), around
-  the run's own block runner (a step cache's); :attr:`Run.blocks` composes them;
+  the run's own block runner (a step cache's); :attr:`Run.blocks` composes them, and a worker's video session
+  takes its cache layout from it (each rank holds its share of the tokens and heads);
 * ``model``: what to call, the plain model, or the compiled one with its CUDA graphs when the handle carries a
   compile feature (``engine.compile``; ``compile=False`` in the options leaves it out);
 * ``step_cache``: the handle's step-cache gate (``engine.cache``), started for this run's schedule when the run
-  has one (image sampling) and passed on as the gate otherwise (a video session decides per chunk);
+  has one (image sampling); a run that samples in chunks (a causal video session) gets the gate's verdict on its
+  chunk schedule once, and a fresh step-cache run per chunk, from :meth:`Run.chunk_step_cache`;
 * ``interrupt_check``: the host's cancel check (ComfyUI: ``throw_exception_if_processing_interrupted``), called
   before every transformer block of a forward, so a long forward (one FLUX step at 2048 px) stops within one
   block; :attr:`Run.blocks` puts it on the hidden state the model's block loop reads (see
@@ -28,8 +35,10 @@ else decides how the model computes:
 * the KV storage of a causal session (bf16 / int8 / int4, recent chunks kept in full precision) is the session's
   ``CausalConfig``, which the session builds its cache from; the run gives the cache its kernel mode.
 
-Nodes only build options: they put features on the handle (``with_feature``, as ComfyUI patches a model) and the
-engine composes them here, each switchable off on its own.
+A video session is opened from a run (``causal.recipe.open_session``: the same opener in this process and on each
+rank of a worker pool) and starts no feature itself. Nodes only build options: they put features on the handle
+(``with_feature``, as ComfyUI patches a model) and a pool into :class:`RunOptions`, and the engine composes them
+here, each switchable off on its own.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import torch
 from .. import kernels
 from .attention import check_backend
 from .backends import Backends
-from .cache import STEP_CACHE_FEATURE
+from .cache import STEP_CACHE_FEATURE, causal_chunk_decision
 from .compile.feature import start_compile_run
 from .lora.merge import ensure_patches
 from .settings import env_choice
@@ -70,6 +79,14 @@ class RunOptions:
     # stop the run. It must only read a flag (no tensor read, no device sync: it runs between queued kernels).
     # None: checks between blocks off (the host still checks between forwards, in its step callbacks)
     interrupt_check: Callable[[], None] | None = None
+    # where the run computes: None, this process; or a placement that computes it instead (a worker pool:
+    # ``engine.parallel.client.OnPool``), which :func:`placement` hands the run to
+    pool: object = None
+
+    @property
+    def in_process(self) -> bool:
+        """Whether this process computes the run (and so holds the model's weights for it)."""
+        return self.pool is None
 
     def backends_for(self, handle) -> Backends:
         attention = self.attention_backend or handle.attention_backend
@@ -91,6 +108,25 @@ class RunBlocks:
         if self.interrupt_check is None:
             return runner
         return functools.partial(interruptible_blocks, check=self.interrupt_check, inner=runner)
+
+
+@dataclass
+class ChunkStepCache:
+    """The step cache of a run that samples in chunks (a causal video session): the gate's verdict on the chunk
+    schedule, decided once, and a fresh step-cache run for each chunk while it is enabled (a gate normally
+    refuses a causal chunk: its few DMD steps re-noise every step)."""
+
+    gate: object = field(repr=False)
+    model: object = field(repr=False)
+    sigmas: torch.Tensor = field(repr=False)
+    sampler: str
+    decision: object  # engine.cache.GateDecision (its line() goes into the report)
+
+    def start_chunk(self):
+        """The step-cache run of the next chunk, or None when the gate is off for chunks."""
+        if not self.decision.enabled:
+            return None
+        return self.gate.start_run(self.model, self.sigmas, self.sampler, context="causal chunk")
 
 
 @dataclass
@@ -126,6 +162,14 @@ class Run:
     def blocks(self) -> RunBlocks:
         """``blocks(inner) -> block_runner``: what a forward of this run takes (see :class:`RunBlocks`)."""
         return RunBlocks(self.sharding, self.interrupt_check)
+
+    def chunk_step_cache(self, sigmas: torch.Tensor, sampler: str = "dmd") -> ChunkStepCache | None:
+        """The step cache of this run's chunks on the ``sigmas`` schedule (None without a gate). It holds the
+        model and the gate, not the handle (a session keeps it: see :attr:`weights_keeper`)."""
+        if self.gate is None:
+            return None
+        decision = causal_chunk_decision(self.gate, sigmas, sampler)
+        return ChunkStepCache(self.gate, self.model, sigmas, sampler, decision)
 
     def finish(self) -> tuple[object, object]:
         """(step-cache telemetry or None, compile telemetry or None)."""
@@ -165,6 +209,13 @@ def _between_blocks_problem(compiled, sharding) -> str | None:
     return None
 
 
+def placement(options: RunOptions | None):
+    """Where a run with ``options`` computes: None for this process (:func:`open_run` composes it there), or the
+    placement that computes the whole run instead (``RunOptions.pool``: ``engine.parallel.client.OnPool``, with
+    ``sample(handle, request)`` and ``open_video_session(...)``). The one place that decides local or pool."""
+    return None if options is None else options.pool
+
+
 def open_run(
     handle,
     options: RunOptions | None = None,
@@ -176,6 +227,8 @@ def open_run(
     """The run of ``handle`` with ``options``. ``sigmas`` / ``sampler`` / ``uses_cfg``: the schedule of an image
     sampling run, for the step-cache gate to decide on (without them the gate is passed on unstarted)."""
     options = options or RunOptions()
+    if not options.in_process:
+        raise ValueError("open_run composes a run in this process; hand a pool's run to placement(options)")
     backends = options.backends_for(handle)
     ensure_patches(handle.model, handle.loras)
     gate = handle.feature(STEP_CACHE_FEATURE) if options.step_cache else None
@@ -200,10 +253,12 @@ def open_run(
 
 __all__ = [
     "WHOLE_FORWARD_CANCEL_NOTE",
+    "ChunkStepCache",
     "Run",
     "RunBlocks",
     "RunOptions",
     "environment_kernel_mode",
     "interruptible_blocks",
     "open_run",
+    "placement",
 ]

@@ -25,7 +25,7 @@ from .errors import InputError
 from .handle import ModelHandle
 from .plan.memory import image_activation_bytes
 from .plan.preflight import check_fits
-from .run import RunOptions, open_run
+from .run import RunOptions, open_run, placement
 from .sampling import SAMPLERS, explicit_sigmas, schedule_sigmas
 from .sampling.schedules import trim_for_denoise
 
@@ -278,7 +278,8 @@ class SampleRequest:
     batch_index: Sequence[int] | None = None
     callback: Callable[[dict], None] | None = None
     sampler_options: dict | None = None
-    # the run's own choices (attention backend, kernel mode, compile and step cache on/off: engine.run)
+    # the run's own choices (attention backend, kernel mode, compile and step cache on/off, where it computes:
+    # engine.run)
     options: RunOptions | None = None
     # bytes ``callback`` allocates while the run's tensors are alive (a host's per-step preview decode), by part:
     # added to the memory preflight's estimate so the run is refused before it starts, not at its first step
@@ -318,8 +319,12 @@ def sample(handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, S
 
     Refused before any allocation: bad or non-finite inputs, and a job whose estimated memory
     (:func:`estimate_sample_bytes`) does not fit the device. A non-finite result is an error naming the step
-    whose prediction first went non-finite.
+    whose prediction first went non-finite. Options that place the run on a worker pool (``RunOptions.pool``)
+    hand the whole request to it (``engine.run.placement``), which returns the same result.
     """
+    elsewhere = placement(request.options)
+    if elsewhere is not None:
+        return elsewhere.sample(handle, request)
     request.check(handle)
     positive, negative, latent, seed = request.positive, request.negative, request.latent, request.seed
     sampler, cfg, callback = request.sampler, request.cfg, request.callback

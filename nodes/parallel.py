@@ -1,21 +1,23 @@
 """FewStepParallelLauncher: a worker pool (sequence or data parallel) that the samplers run on.
 
 The FEWSTEP_PARALLEL value is the pool's configuration; the pool itself lives in ``engine.parallel.pool``'s
-registry, is started by the launcher (so start-up errors show on this node) and restarted by a sampler when it
-was stopped in between. It stops when the launcher is switched off, on interpreter exit, after a worker failure,
-and when ComfyUI frees memory: the pool is registered with ComfyUI's memory manager as a model of its own, whose
-unload (``POST /free``, the Manager's "Unload models", or memory needed elsewhere) shuts the workers down.
+registry, is started by the launcher (so start-up errors show on this node) and restarted by a sampler's run when
+it was stopped in between: a sampler only puts the pool into its run options (:func:`run_options`), and the engine
+hands the run to it (``engine.run.placement``). It stops when the launcher is switched off, on interpreter exit,
+after a worker failure, and when ComfyUI frees memory: the pool is registered with ComfyUI's memory manager as a
+model of its own, whose unload (``POST /free``, the Manager's "Unload models", or memory needed elsewhere) shuts
+the workers down.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..engine.errors import InputError
-from ..engine.parallel import BACKENDS, MODES, ParallelConfig, get_pool, shutdown_pool
-from ..engine.parallel.client import RemoteVideoSession
+from ..engine.parallel import BACKENDS, MODES, ParallelConfig, shutdown_pool
+from ..engine.parallel.client import OnPool
+from ..engine.run import RunOptions
 from .base import CATEGORY, reports_input_errors
-from .host import check_interrupt, comfy_module
+from .host import check_interrupt, comfy_module, interrupt_check
 from .inputs import register_object_type
 from .memory import make_patcher
 
@@ -164,17 +166,22 @@ class FewStepParallelLauncher:
         if not enabled:
             shutdown_pool(config)
             return (None, "parallel: off (workers stopped; the samplers run in this process)")
-        pool = pool_for_run(config)
+        pool = pool_placement(config, None).pool()
         return (config, pool.describe())
 
 
-def pool_for_run(config: ParallelConfig, where: str | None = None):
-    """The running pool for ``config`` (started if needed), registered with ComfyUI's memory manager."""
-    if not isinstance(config, ParallelConfig):
-        raise InputError("parallel", "expected a FEWSTEP_PARALLEL from FewStepParallelLauncher")
-    pool = get_pool(config, where, interrupt=check_interrupt)  # ComfyUI's cancel stops a slow start
-    _track_with_comfyui(config)
-    return pool
+def pool_placement(config, where: str | None) -> OnPool:
+    """``RunOptions.pool`` for a node's ``parallel`` input: the launcher's pool, started when a run needs it
+    (ComfyUI's cancel stops a slow start) and kept in ComfyUI's list of loaded models while in use."""
+    return OnPool(config, where, interrupt=check_interrupt, on_use=_track_with_comfyui)
+
+
+def run_options(parallel, where: str) -> RunOptions:
+    """A sampler node's run options: in this process with ComfyUI's cancel check between the blocks of every
+    forward, or on the connected pool (whose ranks agree on a cancel per forward instead)."""
+    if parallel is None:
+        return RunOptions(interrupt_check=interrupt_check())
+    return RunOptions(pool=pool_placement(parallel, where))
 
 
 def _track_with_comfyui(config: ParallelConfig) -> None:
@@ -196,9 +203,3 @@ def _track_with_comfyui(config: ParallelConfig) -> None:
             patcher.add_callback_with_key(ext.CallbacksMP.ON_DETACH, "fewstep-parallel", on_detach)
         _PATCHERS[config] = patcher
     mm.load_models_gpu([patcher])
-
-
-def open_parallel_session(config, handle, context, height, width, causal_config, seed, tiny_vae, where):
-    """A causal video session computed by the launcher's pool (FewStepCausalVideoSampler with ``parallel``)."""
-    pool = pool_for_run(config, where)
-    return RemoteVideoSession(pool, handle, context, height, width, causal_config, seed, tiny_vae, where)

@@ -8,8 +8,6 @@ import torch
 
 from ..engine.conditioning import TextCondition, for_family
 from ..engine.errors import InputError
-from ..engine.parallel.client import parallel_sample_request
-from ..engine.run import RunOptions
 from ..engine.sampling import FLOW, SAMPLERS, SCHEDULES, VE
 from ..engine.text_to_image import SampleRequest, build_sigmas, check_image_model, sample
 from ..engine.vae.tiny import variants_for
@@ -22,9 +20,9 @@ from .base import (
     seed_input,
 )
 from .conditioning import from_comfy, to_comfy
-from .host import Progress, check_interrupt, comfy_module, interrupt_check, preview_payload
+from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .memory import load_for_run
-from .parallel import FEWSTEP_PARALLEL, pool_for_run
+from .parallel import FEWSTEP_PARALLEL, run_options
 
 SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]
 # FewStepSampler knows its model, so it can also follow the model: "auto" (its default).
@@ -176,8 +174,10 @@ class FewStepSampler:
                 "carries a noise mask (inpainting); FewStepSampler does not apply "
                 "masks: use ComfyUI's samplers with FewStepSchedule / FewStepSamplerSelect",
             )
-        previewer = step_previewer(model, preview_vae) if preview and parallel is None else None
-        if parallel is None:  # with a pool the workers hold the model; this process does not run it
+        # in this process, or on the connected pool (the engine hands the run to it: engine.run.placement)
+        options = run_options(parallel, "FewStepSampler")
+        previewer = step_previewer(model, preview_vae) if preview and options.in_process else None
+        if options.in_process:  # with a pool the workers hold the model; this process does not run it
             load_for_run(model)
         if schedule == AUTO:
             schedule = auto_schedule(model)
@@ -192,18 +192,11 @@ class FewStepSampler:
 
         request = SampleRequest(
             pos, latent, negative=neg, seed=seed, sampler=sampler, cfg=cfg, sigmas=sigmas, callback=on_step,
-            batch_index=latent_image.get("batch_index"),
-            # Cancel between the blocks of a forward (a pool's ranks agree on a cancel per step instead)
-            options=RunOptions(interrupt_check=interrupt_check()) if parallel is None else None,
+            batch_index=latent_image.get("batch_index"), options=options,
             callback_bytes=preview_decode_bytes(preview_vae, latent) if previewer else None,
         )  # fmt: skip
         try:
-            if parallel is None:
-                out, report = sample(model, request)
-            else:
-                out, report = parallel_sample_request(
-                    pool_for_run(parallel, "FewStepSampler"), model, request
-                )
+            out, report = sample(model, request)
         finally:
             progress.close()
         result = {**latent_image, "samples": out}

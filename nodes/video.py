@@ -23,7 +23,6 @@ bar advances per denoising step; each chunk's last frame is the preview.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -35,16 +34,15 @@ from ..engine.causal.recipe import SessionRecipe
 from ..engine.causal.session import ChunkTiming
 from ..engine.errors import InputError
 from ..engine.plan.preflight import check_fits
-from ..engine.run import RunOptions
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import MAX_MEMORY_GB, env_float, env_int
 from ..engine.units import format_bytes
 from .base import CATEGORY, model_input, reports_input_errors, seed_input, single_prompt
 from .chunk_stream import ChunkStream
-from .host import Progress, check_interrupt, comfy_module, interrupt_check, preview_payload
+from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .inputs import register_object_type
 from .memory import load_for_run
-from .parallel import FEWSTEP_PARALLEL, open_parallel_session
+from .parallel import FEWSTEP_PARALLEL, run_options
 from .vae import FEWSTEP_TINY_VAE
 
 FEWSTEP_SESSION = "FEWSTEP_SESSION"
@@ -77,13 +75,10 @@ class SessionRef:
 register_object_type(FEWSTEP_SESSION, SessionRef, "a FEWSTEP_SESSION from FewStepCausalVideoSampler")
 
 
-def _recipe(model, width, height, config, seed, tiny_vae, context, parallel) -> SessionRecipe:
-    """The engine's recipe for this node's inputs; a connected worker pool computes the session."""
-    remote = None if parallel is None else functools.partial(open_parallel_session, parallel)
-    # in this process, Cancel is checked between the blocks of every forward (a pool's ranks: per forward)
-    options = RunOptions(interrupt_check=interrupt_check()) if parallel is None else None
+def _recipe(model, width, height, config, seed, tiny_vae, context, options) -> SessionRecipe:
+    """The engine's recipe for this node's inputs and run options (a connected worker pool among them)."""
     return SessionRecipe(
-        model, width, height, config, seed, tiny_vae, ((0, context),), remote, MAX_PROMPTS, options=options
+        model, width, height, config, seed, tiny_vae, ((0, context),), MAX_PROMPTS, options=options
     )
 
 
@@ -326,12 +321,13 @@ class FewStepCausalVideoSampler(ReturnsVideoChunks):
                               schedule=schedule, steps=steps, context_noise=context_noise, rope=rope,
                               kv_dtype=kv_dtype, keep_recent_chunks=keep_recent_chunks)  # fmt: skip
         context = _prompt(positive, "positive")
-        config.window.check()
         _check_outputs_fit(context.shape[0], width, height, config, num_chunks, tiny_vae is not None,
                            "FewStepCausalVideoSampler")  # fmt: skip
-        if parallel is None:  # with a pool the workers hold the model; this process does not run it
+        # in this process, or on the connected pool (the engine opens the session there: engine.run.placement)
+        options = run_options(parallel, "FewStepCausalVideoSampler")
+        if options.in_process:  # with a pool the workers hold the model; this process does not run it
             load_for_run(model)
-        recipe = _recipe(model, width, height, config, seed, tiny_vae, context.cpu(), parallel)
+        recipe = _recipe(model, width, height, config, seed, tiny_vae, context.cpu(), options)
         session, compiled = recipe.open(context, "FewStepCausalVideoSampler")
         key = SESSIONS.add(session)
         _free_sessions_on_unload(model)
@@ -377,7 +373,7 @@ class FewStepCausalContinue(ReturnsVideoChunks):
             raise InputError("session", "expected a FEWSTEP_SESSION from FewStepCausalVideoSampler")
         where = "FewStepCausalContinue"
         key, recipe = session.key, session.recipe
-        if recipe.remote is None:  # with a pool the workers hold the model
+        if recipe.in_process:  # with a pool the workers hold the model
             load_for_run(recipe.model)
         live = SESSIONS.get(key, where) if SESSIONS.alive(key) else None
         if live is None or live.frames_generated != session.position:

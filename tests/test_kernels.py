@@ -327,15 +327,16 @@ def test_models_with_triton_kernels_equal_the_references(tk):
 def test_causal_stream_with_triton_kernels_equals_the_references(tk):
     """The whole int8 stream through the Triton kernels: RMSNorm, adaLN, RoPE, KV quantization and the attention
     that dequantizes (and rotates) the quantized keys inside the kernel."""
-    from fewstep.engine import load_dit
-    from fewstep.engine.causal import CausalConfig, VideoSession
+    from fewstep.engine import open_model
+    from fewstep.engine.causal import CausalConfig, open_session
+    from fewstep.engine.run import RunOptions
 
-    wan = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+    wan = open_model("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
     ctx = _rand(1, 5, 4096, seed=62)
     config = CausalConfig(chunk_frames=1, window_frames=3, steps=2, kv_dtype="int8", keep_recent_chunks=0)
 
     def stream(mode: str):
-        session = VideoSession(wan, ctx, 32, 48, config, seed=3, backends=Backends(kernel_mode=mode))
+        session, _ = open_session(wan, ctx, 32, 48, config, 3, options=RunOptions(kernel_mode=mode))
         return torch.cat([c.latents for c in session.run(3)], dim=2), session
 
     reference, _ = stream("reference")

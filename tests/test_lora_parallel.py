@@ -78,7 +78,7 @@ def test_pool_video_with_a_lora_equals_the_single_process_session_across_a_base_
     ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
     config = CausalConfig(chunk_frames=2, window_frames=5, sink_frames=1, steps=2)
     run = open_run(lora)
-    local = VideoSession(run.model, ctx, 32, 48, config, seed=3, ensure_weights=run.weights_keeper)
+    local = VideoSession(run.model, ctx, 32, 48, config, seed=3, run=run)
     expected = [c.latents for c in local.run(2)]
     base_local = [c.latents for c in VideoSession(open_run(wan).model, ctx, 32, 48, config, seed=3).run(1)]
     remote = RemoteVideoSession(pool, lora, ctx, 32, 48, config, seed=3)

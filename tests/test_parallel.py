@@ -501,6 +501,7 @@ def test_no_worker_outlives_its_host(tmp_path, ending):
 def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_the_pool(monkeypatch):
     pack = load_pack_as_comfyui()
     nodes = importlib.import_module(f"{pack.__name__}.nodes.parallel")
+    pools = importlib.import_module(f"{pack.__name__}.engine.parallel")
     pack_input_error = importlib.import_module(f"{pack.__name__}.engine.errors").InputError
     m = {**pack.NODE_CLASS_MAPPINGS, "FewStepParallelLauncher": nodes.FewStepParallelLauncher}
     loaded = []
@@ -508,7 +509,7 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     launcher = m["FewStepParallelLauncher"]()
     config, report = launcher.launch("sp", 2, 1, 1, "gloo", 30.0, threads_per_rank=1)
     assert "ulysses 2 x ring 1" in report and "backend gloo" in report
-    pool = nodes.get_pool(config)
+    pool = pools.get_pool(config)
     pids = pool.pids()
 
     (model,) = m["FewStepDiTLoader"]().load("dummy:flux-tiny", compute_dtype="fp32")
@@ -543,7 +544,7 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     # its pool is gone: the Continue rebuilds the session on a new pool (as the sampler would, run again)
     again = m["FewStepCausalContinue"]().extend(remote[2], 1)
     assert (again[0]["samples"] - more[0]["samples"]).abs().max() <= TOL
-    restarted = nodes.get_pool(config)
+    restarted = pools.get_pool(config)
     assert restarted is not pool and restarted.alive
     restarted_pids = restarted.pids()
     assert nodes.shutdown_pool(config) and _wait_gone(restarted_pids, 5)

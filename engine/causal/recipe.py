@@ -1,40 +1,40 @@
-"""How a causal video session is built from its settings, and rebuilt to a position later.
+"""How a causal video session is opened from a run, and rebuilt to a position later.
 
-:func:`open_session` opens the session's run (``engine.run.open_run``: its backends, the handle's step cache and
-compiled forward), or hands the session to a worker pool that computes it instead of this process. :class:`SessionRecipe` keeps what a deterministic rebuild needs (settings, seed, the
-prompts and the frames they were switched at), so a caller holding an old reference to a session that has since
-moved on gets the same video again.
+:func:`open_session` is the one opener of a video session: it opens the session's run (``engine.run.open_run``:
+its backends, the handle's step cache and compiled forward, and on a rank of a worker pool the sharding) and the
+session from it, in this process and on every rank of a pool alike; or, when the run's options place it on a
+worker pool (``RunOptions.pool``), it hands the whole session to the pool (``engine.run.placement``).
+:class:`SessionRecipe` keeps what a deterministic rebuild needs (settings, seed, the prompts and the frames they
+were switched at), so a caller holding an old reference to a session that has since moved on gets the same video
+again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InputError
-from ..run import RunOptions, open_run
+from ..run import RunOptions, open_run, placement
 from .session import CausalConfig, ForwardHook, VideoSession
-
-# (handle, context, height, width, config, seed, tiny_vae, where) -> a session computed elsewhere (a worker pool)
-RemoteOpener = Callable[..., object]
 
 
 def open_session(handle, context: torch.Tensor, height: int, width: int, config: CausalConfig, seed: int,
-                 tiny_vae=None, where: str | None = None, remote: RemoteOpener | None = None,
-                 options: RunOptions | None = None):  # fmt: skip
-    """(session, compile run or None): a session in this process, run as :func:`engine.run.open_run` composes it
-    (``options``: the run's own choices), or the one ``remote`` opens. A compile feature on the handle makes the
-    session run the compiled forward (one entry point while the window fills, one once it is full: a stream never
-    recompiles); ``finish()`` the compile run for its telemetry."""
-    if remote is not None:
-        return remote(handle, context, height, width, config, seed, tiny_vae, where), None
+                 tiny_vae=None, where: str | None = None, options: RunOptions | None = None):  # fmt: skip
+    """(session, compile run or None): a session run as :func:`engine.run.open_run` composes it (``options``:
+    the run's own choices), or the session the run's placement computes (a worker pool: a session with the same
+    interface whose chunks come from the pool). A compile feature on the handle makes the session run the
+    compiled forward (one entry point while the window fills, one once it is full: a stream never recompiles);
+    ``finish()`` the compile run for its telemetry."""
+    elsewhere = placement(options)
+    if elsewhere is not None:
+        return elsewhere.open_video_session(
+            handle, context, height, width, config, seed, tiny_vae, where
+        ), None
     run = open_run(handle, options)
-    session = VideoSession(run.model, context, height, width, config, seed, tiny_vae, where=where,
-                           step_cache=run.gate, base_model=run.base_model, backends=run.backends,
-                           ensure_weights=run.weights_keeper, blocks=run.blocks)  # fmt: skip
+    session = VideoSession(run.model, context, height, width, config, seed, tiny_vae, where=where, run=run)
     return session, run.compiled
 
 
@@ -53,17 +53,20 @@ class SessionRecipe:
     seed: int = 0
     tiny_vae: object = field(default=None, repr=False)
     prompts: tuple = field(default=(), repr=False)  # ((first latent frame, context [B, L, 4096]), ...)
-    remote: RemoteOpener | None = field(
-        default=None, repr=False
-    )  # the session runs elsewhere (a worker pool)
     max_prompts: int = 8  # different prompts kept; past it the recipe cannot rebuild (bounds the memory held)
     rebuildable: bool = True  # False once more than max_prompts different prompts were used (none are kept)
-    options: RunOptions | None = field(default=None, repr=False)  # the session's run options (open_session)
+    # the session's run options (open_session), where it computes included (RunOptions.pool)
+    options: RunOptions | None = field(default=None, repr=False)
+
+    @property
+    def in_process(self) -> bool:
+        """Whether this process computes the session (and so needs the model's weights loaded)."""
+        return self.options is None or self.options.in_process
 
     def open(self, context: torch.Tensor, where: str | None = None):
         """:func:`open_session` with this recipe's settings and ``context`` as the first prompt."""
         return open_session(self.model, context, self.height, self.width, self.config, self.seed, self.tiny_vae,
-                            where, self.remote, self.options)  # fmt: skip
+                            where, self.options)  # fmt: skip
 
     def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
         """The recipe after a prompt switch at ``frame``; a prompt used before is kept once (the same tensor)."""

@@ -82,7 +82,7 @@ def frame_mask(window: WindowSpec, frames: int, tokens_per_frame: int, device=No
 def recompute_video(model, context, height, width, n_chunks, config: CausalConfig | None = None, seed=0):
     """Latents ``[B, C, n_chunks * chunk, h, w]`` generated without any cache."""
     config = config or CausalConfig()
-    window = config.window.check()
+    window = config.window
     p = model.params
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(int(seed))

@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import DEFAULT_BACKENDS, Backends
-from ..cache import causal_chunk_decision
+from ..backends import DEFAULT_BACKENDS
 from ..checks import check_finite, check_finite_number, check_image_size, check_seed
 from ..errors import InputError
 from ..latent_formats import WAN21
 from ..plan.ledger import LEDGER, session_bytes_on
 from ..plan.preflight import check_fits
+from ..run import Run, RunBlocks
 from ..sampling import sample_dmd, schedule_sigmas
 from .clean_context import clean_context_pass
 from .kv_cache import (
@@ -48,6 +48,7 @@ from .kv_cache import (
     CrossAttentionCache,
     KVCache,
     WindowSpec,
+    check_kv_head_dim,
     check_kv_storage,
     kv_bytes_per_token,
     kv_cache_bytes,
@@ -71,9 +72,23 @@ class CausalConfig:
     kv_dtype: str = "bf16"  # bf16: the compute dtype, unquantized; int8 / int4: see kv_cache
     keep_recent_chunks: int = 1  # int8 / int4: completed chunks kept in the compute dtype
 
+    def __post_init__(self):
+        """Checked once, here: the window, the KV storage settings and the clean-context timestep (an
+        :class:`InputError` naming the input, which the node or command that built the config locates). What
+        depends on the model (int4 needs an even head_dim) is checked when a session opens."""
+        window = WindowSpec(self.chunk_frames, self.window_frames, self.sink_frames)
+        object.__setattr__(self, "_window", window)  # frozen: the one WindowSpec of this config
+        check_kv_storage(self.kv_dtype, self.keep_recent_chunks, window, head_dim=None)
+        check_finite_number(self.context_noise, "context_noise")
+        if not 0 <= self.context_noise <= 1000:
+            raise InputError(
+                "context_noise",
+                f"{self.context_noise} is not a timestep in [0, 1000] (0: the clean chunk, as Self-Forcing commits)",
+            )
+
     @property
     def window(self) -> WindowSpec:
-        return WindowSpec(self.chunk_frames, self.window_frames, self.sink_frames)
+        return self._window
 
 
 @dataclass
@@ -145,56 +160,46 @@ class VideoSession:
         seed: int = 0,
         tiny_vae=None,
         where: str | None = None,
-        step_cache=None,
-        parallel=None,
-        base_model=None,
-        backends: Backends = DEFAULT_BACKENDS,
-        ensure_weights=None,
-        blocks=None,
+        run: Run | None = None,
     ):
-        """``backends``: how the session's forwards compute attention, norms, RoPE and KV quantization (the run's
-        ``engine.backends.Backends``). ``parallel``: a sequence-parallel layout (``engine.parallel.CausalSharding``) when this session is one
-        rank of a worker pool; its cache then holds this rank's share of each frame's tokens and of the heads.
-        ``base_model``: the engine model ``model`` stands for when it is a wrapper (a compiled run), so a host can
-        free the sessions of a model it unloads; ``model`` itself by default. ``ensure_weights``: the run's
-        ``Run.weights_keeper``, called before the session's weights are read (each prompt and each call of
-        :meth:`chunks`), so the handle's LoRA stays merged when another handle ran the model in between.
-        ``blocks``: the run's ``Run.blocks`` (``blocks(inner) -> block_runner``), around every forward of a
-        session that is not a pool rank: with a host's cancel check in the run's options, Cancel stops within one
-        transformer block, and the interrupted chunk is left as ``before_forward`` leaves it."""
+        """``run``: the run this session computes in (``engine.run.open_run``; :func:`..recipe.open_session`
+        opens it), whose forward ``model`` is. The session starts no feature itself; from the run it takes:
+        ``backends`` (attention, norms, RoPE and KV quantization), ``weights_keeper`` (called before the session's
+        weights are read, each prompt and each call of :meth:`chunks`, so the handle's LoRA stays merged when
+        another handle ran the model in between), ``blocks`` (the block runner around every forward: the cancel
+        check between blocks, and on a rank of a worker pool the sharding's runner, whose layout the cache then
+        holds: this rank's share of each frame's tokens and of the heads), the chunk step cache
+        (:meth:`engine.run.Run.chunk_step_cache`) and ``base_model`` (the engine model ``model`` stands for when it
+        is a compiled wrapper, so a host can free the sessions of a model it unloads). It keeps none of the run's
+        handle (see ``Run.weights_keeper``). None: ``model`` runs plain, eager, in one process, with the default
+        backends."""
         p = model.params
-        self._ensure_weights = ensure_weights or (lambda: None)
-        self.blocks = blocks or (lambda inner: inner)
+        if run is None:
+            self._ensure_weights, self.blocks, self.backends = (lambda: None), RunBlocks(), DEFAULT_BACKENDS
+            self.base_model = model
+        else:
+            self._ensure_weights, self.blocks, self.backends = run.weights_keeper, run.blocks, run.backends
+            self.base_model = run.base_model
         config = config or CausalConfig()
-        self.model, self.config, self.where, self.backends = model, config, where, backends
-        self.base_model = model if base_model is None else base_model
-        config.window.check(where)
-        check_kv_storage(config.kv_dtype, config.keep_recent_chunks, config.window, p.head_dim, where)
+        self.model, self.config, self.where = model, config, where
+        check_kv_head_dim(config.kv_dtype, p.head_dim, where)  # the config checked the rest when it was built
         check_size(p, height, width, where)
         check_context(p, context, None, where)
         if tiny_vae is not None:
             check_tiny_vae(tiny_vae, p, where)
         try:
             seed = check_seed(seed)
-            check_finite_number(config.context_noise, "context_noise")
         except InputError as err:
             raise (err.located(where) if where else err) from None
-        if not 0 <= config.context_noise <= 1000:
-            raise InputError(
-                "context_noise",
-                f"{config.context_noise} is not a timestep in [0, 1000] (0: the clean chunk, as Self-Forcing commits)",
-                where,
-            )
         self.latent_hw = (height // 8, width // 8)
         self.grid_hw = (self.latent_hw[0] // p.patch_size[1], self.latent_hw[1] // p.patch_size[2])
         self.sigmas = schedule_sigmas(config.schedule, config.steps, input_name="schedule")
         self.device = device = next(model.parameters()).device
         self.dtype = model.patch_embedding.weight.dtype
         self.batch = context.shape[0]
-        self.parallel = parallel
         tokens_per_frame, heads = self.grid_hw[0] * self.grid_hw[1], p.num_heads
-        if parallel is not None:
-            tokens_per_frame, heads = parallel.kv_layout(tokens_per_frame, heads)
+        if self.blocks.sharding is not None:  # a rank of a worker pool: its share of the tokens and heads
+            tokens_per_frame, heads = self.blocks.sharding.kv_layout(tokens_per_frame, heads)
         check_session_fits(
             session_bytes(p, self.batch, height, width, config, self.dtype, tokens_per_frame, heads, tiny_vae),
             device, where,
@@ -203,14 +208,13 @@ class VideoSession:
             layers=p.num_layers, batch=self.batch, tokens_per_frame=tokens_per_frame,
             heads=heads, head_dim=p.head_dim, window=config.window, dtype=self.dtype, device=device,
             rope=config.rope, kv_dtype=config.kv_dtype, keep_recent_chunks=config.keep_recent_chunks,
-            kernel_mode=backends.kernel_mode,
+            kernel_mode=self.backends.kernel_mode,
         )  # fmt: skip
         self.cross = CrossAttentionCache()
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.tiny_vae, self.decoder = tiny_vae, None if tiny_vae is None else tiny_vae.stream_decoder()
-        # A step-cache gate (engine.cache) normally refuses a causal chunk: 4 DMD steps re-noise every step.
-        self.step_cache = step_cache
-        self.cache_decision = causal_chunk_decision(step_cache, self.sigmas, "dmd") if step_cache else None
+        # the run's step cache for chunks (engine.run.ChunkStepCache; normally refused: DMD re-noises every step)
+        self.chunk_cache = None if run is None else run.chunk_step_cache(self.sigmas, "dmd")
         self.stats = SessionStats()
         self._pending: torch.Tensor | None = None  # the last chunk's clean latents, not yet committed
         self._context = None
@@ -227,6 +231,11 @@ class VideoSession:
         if self.cache is None:
             return self._frames_at_dispose
         return self.cache.frames_committed + (0 if self._pending is None else self.config.chunk_frames)
+
+    @property
+    def cache_decision(self):
+        """The step-cache gate's verdict on this session's chunks (None without a gate)."""
+        return None if self.chunk_cache is None else self.chunk_cache.decision
 
     @property
     def nbytes(self) -> int:
@@ -292,13 +301,9 @@ class VideoSession:
     ) -> torch.Tensor:
         c = self.config.chunk_frames
         rope_fn = self.model.frame_rope
-        if self.parallel is not None:
-            rope_fn, block_runner = (
-                self.parallel.frame_rope(rope_fn),
-                self.parallel.block_runner(block_runner),
-            )
-        else:
-            block_runner = self.blocks(block_runner)
+        if self.blocks.sharding is not None:  # this rank's frames of the sharded tokens
+            rope_fn = self.blocks.sharding.frame_rope(rope_fn)
+        block_runner = self.blocks(block_runner)
         self.cache.begin(start, c, self.grid_hw, rope_fn)
         t = (
             torch.as_tensor(timestep, dtype=torch.float32, device=x.device)
@@ -366,9 +371,8 @@ class VideoSession:
         commit_s = self._commit(index, before_forward)
         start = self.cache.frames_committed
 
-        run = None  # a step-cache run, only when the gate was forced on for causal chunks
-        if self.cache_decision is not None and self.cache_decision.enabled:
-            run = self.step_cache.start_run(self.model, self.sigmas, "dmd", context="causal chunk")
+        # a step-cache run, only when the gate was forced on for causal chunks
+        run = None if self.chunk_cache is None else self.chunk_cache.start_chunk()
         finite_steps: list[torch.Tensor] = []  # one flag per step, read back once with the chunk
 
         def denoised(x, sigma, start=start, run=run, **_):

@@ -27,7 +27,14 @@ The models never import this package; it reaches them through their public stage
 """
 
 from .capture import CaptureError, StaleGraphError, function_break_kind
-from .feature import COMPILE_FEATURE, CompiledDiT, CompileRun, attach_compile, start_compile_run
+from .feature import (
+    COMPILE_FEATURE,
+    CompiledDiT,
+    CompileRun,
+    attach_compile,
+    attach_compile_config,
+    start_compile_run,
+)
 from .graphs import GraphedCallable, call_key, cuda_graph, object_state
 from .options import (
     BREAK_KINDS,
@@ -66,6 +73,7 @@ __all__ = [
     "PlannedBreak",
     "PlannedSegment",
     "attach_compile",
+    "attach_compile_config",
     "call_key",
     "check_torch",
     "compile_model",

@@ -19,9 +19,9 @@ import logging
 from torch import nn
 
 from ..errors import InputError
-from .graphs import GraphedCallable, cuda_graph
+from .graphs import GraphedCallable
 from .options import DEFAULT_BREAKS, CompileConfig, graph_device_problem
-from .regional import BucketCheck, CompiledModel, compile_model
+from .regional import BucketCheck, CompiledModel
 from .telemetry import CompileTelemetry, CompileWatch
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ class CompiledDiT:
         self.config = config
         self.compiled: CompiledModel | None = None
         if config.mode != "off":
-            self.compiled = compile_model(model, config.mode, config.dynamic, config.buckets, config.backend)
+            # the config was checked when it was built: compiled here without checking it again
+            self.compiled = CompiledModel(model, config.mode, config.dynamic, config.buckets, config.backend)
         self.graph_problem: str | None = None
         self._graphs: GraphedCallable | None = None
         if config.graphs_requested:
@@ -81,14 +82,15 @@ class CompiledDiT:
             return None
         if self._graphs is None:
             traced = self.compiled is None
-            self._graphs = cuda_graph(
+            # the graph options were checked with the config, and the device when this feature was made
+            # (graph_problem: why graphs cannot run here, None: they can), so nothing is checked again
+            self._graphs = GraphedCallable(
                 self.forward, self.config.cuda_graph, max_graphs=self.config.max_graphs,
-                warmup=self.config.warmup, allow_fallback=True, weights=self.model,
-                segments=self.config.graph_segments, traced=traced, break_at=self.config.break_at,
+                warmup=self.config.warmup, weights=self.model, segments=self.config.graph_segments,
+                traced=traced, break_at=self.config.break_at,
                 accept=BucketCheck(self.model, self.config.buckets) if self.config.buckets else None,
+                disabled_reason=self.graph_problem,
             )  # fmt: skip
-            if self.graph_problem is not None:
-                self._graphs.disabled_reason = self.graph_problem
             if traced:
                 self._graphs.names = {id(m): name for name, m in self.model.named_modules()}
         return self._graphs
@@ -111,21 +113,20 @@ class CompiledDiT:
         return self.config.describe()
 
 
-class _RunModel:
-    """Stands for the model in one sampling run: the family adapters and the denoiser call it like the model."""
+class _GraphedRun:
+    """Stands for the model in a run that replays CUDA graphs (the family adapters and the denoiser call it like
+    the model): a call with a block runner (whose Python a graph cannot follow) runs the compiled forward or the
+    model, every other call the graphs. A run without graphs needs no stand-in: its model is the compiled forward
+    itself (or the model), so a forward is never wrapped more than once."""
 
-    def __init__(self, feature: CompiledDiT, use_graphs: bool):
+    def __init__(self, feature: CompiledDiT):
         self._feature = feature
-        self._use_graphs = use_graphs
 
     def __call__(self, *args, block_runner=None, **kwargs):
         f = self._feature
-        if block_runner is not None:  # a step cache runs the block stack from Python: no graph
-            target = f.compiled if f.compiled is not None else f.model
-            return target(*args, block_runner=block_runner, **kwargs)
-        if self._use_graphs:
-            return f.graphs(*args, **kwargs)
-        return f.forward(*args, **kwargs)
+        if block_runner is not None:  # the block stack runs from Python: no graph
+            return f.forward(*args, block_runner=block_runner, **kwargs)
+        return f.graphs(*args, **kwargs)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -158,7 +159,8 @@ class CompileRun:
             self.whole_forward = f"the forward is replayed from CUDA graphs (cuda_graph {config.cuda_graph})"
         elif feature.compiled is not None and config.mode == "full":
             self.whole_forward = "the forward is compiled whole (compile full)"
-        self.model = _RunModel(feature, use_graphs)
+        # what the run calls: the graphs' stand-in, else the compiled forward (or the model: graphs refused)
+        self.model = _GraphedRun(feature) if use_graphs else feature.forward
         self._graphs = feature.graphs if use_graphs else None
         self._before = self._graphs.stats.copy() if self._graphs is not None else None
         self._watch = CompileWatch().start() if feature.compiled is not None else None
@@ -201,6 +203,12 @@ def attach_compile(
         allow_fallback=allow_fallback, max_graphs=max_graphs, warmup=warmup, break_at=tuple(break_at),
         graph_segments=graph_segments,
     )  # fmt: skip
+    return attach_compile_config(handle, config)
+
+
+def attach_compile_config(handle, config: CompileConfig):
+    """:func:`attach_compile` with a :class:`CompileConfig` already built (and so checked): nothing is checked
+    again (a command that checked its flags before loading the model hands its config on)."""
     if config.mode == "off" and config.cuda_graph == "off":
         return handle.replace(features=tuple((k, v) for k, v in handle.features if k != COMPILE_FEATURE))
     return handle.with_feature(COMPILE_FEATURE, CompiledDiT(handle.model, config))
@@ -218,5 +226,6 @@ __all__ = [
     "CompiledDiT",
     "STEP_CACHE_NO_GRAPH",
     "attach_compile",
+    "attach_compile_config",
     "start_compile_run",
 ]

@@ -50,7 +50,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..models.registry import FAMILIES, Family
-from .options import COMPILE_BACKENDS, COMPILE_MODES, CompileConfig
+from .options import CompileConfig
 
 log = logging.getLogger(__name__)
 
@@ -209,10 +209,8 @@ class CompiledModel:
         backend: str = "inductor",
         fullgraph: bool = False,
     ):
-        if mode not in COMPILE_MODES or mode == "off":
-            raise ValueError(f"compile mode {mode!r}: expected regional or full")
-        if backend not in COMPILE_BACKENDS:
-            raise ValueError(f"compile backend {backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
+        # mode, backend and buckets come checked: from the CompileConfig its maker built (compile_model, or
+        # the compile feature), which checks them once, when it is built
         self.model = model
         self.mode = mode
         self.dynamic = dynamic
@@ -308,10 +306,10 @@ def compile_model(
     ``buckets``: image sizes (width, height px) expected; see :class:`~.options.CompileConfig`. Raises
     :class:`~..errors.InputError` for an unknown mode or backend, or a torch too old for regional reuse.
     ``fullgraph``: a graph break raises instead of splitting the graph."""
-    CompileConfig(mode=mode, dynamic=dynamic, buckets=buckets, backend=backend)  # the input checks
-    if mode == "off":
+    config = CompileConfig(mode=mode, dynamic=dynamic, buckets=buckets, backend=backend)  # the input checks
+    if config.mode == "off":
         raise InputError("compile", "mode 'off' compiles nothing: call the model itself")
-    return CompiledModel(model, mode, dynamic, buckets, backend, fullgraph)
+    return CompiledModel(model, config.mode, config.dynamic, config.buckets, config.backend, fullgraph)
 
 
 __all__ = [

@@ -17,12 +17,17 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..cache import STEP_CACHE_FEATURE
-from ..causal.kv_cache import KV_LAYOUTS, check_kv_storage, kv_bytes_per_token, kv_cache_bytes
+from ..causal.kv_cache import (
+    KV_LAYOUTS,
+    check_kv_head_dim,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+)
 from ..causal.session import (
     CausalConfig,
     ChunkResult,
@@ -42,12 +47,52 @@ from ..ops import Linear, weight_bytes
 from ..sampling import schedule_sigmas
 from ..text_to_image import SampleReport, SampleRequest, check_sample_inputs
 from . import transport
+from .config import ParallelConfig
 from .jobs import dtype_name, fingerprint, request_to_job
-from .pool import WorkerPool
+from .pool import WorkerPool, get_pool
 from .rank import available_memory
 from .sharding import image_sharding
 
 COMPILE_NOT_APPLIED = "compile: not applied on the pool's workers (they run the model eagerly)"
+
+
+@dataclasses.dataclass(frozen=True)
+class OnPool:
+    """``RunOptions.pool``: the run is computed by the worker pool of ``config`` (started if needed), not by this
+    process. ``engine.run.placement`` hands it the whole run: an image sampling request (:meth:`sample`) or a
+    causal video session (:meth:`open_video_session`); its workers open their share of it as this process
+    would (``engine.parallel.jobs``: the same ``open_run`` and session opener, with their sharding)."""
+
+    config: ParallelConfig
+    where: str | None = None  # who starts the pool (named in its start-up errors)
+    interrupt: Callable[[], None] | None = None  # the host's cancel check while the ranks start
+    # the host's own bookkeeping of a pool in use, called with ``config`` each time it is used (ComfyUI: its
+    # memory manager, whose unload stops the workers)
+    on_use: Callable[[ParallelConfig], None] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.config, ParallelConfig):
+            raise InputError(
+                "parallel", "expected a FEWSTEP_PARALLEL from FewStepParallelLauncher", self.where
+            )
+
+    def pool(self, where: str | None = None) -> WorkerPool:
+        """The running pool (started if needed; ``where``: who asks, else :attr:`where`)."""
+        pool = get_pool(self.config, where or self.where, interrupt=self.interrupt)
+        if self.on_use is not None:
+            self.on_use(self.config)
+        return pool
+
+    def sample(self, handle: ModelHandle, request: SampleRequest) -> tuple[torch.Tensor, SampleReport]:
+        """:func:`parallel_sample_request` on the pool."""
+        return parallel_sample_request(self.pool(), handle, request)
+
+    def open_video_session(self, handle: ModelHandle, context: torch.Tensor, height: int, width: int,
+                           config: CausalConfig, seed: int, tiny_vae=None, where: str | None = None):  # fmt: skip
+        """A :class:`RemoteVideoSession` on the pool (``causal.recipe.open_session`` with this placement)."""
+        return RemoteVideoSession(
+            self.pool(where), handle, context, height, width, config, seed, tiny_vae, where
+        )
 
 
 def model_spec(handle: ModelHandle) -> dict:
@@ -257,8 +302,7 @@ class RemoteVideoSession:
                 where,
             )
         _refuse_step_cache(handle)
-        config.window.check(where)
-        check_kv_storage(config.kv_dtype, config.keep_recent_chunks, config.window, p.head_dim, where)
+        check_kv_head_dim(config.kv_dtype, p.head_dim, where)  # the config checked the rest when it was built
         check_size(p, height, width, where)
         check_context(p, context, None, where)
         self.degrees = job_degrees(pool, degrees)

@@ -23,12 +23,12 @@ from datetime import timedelta
 
 import torch
 
-from ..causal import CausalConfig, VideoSession
+from ..causal import CausalConfig, VideoSession, open_session
 from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle, open_model
 from ..lora import LoraPatch, read_lora
-from ..run import RunOptions, open_run
+from ..run import RunOptions
 from ..text_to_image import SampleRequest, sample
 from . import transport
 from .config import ParallelConfig
@@ -388,12 +388,12 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
         old = ctx.sessions.pop(key, None)
         if old is not None:
             old.dispose()
-        # this rank's share of the session: its backends and sharding (engine.run); workers run eagerly
-        run = open_run(handle, RunOptions(compile=False, step_cache=False, sharding=CausalSharding(mesh)))
-        session = VideoSession(
-            run.model, job["context"].to(ctx.device), job["height"], job["width"],
-            CausalConfig(**job["config"]), job["seed"], parallel=run.sharding, backends=run.backends,
-            ensure_weights=run.weights_keeper,  # the LoRA merged again if a job of another handle ran between
+        # this rank's share of the session, opened as in one process (causal.recipe.open_session): its run
+        # (engine.run) composes the backends, the LoRA kept merged and this rank's sharding; workers run eagerly
+        options = RunOptions(compile=False, step_cache=False, sharding=CausalSharding(mesh))
+        session, _ = open_session(
+            handle, job["context"].to(ctx.device), job["height"], job["width"], CausalConfig(**job["config"]),
+            job["seed"], options=options,
         )  # fmt: skip
         ctx.sessions[key] = session
         while len(ctx.sessions) > MAX_SESSIONS:

@@ -15,10 +15,10 @@ and every rank returns the same velocity. The sampler loop around the forward is
   32 image-token layers) is inside the model's embed stage, which a block runner does not reach.
 * Wan: each latent frame's tokens are split into ``world`` parts (so per-frame modulation applies to a shard
   as it is); cross-attention reads the whole prompt locally.
-* Causal Wan (:class:`CausalSharding`, given to ``VideoSession(parallel=...)``): each rank's KV cache holds its
-  ring part of every frame's tokens for its ``heads / ulysses`` heads. The cache view does the Ulysses exchange
-  before writing the chunk's K/V (so the cache stores whole frames of the ring part, frame by frame, as it
-  expects), attends through the ring, and exchanges back.
+* Causal Wan (:class:`CausalSharding`, a rank's ``RunOptions(sharding=...)`` for its video session): each
+  rank's KV cache holds its ring part of every frame's tokens for its ``heads / ulysses`` heads. The cache view
+  does the Ulysses exchange before writing the chunk's K/V (so the cache stores whole frames of the ring part,
+  frame by frame, as it expects), attends through the ring, and exchanges back.
 """
 
 from __future__ import annotations
@@ -139,7 +139,8 @@ class _ShardedLayer:
 
 
 class CausalSharding:
-    """What ``VideoSession(parallel=...)`` uses: the per-rank cache layout and the sharded block runner."""
+    """A rank's video-session sharding (``RunOptions.sharding``): the per-rank cache layout and the sharded block
+    runner."""
 
     def __init__(self, mesh: SequenceMesh):
         self.mesh = mesh

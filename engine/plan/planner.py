@@ -376,7 +376,7 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
         )
     if text_tokens is not None and not 1 <= text_tokens <= p.text_len:
         raise InputError("text_tokens", f"{text_tokens}: Wan reads 1 to {p.text_len} prompt tokens")
-    spec = WindowSpec(chunk, window, sinks).check()
+    spec = WindowSpec(chunk, window, sinks)
     check_kv_storage(layout.name, keep_recent, spec, p.head_dim)
     latent = _latent_frames(frames, latent_frames, chunk)
     n_chunks = latent // chunk

@@ -83,9 +83,9 @@ from .bytes import (
 from .cache import KVCache
 from .cross import CrossAttentionCache
 from .layer import LayerView
-from .quantized import QuantizedKV, check_kv_storage
+from .quantized import QuantizedKV, check_kv_head_dim, check_kv_storage
 from .sinks import SinkKeys
-from .window import ROPE_MODES, SlotRing, WindowSpec
+from .window import ROPE_MODES, SlotRing, WindowSpec, check_window
 
 __all__ = [
     "KV_DTYPES",
@@ -101,8 +101,10 @@ __all__ = [
     "SinkKeys",
     "SlotRing",
     "WindowSpec",
+    "check_kv_head_dim",
     "check_kv_storage",
     "kv_bytes_per_token",
     "kv_cache_bytes",
+    "check_window",
     "kv_layout",
 ]

@@ -47,7 +47,7 @@ class KVCache(nn.Module):
         super().__init__()
         if rope not in ROPE_MODES:
             raise InputError("rope", f"unknown RoPE mode {rope!r}; expected one of {', '.join(ROPE_MODES)}")
-        self.window = window.check()
+        self.window = window  # checked when it was built
         self.bits = check_kv_storage(kv_dtype, keep_recent_chunks, window, head_dim)
         self.kv_dtype, self.keep_recent_chunks = kv_dtype, keep_recent_chunks
         self.kernel_mode = kernels.check_mode(kernel_mode)

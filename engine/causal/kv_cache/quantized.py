@@ -28,9 +28,10 @@ QUANTIZED_PARTS = ("", "_scale", "_zero")
 
 
 def check_kv_storage(
-    kv_dtype: str, keep_recent_chunks: int, window: WindowSpec, head_dim: int, where: str | None = None
+    kv_dtype: str, keep_recent_chunks: int, window: WindowSpec, head_dim: int | None, where: str | None = None
 ) -> int | None:
-    """The quantization bits of ``kv_dtype`` (None: unquantized), or an :class:`InputError`."""
+    """The quantization bits of ``kv_dtype`` (None: unquantized), or an :class:`InputError`. ``head_dim`` None:
+    the settings alone (a ``CausalConfig`` when it is built); the model's part is :func:`check_kv_head_dim`."""
     if kv_dtype not in KV_LAYOUTS:
         raise InputError(
             "kv_dtype",
@@ -40,13 +41,8 @@ def check_kv_storage(
     bits = KV_LAYOUTS[kv_dtype].bits
     if bits is None:
         return None
-    if bits == 4 and head_dim % 2:
-        raise InputError(
-            "kv_dtype",
-            f"int4 packs two values per byte along the head dimension; this model's head_dim {head_dim} is odd "
-            "(use int8 or bf16)",
-            where,
-        )
+    if head_dim is not None:
+        check_kv_head_dim(kv_dtype, head_dim, where)
     c, ring = window.chunk_frames, window.ring_frames
     most = ring // c - 1
     if keep_recent_chunks < 0 or keep_recent_chunks > most:
@@ -58,6 +54,17 @@ def check_kv_storage(
             where,
         )
     return bits
+
+
+def check_kv_head_dim(kv_dtype: str, head_dim: int, where: str | None = None) -> None:
+    """The model's part of a KV storage choice: int4 packs two values of the head dimension per byte."""
+    if KV_LAYOUTS[kv_dtype].bits == 4 and head_dim % 2:
+        raise InputError(
+            "kv_dtype",
+            f"int4 packs two values per byte along the head dimension; this model's head_dim {head_dim} is odd "
+            "(use int8 or bf16)",
+            where,
+        )
 
 
 @dataclass(frozen=True)

@@ -16,38 +16,39 @@ from ...errors import InputError
 ROPE_MODES = ("cache", "absolute")
 
 
+def check_window(c: int, w: int, s: int) -> None:
+    """Whether a chunk of ``c`` latent frames, a window of ``w`` and ``s`` sinks fit together (``WindowSpec``)."""
+    if c < 1:
+        raise InputError("chunk_frames", f"expected at least 1 latent frame per chunk, got {c}")
+    if w < c:
+        raise InputError(
+            "window_frames",
+            f"the window ({w} latent frames) is smaller than a chunk ({c}); a chunk must see at least itself",
+        )
+    if s < 0 or s >= w:
+        raise InputError(
+            "sink_frames", f"{s} sink frames do not fit a window of {w} frames (need 0 <= sink < window)"
+        )
+    if s + c > w:
+        raise InputError(
+            "window_frames",
+            f"the window ({w}) must hold the {s} sink frames and a chunk of {c} (at least {s + c})",
+        )
+
+
 @dataclass(frozen=True)
 class WindowSpec:
-    """How many latent frames a chunk sees: ``window_frames`` in all, the first ``sink_frames`` kept forever."""
+    """How many latent frames a chunk sees: ``window_frames`` in all, the first ``sink_frames`` kept forever.
+
+    Checked once, when it is built (an :class:`InputError` naming the input; the node or command that built it
+    locates it): every holder of a ``WindowSpec`` may rely on it."""
 
     chunk_frames: int
     window_frames: int
     sink_frames: int = 0
 
-    def check(self, where: str | None = None) -> WindowSpec:
-        c, w, s = self.chunk_frames, self.window_frames, self.sink_frames
-        if c < 1:
-            raise InputError("chunk_frames", f"expected at least 1 latent frame per chunk, got {c}", where)
-        if w < c:
-            raise InputError(
-                "window_frames",
-                f"the window ({w} latent frames) is smaller than a chunk ({c}); "
-                "a chunk must see at least itself",
-                where,
-            )
-        if s < 0 or s >= w:
-            raise InputError(
-                "sink_frames",
-                f"{s} sink frames do not fit a window of {w} frames (need 0 <= sink < window)",
-                where,
-            )
-        if s + c > w:
-            raise InputError(
-                "window_frames",
-                f"the window ({w}) must hold the {s} sink frames and a chunk of {c} (at least {s + c})",
-                where,
-            )
-        return self
+    def __post_init__(self):
+        check_window(self.chunk_frames, self.window_frames, self.sink_frames)
 
     @property
     def ring_frames(self) -> int:

@@ -60,6 +60,10 @@ class KernelFallbacks:
     def __repr__(self) -> str:
         return f"KernelFallbacks({sorted(self.failed)})"
 
+    def capture_state(self) -> tuple:
+        """What a captured forward (a CUDA graph) decided on: which kernels ran as their references."""
+        return tuple(sorted(self.failed))
+
     def notes(self) -> list[str]:
         """One line per kernel that fell back in this run, for a run's report."""
         return [

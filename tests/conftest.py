@@ -8,8 +8,13 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
-import torch
+# Triton's kernels run through its interpreter on the CPU (test_kernels.py and the engine tests in kernel mode
+# "triton"). Set before anything imports Triton: a test module that imports it earlier (through torch.compile,
+# say) would otherwise leave its language half-patched for the interpreter, whatever order the files run in.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"

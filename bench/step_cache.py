@@ -29,7 +29,7 @@ import torch
 from _common import RESULTS, flux_inputs, header, median, parse_args, parse_px, save, setup_threads, timed
 
 from fewstep.engine import TextCondition, open_model, sample_latent
-from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
+from fewstep.engine.step_cache import STEP_CACHE_FEATURE, make_gate
 
 STEPS = 28
 QUICK = {

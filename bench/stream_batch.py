@@ -48,7 +48,7 @@ import torch
 from _common import header, median, parse_px, save, setup_threads
 
 from fewstep.engine import TextCondition, load_tiny_vae, open_model
-from fewstep.engine.stream import StreamBatch, StreamConfig, denoise_sequential, run_sequential
+from fewstep.engine.stream_batch import StreamBatch, StreamConfig, denoise_sequential, run_sequential
 from fewstep.engine.vae.tiny import variants_for
 
 T_INDEX = (10, 20, 30, 40)

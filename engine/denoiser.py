@@ -4,7 +4,7 @@ Classifier-free guidance runs only when there is a negative prompt *and* ``cfg !
 negative rows go through the model as one batch when their token counts match (one forward per step either
 way, twice the rows with CFG). With ``cfg == 1`` the negative is never evaluated.
 
-With a step cache (``step_cache``: a per-run holder from ``engine.cache``) each forward goes through the holder,
+With a step cache (``step_cache``: a per-run holder from ``engine.step_cache``) each forward goes through the holder,
 which may reuse kept residuals instead of running the whole block stack, and from its CFG cut-off on the
 unconditional pass is replaced by ``v_neg = v_pos + delta`` (``delta = v_neg - v_pos`` of the last step that ran
 it). ``model_calls`` counts forwards that ran every block; ``cache_probes`` those served from the cache.

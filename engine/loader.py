@@ -15,7 +15,9 @@ from torch import nn
 
 from .errors import CheckpointError, InputError
 from .models.registry import FAMILIES, all_presets, find_layout, known_layouts
+from .models.sizes import preset_parameters
 from .ops import Linear, is_fp8, store_linear_weights
+from .preflight import LEDGER, check_fits
 from .weights import (
     SAFETENSORS_SUFFIXES,
     check_finite_weights,
@@ -66,10 +68,7 @@ def resolve_device(device, input_name: str = "device") -> torch.device:
 
 
 def _check_fits(parts, device, input_name, where=None, hint=""):
-    # engine.plan imports the causal engine, which imports this module: import the preflight when it runs
-    from .plan.preflight import check_fits as check
-
-    return check(parts, device, input_name, where, hint)
+    return check_fits(parts, device, input_name, where, hint)
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -178,8 +177,6 @@ def load_dit(
 def _held(model: nn.Module) -> nn.Module:
     """Count the model's weights in the memory ledger while it is alive (what the preflight subtracts from
     ``FEWSTEP_MEMORY_LIMIT_GB``); dropping the last reference to the model releases them."""
-    from .plan.ledger import LEDGER  # engine.plan imports this module (see _check_fits)
-
     return LEDGER.hold_model(model)
 
 
@@ -197,8 +194,6 @@ def _load_dummy(preset: str, dtype, dev, weight_dtype, seed, input_name, memory_
         raise InputError(
             input_name, f"unknown preset 'dummy:{preset}'; known presets: {', '.join(sorted(presets))}"
         )
-    from .plan.memory import preset_parameters  # the planner imports the engine: import it when loading
-
     family, params = presets[preset]
     # Every parameter is first allocated in the compute dtype (linear weights move to weight_dtype after the
     # seeded init), so that is the peak to check.

@@ -21,7 +21,7 @@ else decides how the model computes:
   takes its cache layout from it (each rank holds its share of the tokens and heads);
 * ``model``: what to call, the plain model, or the compiled one with its CUDA graphs when the handle carries a
   compile feature (``engine.compile``; ``compile=False`` in the options leaves it out);
-* ``step_cache``: the handle's step-cache gate (``engine.cache``), started for this run's schedule when the run
+* ``step_cache``: the handle's step-cache gate (``engine.step_cache``), started for this run's schedule when the run
   has one (image sampling); a run that samples in chunks (a causal video session) gets the gate's verdict on its
   chunk schedule once, and a fresh step-cache run per chunk, from :meth:`Run.chunk_step_cache`;
 * ``interrupt_check``: the host's cancel check (ComfyUI: ``throw_exception_if_processing_interrupted``), called
@@ -53,10 +53,10 @@ import torch
 from .. import kernels
 from .attention import check_backend
 from .backends import Backends
-from .cache import STEP_CACHE_FEATURE, causal_chunk_decision
 from .compile.feature import start_compile_run
 from .lora.merge import ensure_patches
 from .settings import env_choice
+from .step_cache import STEP_CACHE_FEATURE, causal_chunk_decision
 
 
 def environment_kernel_mode() -> str:
@@ -120,7 +120,7 @@ class ChunkStepCache:
     model: object = field(repr=False)
     sigmas: torch.Tensor = field(repr=False)
     sampler: str
-    decision: object  # engine.cache.GateDecision (its line() goes into the report)
+    decision: object  # engine.step_cache.GateDecision (its line() goes into the report)
 
     def start_chunk(self):
         """The step-cache run of the next chunk, or None when the gate is off for chunks."""

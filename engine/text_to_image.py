@@ -3,7 +3,7 @@
 Everything a sampler node or the CLI needs between a ComfyUI-style raw latent and the sampler loop: input
 validation, the schedule, seeded noise (identical to ComfyUI's KSampler noise for the same seed), the latent
 format in and out, CFG, per-step callback and timing. A step-cache gate carried by the handle (feature
-``step_cache``, see ``engine.cache``) is applied here: one holder per run, its telemetry in the report. So is a
+``step_cache``, see ``engine.step_cache``) is applied here: one holder per run, its telemetry in the report. So is a
 compiled / CUDA-graph forward (feature ``compile``, see ``engine.compile``): the denoiser gets the run's stand-in
 for the model, and the report shows compile time, recompiles and graph hits / misses.
 """
@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheTelemetry
 from .checks import check_finite, check_finite_number, check_seed
 from .compile.telemetry import CompileTelemetry
 from .conditioning import TextCondition
 from .denoiser import FlowDenoiser
 from .errors import InputError
 from .handle import ModelHandle
-from .plan.memory import image_activation_bytes
-from .plan.preflight import check_fits
+from .models.sizes import image_activation_bytes
+from .preflight.budget import check_fits
 from .run import RunOptions, open_run, placement
 from .sampling import SAMPLERS, explicit_sigmas, schedule_sigmas
 from .sampling.schedules import trim_for_denoise
+from .step_cache import CacheTelemetry
 
 
 @dataclass
@@ -202,7 +202,7 @@ def estimate_sample_bytes(
 
     ``rows`` = latent batch x prompts evaluated per forward (both CFG halves when CFG runs). The latent-sized
     float32 tensors (noise, the sample, x0, the update, the output) are counted as 8 copies; activations are
-    :func:`~fewstep.engine.plan.memory.image_activation_bytes` (an estimate: see there). ``token_patch``: LATENT
+    :func:`~fewstep.engine.models.sizes.image_activation_bytes` (an estimate: see there). ``token_patch``: LATENT
     pixels per token side (the family's ``ImageSpec.token_patch``).
     """
     b, c, h, w = latent_shape

@@ -18,10 +18,10 @@ NODE_MODULES = {
     "sampling": ["FewStepSampler", "FewStepSchedule", "FewStepSamplerSelect", "FewStepSyntheticConditioning"],
     "vae": ["FewStepTinyVAELoader", "FewStepTinyVAEDecode", "FewStepTinyVAEEncode"],
     "video": ["FewStepCausalVideoSampler", "FewStepCausalContinue"],
-    "cache": ["FewStepCacheGate", "FewStepCacheGateNative"],
+    "step_cache": ["FewStepCacheGate", "FewStepCacheGateNative"],
     "compile": ["FewStepCompile"],
     "parallel": ["FewStepParallelLauncher"],
-    "stream": ["FewStepStreamBatch"],
+    "stream_batch": ["FewStepStreamBatch"],
     "plan": ["FewStepCostPlan"],
 }
 DISPLAY_NAMES = {

@@ -9,7 +9,7 @@ from ..engine.models.registry import all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from .base import CATEGORY, ReturnsModel, reports_input_errors
 from .host import list_model_files, model_file_path, torch_device
-from .memory import make_patcher
+from .model_management import make_patcher
 
 
 def dummy_choices() -> list[str]:

@@ -19,7 +19,7 @@ from ..engine.run import RunOptions
 from .base import CATEGORY, reports_input_errors
 from .host import check_interrupt, comfy_module, interrupt_check
 from .inputs import register_object_type
-from .memory import make_patcher
+from .model_management import make_patcher
 
 FEWSTEP_PARALLEL = "FEWSTEP_PARALLEL"
 register_object_type(

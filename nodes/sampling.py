@@ -21,7 +21,7 @@ from .base import (
 )
 from .conditioning import from_comfy, to_comfy
 from .host import Progress, check_interrupt, comfy_module, preview_payload
-from .memory import load_for_run
+from .model_management import load_for_run
 from .parallel import FEWSTEP_PARALLEL, run_options
 
 SCHEDULE_CHOICES = list(SCHEDULES) + ["custom"]

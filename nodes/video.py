@@ -33,7 +33,7 @@ from ..engine.causal.kv_cache import KV_DTYPES
 from ..engine.causal.recipe import SessionRecipe
 from ..engine.causal.session import ChunkTiming
 from ..engine.errors import InputError
-from ..engine.plan.preflight import check_fits
+from ..engine.preflight.budget import check_fits
 from ..engine.sampling import SCHEDULES
 from ..engine.settings import MAX_MEMORY_GB, env_float, env_int
 from ..engine.units import format_bytes
@@ -41,7 +41,7 @@ from .base import CATEGORY, model_input, reports_input_errors, seed_input, singl
 from .chunk_stream import ChunkStream
 from .host import Progress, check_interrupt, comfy_module, preview_payload
 from .inputs import register_object_type
-from .memory import load_for_run
+from .model_management import load_for_run
 from .parallel import FEWSTEP_PARALLEL, run_options
 from .vae import FEWSTEP_TINY_VAE
 

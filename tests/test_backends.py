@@ -105,8 +105,8 @@ def test_one_run_composes_the_handles_features_each_switchable_off():
     from conftest import make_cond
 
     from fewstep.engine import sample_latent
-    from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
     from fewstep.engine.compile import attach_compile
+    from fewstep.engine.step_cache import STEP_CACHE_FEATURE, make_gate
 
     plain = open_model("dummy:flux-tiny")
     gate = make_gate("first_block", 1.0, force=True)

@@ -186,7 +186,7 @@ def engine_model():
 
 @pytest.fixture
 def nodes(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.cache")
+    return importlib.import_module(f"{pack.__name__}.nodes.step_cache")
 
 
 def _patcher(engine_model, config=None):
@@ -328,7 +328,7 @@ def test_native_gate_shows_the_run_report_on_its_node_and_logs_the_decision_once
 def test_native_report_prints_the_score_compared_with_the_threshold(
     comfy, nodes, engine_model, server, pack, monkeypatch
 ):
-    methods = importlib.import_module(f"{pack.__name__}.engine.cache.methods")
+    methods = importlib.import_module(f"{pack.__name__}.engine.step_cache.methods")
     decided = []
     original = methods.InputChangeCache.decide
 
@@ -461,7 +461,11 @@ def test_native_node_errors(comfy, nodes, engine_model, monkeypatch):
 def _gate_node(pack, model, **inputs):
     args = dict(method="first_block", threshold=0.08, start=0.1, end=1.0, force=False, cfg_cutoff=1.0)
     args.update(inputs)
-    return importlib.import_module(f"{pack.__name__}.nodes.cache").FewStepCacheGate().attach(model, **args)[0]
+    return (
+        importlib.import_module(f"{pack.__name__}.nodes.step_cache")
+        .FewStepCacheGate()
+        .attach(model, **args)[0]
+    )
 
 
 def _sampler_run(pack, model, cond, **inputs):
@@ -510,8 +514,8 @@ def test_fewstep_gate_node_errors(pack):
 
 def test_install_native_gate_is_the_engines_without_comfyui(engine_model):
     """The engine installs the gate from the patcher and the wrapper types alone (no comfy module imported)."""
-    from fewstep.engine.cache import install_native_gate, make_gate
     from fewstep.engine.errors import InputError
+    from fewstep.engine.step_cache import install_native_gate, make_gate
 
     wrapper_types = types.SimpleNamespace(OUTER_SAMPLE=OUTER, CALC_COND_BATCH=CALC, DIFFUSION_MODEL=DIFFUSION)
     patcher = _patcher(engine_model)

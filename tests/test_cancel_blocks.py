@@ -14,12 +14,12 @@ from conftest import fake_comfy_memory_manager, make_cond
 from test_nodes import _run
 
 from fewstep.engine import TextCondition, open_model, sample_latent
-from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal.recipe import open_session
 from fewstep.engine.compile import attach_compile
 from fewstep.engine.run import WHOLE_FORWARD_CANCEL_NOTE, RunOptions, open_run
-from fewstep.engine.stream import StreamBatch, StreamConfig
+from fewstep.engine.step_cache import STEP_CACHE_FEATURE, make_gate
+from fewstep.engine.stream_batch import StreamBatch, StreamConfig
 
 
 class Interrupted(Exception):  # noqa: N818 - stands for ComfyUI's InterruptProcessingException

@@ -394,7 +394,7 @@ def test_the_stream_cli_writes_the_same_file_chunk_by_chunk(tmp_path, wan):
 
 # -- 10. stream batch statistics -----------------------------------------------------------------------------------
 def test_stream_batch_statistics_do_not_grow_with_the_stream(tiny_handle):
-    from fewstep.engine.stream import StreamBatch, StreamConfig
+    from fewstep.engine.stream_batch import StreamBatch, StreamConfig
 
     taef1 = load_tiny_vae("dummy:taef1", device="cpu", dtype=torch.float32)
     config = StreamConfig(t_index_list=(20,), similarity_threshold=0.5, max_skip_frames=3)

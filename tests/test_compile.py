@@ -18,7 +18,6 @@ from conftest import make_cond
 
 from fewstep.engine import open_model, sample_latent
 from fewstep.engine.backends import DEFAULT_BACKENDS
-from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
 from fewstep.engine.causal.kv_cache import CrossAttentionCache, KVCache, WindowSpec
 from fewstep.engine.compile import (
     COMPILE_FEATURE,
@@ -40,6 +39,7 @@ from fewstep.engine.errors import InputError
 from fewstep.engine.models.flux_layers import DoubleStreamBlock, SingleStreamBlock
 from fewstep.engine.models.wan_layers import WanAttentionBlock
 from fewstep.engine.ops import store_linear_weights
+from fewstep.engine.step_cache import STEP_CACHE_FEATURE, make_gate
 
 TOL = 1e-4
 LATENT = torch.zeros(1, 16, 8, 8)  # 64x64 px: 16 image tokens

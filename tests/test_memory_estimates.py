@@ -27,9 +27,9 @@ from test_nodes import _run
 from fewstep.engine.causal.session import CausalConfig, VideoSession, session_bytes
 from fewstep.engine.errors import InputError
 from fewstep.engine.loader import load_dit
-from fewstep.engine.plan import ledger as ledger_module
-from fewstep.engine.plan import preflight
-from fewstep.engine.plan.ledger import LEDGER
+from fewstep.engine.preflight import budget as preflight
+from fewstep.engine.preflight import ledger as ledger_module
+from fewstep.engine.preflight.ledger import LEDGER
 from fewstep.engine.vae.tiny import load_tiny_vae
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,7 +283,7 @@ def test_the_sampler_counts_its_preview_decode_before_it_starts(pack, monkeypatc
     latent = {
         "samples": torch.zeros(1, 16, 64, 64)
     }  # 512 px: sampling about 15 MiB, a preview decode 259 MiB
-    pack_ledger = sys.modules[f"{pack.__name__}.engine.plan.ledger"].LEDGER
+    pack_ledger = sys.modules[f"{pack.__name__}.engine.preflight.ledger"].LEDGER
     monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", str((pack_ledger.held_bytes("cpu") + 100 * 2**20) / 2**30))
     args = dict(model=model, positive=cond, latent_image=latent, steps=1)
     _run(m["FewStepSampler"], **args)  # fits without previews

@@ -431,9 +431,9 @@ def test_local_workers_whose_memory_does_not_fit_are_refused_before_any_process_
     _no_process_may_start(monkeypatch)
     monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "1")  # 0.9 GiB usable: 3 workers of 256 MiB fit, 4 do not
     # what earlier tests of this process still hold (models, a pool) would count against the limit: not here
-    from fewstep.engine.plan.ledger import LEDGER
+    from fewstep.engine.preflight.ledger import LEDGER
 
-    monkeypatch.setattr(LEDGER, "held_bytes", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(LEDGER, "holdings", lambda *args, **kwargs: [])
     WorkerPool(_config(dp_degree=3))
     with pytest.raises(InputError) as refused:
         WorkerPool(_config(dp_degree=4), "FewStepParallelLauncher")

@@ -13,7 +13,6 @@ from compile_doubles import EMULATED
 from conftest import make_cond
 
 from fewstep.engine import open_model
-from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
 from fewstep.engine.causal import CausalConfig, VideoSession, kv_cache, open_session
 from fewstep.engine.causal.kv_cache import window as kv_window
 from fewstep.engine.compile import attach_compile, attach_compile_config
@@ -25,6 +24,7 @@ from fewstep.engine.errors import InputError
 from fewstep.engine.parallel import CausalSharding, ParallelConfig, jobs
 from fewstep.engine.parallel.client import OnPool, RemoteVideoSession
 from fewstep.engine.run import RunOptions, open_run, placement
+from fewstep.engine.step_cache import STEP_CACHE_FEATURE, make_gate
 from fewstep.engine.text_to_image import SampleRequest, sample
 
 H, W = 32, 48

@@ -131,7 +131,7 @@ def _gate_args(**inputs):
 
 
 def _calibration_json(model) -> dict:
-    from fewstep.engine.cache.calibration import model_identity
+    from fewstep.engine.step_cache.calibration import model_identity
 
     return {"format": "fewstep-magcache", "version": 1, "model": model_identity(model), "steps": 28,
             "sampler": "euler", "sigmas": [], "ratios": [1.0] * 28, "ratio_std": []}  # fmt: skip
@@ -159,7 +159,7 @@ def test_calibration_name_must_be_a_plain_file_name(pack, comfy, name):
     ],
 )
 def test_calibration_file_name_says_why(name, reason):
-    from fewstep.engine.cache.calibration import calibration_file_name
+    from fewstep.engine.step_cache.calibration import calibration_file_name
 
     with pytest.raises(ValueError, match=rf"^input 'calibration_name': .*{reason}"):
         calibration_file_name(name)
@@ -250,7 +250,7 @@ def test_calibrations_outside_comfyui_live_in_fewstep_magcache_dir(pack, no_comf
 
 
 def test_default_calibration_folder_without_the_variable(monkeypatch, tmp_path):
-    calibration = importlib.import_module("fewstep.engine.cache.calibration")
+    calibration = importlib.import_module("fewstep.engine.step_cache.calibration")
     monkeypatch.delenv("FEWSTEP_MAGCACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     assert calibration.default_calibration_dir() == tmp_path / "data" / "fewstep" / "magcache"
@@ -329,14 +329,14 @@ def test_a_calibration_under_an_invisible_name_is_not_offered_nor_read(pack, com
         "FewStepCacheGate: input 'magcache_file': '\\u202eevil.json' cannot name a file: it contains U+202E "
         "RIGHT-TO-LEFT OVERRIDE, an invisible format character such as a bidi override or a zero-width space"
     )
-    from fewstep.engine.cache.calibration import list_calibration_files
+    from fewstep.engine.step_cache.calibration import list_calibration_files
 
     assert list_calibration_files(folder) == ["plain.json"]  # the listing outside ComfyUI skips it too
 
 
 def test_the_engine_refuses_a_calibration_path_it_could_not_write_before_any_step(tmp_path):
     from fewstep.engine import sample_latent
-    from fewstep.engine.cache import STEP_CACHE_FEATURE, CacheGate, make_gate
+    from fewstep.engine.step_cache import STEP_CACHE_FEATURE, CacheGate, make_gate
 
     handle = open_model("dummy:flux-tiny", device="cpu", dtype=torch.float32)
     forwards = _count_forwards(handle.model)

@@ -14,7 +14,7 @@ import pytest
 
 import fewstep
 from fewstep.engine import settings
-from fewstep.engine.plan import preflight
+from fewstep.engine.preflight import budget as preflight
 
 IMPORT_PATH = str(Path(fewstep.__file__).parent.parent)
 

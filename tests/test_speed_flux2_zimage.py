@@ -1,5 +1,5 @@
 """The speed features on FLUX.2 (klein / dev) and Z-Image: regional compile and CUDA graphs (engine.compile), the
-step-cache gate (engine.cache). Sequence parallelism for them is tested with the worker pool in test_parallel.py.
+step-cache gate (engine.step_cache). Sequence parallelism for them is tested with the worker pool in test_parallel.py.
 
 Compiled models are module-scoped fixtures built after a ``torch._dynamo.reset()`` (counts do not depend on other
 tests), with the ``aot_eager`` backend: dynamo's graphs, guards and recompiles are what these tests check, and it
@@ -17,13 +17,13 @@ import torch
 from compile_doubles import EMULATED
 
 from fewstep.engine import InputError, TextCondition, open_model, sample_latent
-from fewstep.engine.cache import MIN_STEPS, STEP_CACHE_FEATURE, make_gate
 from fewstep.engine.compile import attach_compile, plan_breaks
 from fewstep.engine.compile.feature import STEP_CACHE_NO_GRAPH
 from fewstep.engine.compile.graphs import GraphedCallable
 from fewstep.engine.compile.regional import BucketCheck
 from fewstep.engine.models import flux2, flux2_layers, zimage, zimage_layers
 from fewstep.engine.sampling import SCHEDULES
+from fewstep.engine.step_cache import MIN_STEPS, STEP_CACHE_FEATURE, make_gate
 
 TOL = 1e-4
 NO_GPU = "CUDA-graph replay needs a CUDA GPU (torch.cuda.is_available() is False)"

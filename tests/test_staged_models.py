@@ -13,7 +13,7 @@ from fewstep.engine.handle import ModelHandle
 from fewstep.engine.models import flux, flux2, wan, zimage
 from fewstep.engine.models.registry import FAMILIES
 from fewstep.engine.models.staged import StagedHidden, StagedModel
-from fewstep.engine.stream.pipeline import STREAM_BATCH
+from fewstep.engine.stream_batch.pipeline import STREAM_BATCH
 from fewstep.engine.text_to_image import check_image_model
 
 

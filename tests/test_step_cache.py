@@ -1,4 +1,4 @@
-"""Step-cache gating (engine.cache): exactness at threshold 0, fewer forwards within a stated tolerance, the gate's
+"""Step-cache gating (engine.step_cache): exactness at threshold 0, fewer forwards within a stated tolerance, the gate's
 refusals, state reset, exact telemetry, CFG gating, MagCache calibration files, bad input, Wan and causal chunks."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import torch
 from conftest import make_cond
 
 from fewstep.engine import InputError, TextCondition, open_model, sample_latent
-from fewstep.engine.cache import (
+from fewstep.engine.denoiser import FlowDenoiser
+from fewstep.engine.models.flux import flux_velocity, image_ids, pack_latent, text_ids, unpack_latent
+from fewstep.engine.sampling import sample_dmd, sample_euler, schedule_sigmas
+from fewstep.engine.step_cache import (
     MIN_STEPS,
     STEP_CACHE_FEATURE,
     CacheGate,
@@ -21,9 +24,6 @@ from fewstep.engine.cache import (
     make_gate,
     model_identity,
 )
-from fewstep.engine.denoiser import FlowDenoiser
-from fewstep.engine.models.flux import flux_velocity, image_ids, pack_latent, text_ids, unpack_latent
-from fewstep.engine.sampling import sample_dmd, sample_euler, schedule_sigmas
 
 STEPS = 28
 # A cached 28-step run may differ from the uncached one by at most this fraction of the uncached output's
@@ -185,7 +185,7 @@ def test_gate_refuses_re_noising_samplers_and_force_overrides_with_a_warning(smo
     _, report = _run(smooth_handle, make_gate("first_block", 0.1), sampler="dmd")
     assert not report.cache.decision.enabled
     assert report.cache.decision.reason.startswith("sampler 'dmd' re-noises every step")
-    with caplog.at_level(logging.WARNING, logger="fewstep.engine.cache"):
+    with caplog.at_level(logging.WARNING, logger="fewstep.engine.step_cache"):
         _, forced = _run(
             smooth_handle, make_gate("first_block", 0.5, force=True), steps=4, schedule="flux.1-schnell"
         )
@@ -503,7 +503,7 @@ def test_the_causal_chunk_recipe_runs_a_forced_gate_exactly_at_threshold_zero():
 
 def test_eps_model_sigmas_are_judged_as_flow_noise_levels():
     """k-diffusion sigmas of eps/v models (14.6 -> 0.03) are compared as sigma / (1 + sigma)."""
-    from fewstep.engine.cache.policy import decide
+    from fewstep.engine.step_cache.policy import decide
 
     def ve_sigmas(steps):  # a log-linear VE schedule like ComfyUI's 'simple' for SD1.5, ending in 0
         return torch.cat([torch.logspace(math.log10(14.6), math.log10(0.03), steps), torch.zeros(1)])

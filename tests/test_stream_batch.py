@@ -13,7 +13,7 @@ from conftest import COMFY_MODULE_NAME, make_cond
 from fewstep.engine import load_tiny_vae, open_model
 from fewstep.engine.errors import InputError
 from fewstep.engine.models.flux import flux_velocity
-from fewstep.engine.stream import (
+from fewstep.engine.stream_batch import (
     SimilarityFilter,
     StreamBatch,
     StreamConfig,
@@ -548,7 +548,7 @@ def test_other_bad_settings(tiny_handle, taef1, prompts):
 # -- the node ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def node(pack):
-    return importlib.import_module(f"{COMFY_MODULE_NAME}.nodes.stream").FewStepStreamBatch
+    return importlib.import_module(f"{COMFY_MODULE_NAME}.nodes.stream_batch").FewStepStreamBatch
 
 
 def _node_args(node, **links):

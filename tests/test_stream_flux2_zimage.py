@@ -16,7 +16,7 @@ from test_stream_batch import reference_x0
 
 from fewstep.engine import TextCondition, load_tiny_vae, open_model
 from fewstep.engine.errors import InputError
-from fewstep.engine.stream import StreamBatch, StreamConfig, denoise_sequential, run_sequential
+from fewstep.engine.stream_batch import StreamBatch, StreamConfig, denoise_sequential, run_sequential
 from fewstep.engine.text_to_image import sample_latent
 
 H = W = 32  # px: Z-Image a 16x4x4 latent (4 tokens, padded to 32), FLUX.2 a 128x2x2 latent (4 tokens)
@@ -185,7 +185,7 @@ def test_flux2_dev_guidance_embedding_streams_with_cfg():
 def test_the_node_streams_zimage_and_flux2(pack, setup):
     from fewstep.nodes.conditioning import to_comfy
 
-    node = importlib.import_module(f"{COMFY_MODULE_NAME}.nodes.stream").FewStepStreamBatch
+    node = importlib.import_module(f"{COMFY_MODULE_NAME}.nodes.stream_batch").FewStepStreamBatch
     handle, vae, pos, _ = setup
     frames = torch.rand(3, H, W, 3, generator=torch.Generator().manual_seed(2))
     args = {name: entry[1].get("default") for name, entry in node.INPUT_TYPES()["required"].items()}

@@ -466,7 +466,7 @@ def test_lora_dummy_workflows_run_through_the_nodes(monkeypatch, tmp_path):
 
 
 def test_zimage_stream_batch_dummy_runs_through_the_nodes():
-    """Needs the stream batch for Z-Image (engine/stream): six 64x64 frames in, six out, repeats skipped."""
+    """Needs the stream batch for Z-Image (engine/stream_batch): six 64x64 frames in, six out, repeats skipped."""
     outputs = run_in_process(load("zimage_turbo_stream_batch_dummy.api.json"))
     frames, report = next(out for title, out in outputs.items() if title.startswith("FewStep Stream Batch"))
     assert tuple(frames.shape) == (6, 64, 64, 3)

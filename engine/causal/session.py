@@ -38,8 +38,8 @@ from ..backends import DEFAULT_BACKENDS
 from ..checks import check_finite, check_finite_number, check_image_size, check_seed
 from ..errors import InputError
 from ..latent_formats import WAN21
-from ..plan.ledger import LEDGER, session_bytes_on
-from ..plan.preflight import check_fits
+from ..preflight.budget import check_fits
+from ..preflight.ledger import LEDGER, session_bytes_on
 from ..run import Run, RunBlocks
 from ..sampling import sample_dmd, schedule_sigmas
 from .clean_context import clean_context_pass

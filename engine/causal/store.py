@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 
 from ..errors import InputError
-from ..plan.preflight import total_bytes
+from ..preflight.budget import total_bytes
 from ..units import format_bytes
 from .session import VideoSession
 

@@ -17,6 +17,7 @@ import os
 from torch import nn
 
 from ..errors import CheckpointError
+from ..handle import ModelHandle
 from .file import read_lora
 from .merge import ensure_patches
 from .patch import LoraPatch
@@ -26,8 +27,6 @@ def apply_lora(
     model_or_handle, path: str | os.PathLike | LoraPatch, strength: float = 1.0, input_name: str = "lora"
 ):
     """``model_or_handle`` with the LoRA at ``path`` (or an already read :class:`LoraPatch`) at ``strength``."""
-    from ..handle import ModelHandle
-
     if isinstance(model_or_handle, ModelHandle):
         handle = model_or_handle
         patch = _patch_for(handle.model, path, strength, input_name)

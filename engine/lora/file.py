@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..models.registry import family_of
+from ..preflight import check_fits
 from ..weights import check_finite_weights, check_weights_file, read_state_dict
 from .formats import convert, key_patterns
 from .patch import LoraPatch, deltas_digest
@@ -94,7 +95,5 @@ def _check_shapes(deltas, model: nn.Module, family: str, source: str, input_name
 
 def _check_file_fits(path: str, input_name: str) -> None:
     """The file is read whole into host memory: refuse one that cannot fit before reading it."""
-    from ..plan.preflight import check_fits  # the planner imports the engine: import it when reading
-
     size = check_weights_file(path, input_name)
     check_fits({"LoRA file": size}, "cpu", input_name, hint="Free host memory or use a smaller LoRA file")

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .delta import WeightDelta
+from .names import Target, foreign_names
 
 # suffix -> role; "up"/"down" pair within one naming style
 SUFFIXES: dict[str, str] = {
@@ -71,19 +72,6 @@ class Converted:
     format: str
     deltas: list[WeightDelta]
     text_encoder_keys: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a (possibly foreign) module lands: an official module, or rows of one."""
-
-    module: str
-    rows: tuple[int, int] | None = None
-    # row permutation of the delta (diffusers' norm_out stores scale, shift; BFL shift, scale): "swap_halves"
-    transform: str | None = None
-    # (start, length): only these rows of the file's delta, which spans several official weights (ComfyUI's
-    # fused Z-Image attention.qkv onto the official to_q / to_k / to_v)
-    take: tuple[int, int] | None = None
 
 
 _SUFFIXES_LONGEST_FIRST = sorted(SUFFIXES, key=len, reverse=True)
@@ -166,8 +154,6 @@ def key_patterns(keys, limit: int = 8) -> str:
 def convert(
     sd: dict[str, torch.Tensor], model: nn.Module, family: str, source: str, input_name: str
 ) -> Converted:
-    from .names import foreign_names  # per-family name maps
-
     resolver = NameResolver(model, foreign_names(family, model))
     text_encoder = sorted(k for k in sd if TEXT_ENCODER.match(k))
     groups: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)  # (prefix, module) -> role -> entry

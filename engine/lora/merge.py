@@ -23,6 +23,8 @@ import weakref
 import torch
 from torch import nn
 
+from ..ops import is_fp8
+from ..preflight import LEDGER, check_fits, device_key
 from ..units import format_bytes
 from .rounding import to_storage
 
@@ -30,8 +32,6 @@ log = logging.getLogger(__name__)
 
 
 def _backup_bytes_on(state: MergedWeights, device: torch.device) -> int:
-    from ..plan.ledger import device_key
-
     return sum(t.nbytes for t in list(state.backups.values()) if device_key(t.device) == device)
 
 
@@ -45,8 +45,6 @@ class MergedWeights:
         self.seconds = 0.0
         self._lock = threading.Lock()
         # the base values kept count against FEWSTEP_MEMORY_LIMIT_GB while this state lives (the memory ledger)
-        from ..plan.ledger import LEDGER  # the planner imports the engine: import it when a state is made
-
         LEDGER.hold(self, "LoRA backup", _backup_bytes_on)
 
     def ensure(self, model: nn.Module, patches, input_name: str = "lora") -> bool:
@@ -115,9 +113,6 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_backup_fits(tensors: dict[str, torch.Tensor], input_name: str) -> None:
-    from ..ops import is_fp8
-    from ..plan.preflight import check_fits  # the planner imports the engine: import it when merging
-
     need = sum(t.numel() * t.element_size() for t in tensors.values())
     # one weight at a time is merged in float32 where it lives; fp8 rounding needs a few more buffers of its size
     work = max(t.numel() * (24 if is_fp8(t.dtype) else 8) for t in tensors.values())

@@ -1,4 +1,4 @@
-"""Per-family maps from foreign module names (diffusers, XLabs...) to official modules (``formats.Target``).
+"""Per-family maps from foreign module names (diffusers, XLabs...) to official modules (:class:`Target`).
 
 Official names need no map: every module of the model matches itself. A family's map is built from the model
 (block counts and widths come from its params), so a LoRA for another size fails on shapes, not silently.
@@ -12,11 +12,24 @@ keeps apart (Z-Image's ``attention.qkv``), a row slice of the file's delta lands
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from torch import nn
 
 from ..models import flux2_checkpoint, flux_checkpoint
-from .formats import Target
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a (possibly foreign) module lands: an official module, or rows of one."""
+
+    module: str
+    rows: tuple[int, int] | None = None
+    # row permutation of the delta (diffusers' norm_out stores scale, shift; BFL shift, scale): "swap_halves"
+    transform: str | None = None
+    # (start, length): only these rows of the file's delta, which spans several official weights (ComfyUI's
+    # fused Z-Image attention.qkv onto the official to_q / to_k / to_v)
+    take: tuple[int, int] | None = None
 
 
 def foreign_names(family: str, model: nn.Module) -> dict[str, list[Target]]:

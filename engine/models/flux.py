@@ -105,7 +105,7 @@ class Flux(StagedModel):
         self.final_layer = LastLayer(hidden, 1, params.out_channels)
 
     # -- stages (engine.models.staged): a step cache runs block 0, decides, then either runs the remaining blocks
-    # or reuses a residual it kept (engine.cache), without the model knowing about it ------------------------
+    # or reuses a residual it kept (engine.step_cache), without the model knowing about it ------------------------
     def embed(
         self,
         img: torch.Tensor,

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..cache import STEP_CACHE_FEATURE
 from ..causal.kv_cache import (
     KV_LAYOUTS,
     check_kv_head_dim,
@@ -45,6 +44,7 @@ from ..handle import ModelHandle
 from ..latent_formats import WAN21
 from ..ops import Linear, weight_bytes
 from ..sampling import schedule_sigmas
+from ..step_cache import STEP_CACHE_FEATURE
 from ..text_to_image import SampleReport, SampleRequest, check_sample_inputs
 from . import transport
 from .config import ParallelConfig

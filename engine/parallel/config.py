@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from ..plan.preflight import check_fits
+from ..preflight.budget import check_fits
 from ..settings import env_int, env_list
 
 log = logging.getLogger(__name__)

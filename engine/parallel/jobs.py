@@ -27,7 +27,7 @@ from ..causal import CausalConfig, VideoSession, open_session
 from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle, open_model
-from ..lora import LoraPatch, read_lora
+from ..lora import LoraPatch, base_state_dict, read_lora
 from ..run import RunOptions
 from ..text_to_image import SampleRequest, sample
 from . import transport
@@ -35,6 +35,7 @@ from .config import ParallelConfig
 from .mesh import SequenceMesh
 from .rank import JobCancelledError, available_memory, error_record
 from .sharding import CausalSharding, ImageSequenceSharding
+from .tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,6 @@ def fingerprint(model: torch.nn.Module) -> float:
     """A cheap checksum of the base weights (the first elements of every tensor): two processes that loaded the
     same file in the same dtypes agree on it, whatever LoRA either has merged at the moment (the values a LoRA
     merge replaced count, from its backups); a different file or dummy seed does not."""
-    from ..lora import base_state_dict
-
     items = sorted(base_state_dict(model).items())
     if not items:
         return 0.0
@@ -438,8 +437,6 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
 
 
 def run_task(ctx: WorkerContext, job: dict):
-    from .tasks import TASKS
-
     task = TASKS.get(job["name"])
     if task is None:
         raise InputError("task", f"unknown task {job['name']!r}; known: {', '.join(TASKS)}")

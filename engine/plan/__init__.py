@@ -7,10 +7,12 @@
 
 Families: FLUX.1, FLUX.2 (dev, klein) and Z-Image images, Wan causal video.
 
-See ``flops.py`` for the FLOP convention, ``hardware.py`` for the GPU presets and their sources, ``memory.py``
-for the byte layouts.
+See ``flops.py`` for the FLOP convention, ``hardware.py`` for the GPU presets and their sources, ``engine.models.sizes``
+for weight and activation bytes, ``engine.causal.kv_cache.bytes`` for the KV cache's.
 """
 
+from ..causal.kv_cache import KV_LAYOUTS, kv_bytes_per_token, kv_layout
+from ..models.sizes import WEIGHT_DTYPE_BYTES, count_parameters
 from .flops import (
     ForwardFlops,
     MeasuredFlops,
@@ -23,7 +25,6 @@ from .flops import (
     zimage_forward_flops,
 )
 from .hardware import DEFAULT_MFU, GPUS, GpuSpec, gpu_spec
-from .memory import KV_LAYOUTS, WEIGHT_DTYPE_BYTES, count_parameters, kv_bytes_per_token, kv_layout
 from .planner import CostPlan, image_defaults, known_models, plan_cost, plan_preset
 
 __all__ = [

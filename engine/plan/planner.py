@@ -30,6 +30,7 @@ from ..causal.kv_cache import KV_LAYOUTS, WindowSpec, check_kv_storage, kv_cache
 from ..checks import check_image_size
 from ..errors import InputError
 from ..models.registry import FAMILIES, Family, all_presets
+from ..models.sizes import WEIGHT_DTYPE_BYTES, ParameterCount, preset_parameters
 from ..models.wan import Wan, WanParams
 from ..models.zimage import padded_length
 from ..sampling.schedules import SCHEDULES
@@ -43,7 +44,6 @@ from .flops import (
     zimage_forward_flops,
 )
 from .hardware import DEFAULT_MFU, GpuSpec, check_mfu, gpu_spec
-from .memory import WEIGHT_DTYPE_BYTES, ParameterCount, preset_parameters
 from .vae import flux2_ae_decode_flops, flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
 
 WAN_FPS = 16  # Wan 2.1 (and its causal students) make 16 frames per second of video

@@ -12,13 +12,16 @@ import functools
 
 import torch
 
+from ..vae import taesd
+from ..vae.flux_ae import AE_PRESETS, Decoder
+from ..vae.taehv import TAEHV, TAEHV_CONFIGS
+from ..vae.tiny import TINY_VARIANTS
 from .flops import measure_flops
 
 
 @functools.lru_cache(maxsize=64)
 def flux_ae_decode_flops(latent_h: int, latent_w: int, batch: int = 1, preset: str = "flux1-ae") -> int:
     """The full FLUX.1 autoencoder (``ae.safetensors`` architecture) decoding ``[batch, 16, h, w]``."""
-    from ..vae.flux_ae import AE_PRESETS, Decoder
 
     with torch.device("meta"):
         decoder = Decoder(AE_PRESETS[preset])
@@ -32,7 +35,6 @@ def flux2_ae_decode_flops(latent_h: int, latent_w: int, batch: int = 1) -> int:
     un-patchified to 32 channels at 1/8): the FLUX.1 AE's decoder with 32 latent channels (black-forest-labs/flux2
     ``AutoEncoderParams``: ch 128, ch_mult 1-2-4-4, 2 res blocks, z_channels 32; the same as diffusers'
     ``AutoencoderKLFlux2``), behind a 1x1 ``post_quant_conv`` 32 -> 32. Counted on the meta device."""
-    from ..vae.flux_ae import AE_PRESETS, Decoder
 
     params = dataclasses.replace(AE_PRESETS["flux1-ae"], z_channels=32)
     with torch.device("meta"):
@@ -47,8 +49,6 @@ def taesd_decode_flops(variant: str, latent_h: int, latent_w: int, batch: int = 
     """A TAESD-family tiny decoder decoding ``[batch, C, h, w]`` in its own latent (``taef1`` for FLUX.1 and
     Z-Image: the 16-channel LATENT at 1/8; ``taef2`` for FLUX.2: the 32-channel latent at 1/8, so a FLUX.2 LATENT
     ``[B, 128, H/16, W/16]`` is ``h, w = H/8, W/8`` here; its un-patchify is a permutation, no FLOPs)."""
-    from ..vae import taesd
-    from ..vae.tiny import TINY_VARIANTS
 
     with torch.device("meta"):
         decoder = taesd.build_decoder(variant)
@@ -60,7 +60,6 @@ def taesd_decode_flops(variant: str, latent_h: int, latent_w: int, batch: int = 
 def taehv_decode_flops(variant: str, latent_frames: int, latent_h: int, latent_w: int, batch: int = 1) -> int:
     """A TAEHV tiny video decoder (``taew2_1`` for Wan 2.1) decoding a whole ``latent_frames`` video (streaming
     it chunk by chunk costs the same: each latent frame runs through the stack once)."""
-    from ..vae.taehv import TAEHV, TAEHV_CONFIGS
 
     config = TAEHV_CONFIGS[variant]
     with torch.device("meta"):

@@ -20,8 +20,8 @@ from torch import nn
 
 from ..errors import CheckpointError, InputError
 from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
-from ..plan.ledger import LEDGER
-from ..plan.preflight import check_fits
+from ..preflight.budget import check_fits
+from ..preflight.ledger import LEDGER
 from ..weights import StateDict, check_keys, dummy_init_, read_state_dict, top_level_summary
 
 log = logging.getLogger(__name__)

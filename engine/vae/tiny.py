@@ -26,10 +26,10 @@ from .. import latent_formats as lf
 from ..checks import check_finite
 from ..errors import CheckpointError, InputError
 from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
-from ..plan.ledger import LEDGER, tensor_bytes_on
-from ..plan.preflight import check_fits
-from ..weights import dummy_init_, read_state_dict, top_level_summary
-from . import taesd
+from ..preflight.budget import check_fits
+from ..preflight.ledger import LEDGER, tensor_bytes_on
+from ..weights import check_keys, dummy_init_, read_state_dict, top_level_summary
+from . import taehv, taesd
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,6 @@ def variants_for(fmt: lf.LatentFormat, kind: str = "image") -> list[TinyVariant]
 
 
 def _taehv():
-    from . import taehv  # video support is its own module
-
     return taehv
 
 
@@ -389,8 +387,6 @@ def _from_diffusers(part: str, sd: dict) -> dict:
 
 
 def _load_module(module: nn.Module, sd: dict, source: str, input_name: str) -> None:
-    from ..weights import check_keys
-
     check_keys(module, sd, source, input_name)
     module.load_state_dict(sd, strict=True)
 

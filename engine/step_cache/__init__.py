@@ -5,7 +5,7 @@ CFG gating skips the unconditional pass late in the schedule). On a distilled 1-
 sampler that re-noises every step, there is nothing to skip, so the gate reads the schedule first and says what
 it does. Usage::
 
-    from fewstep.engine.cache import STEP_CACHE_FEATURE, make_gate
+    from fewstep.engine.step_cache import STEP_CACHE_FEATURE, make_gate
     gate = make_gate("first_block", threshold=0.08)
     gate.check_model(handle.model)
     handle = handle.with_feature(STEP_CACHE_FEATURE, gate)  # the model object is shared, not changed

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from ..loader import preset_of
+from ..models.registry import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,6 @@ PRESET_COEFFICIENTS = {
 
 def family_title(family: str) -> str:
     """``"FLUX.2"`` for ``"flux2"``: the registry's description of an image family up to its parenthesis."""
-    from ..models.registry import FAMILIES
-
     spec = FAMILIES[family].image if family in FAMILIES else None
     return spec.description.split(" (")[0] if spec is not None and spec.description else family
 

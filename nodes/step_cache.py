@@ -1,7 +1,7 @@
 """Step-cache gate nodes: FewStepCacheGate for the engine's FEWSTEP_MODEL, FewStepCacheGateNative for ComfyUI's
 own MODEL.
 
-Both attach a :class:`~..engine.cache.CacheGate` (an immutable description) and never change the model: the
+Both attach a :class:`~..engine.step_cache.CacheGate` (an immutable description) and never change the model: the
 FEWSTEP_MODEL handle gets it as its ``step_cache`` feature (a new handle; the model object is shared), the
 native MODEL is cloned and gets three ModelPatcher wrappers, as ComfyUI core's EasyCache does:
 
@@ -15,21 +15,23 @@ native MODEL is cloned and gets three ModelPatcher wrappers, as ComfyUI core's E
 * DIFFUSION_MODEL: decides per step and either calls the model or returns its last output.
 
 No forward function is copied or replaced and nothing global is patched. The preconditions, the clone and the
-wrappers are the engine's (:mod:`..engine.cache.native`); this module parses the inputs.
+wrappers are the engine's (:mod:`..engine.step_cache.native`); this module parses the inputs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..engine.cache import METHODS, NATIVE_METHODS, STEP_CACHE_FEATURE, make_gate
-from ..engine.cache.calibration import (
+from ..engine.errors import InputError
+from ..engine.names import check_name, name_problem
+from ..engine.step_cache import METHODS, NATIVE_METHODS, STEP_CACHE_FEATURE, make_gate
+from ..engine.step_cache.calibration import (
     SUFFIX,
     calibration_file_name,
     default_calibration_dir,
     list_calibration_files,
 )
-from ..engine.cache.native import (
+from ..engine.step_cache.native import (
     GATE_KEY,
     RUN_KEY,
     calc_cond_batch_wrapper,
@@ -38,8 +40,6 @@ from ..engine.cache.native import (
     native_identity,
     outer_sample_wrapper,
 )
-from ..engine.errors import InputError
-from ..engine.names import check_name, name_problem
 from .base import (
     ALL_FAMILIES,
     CATEGORY,

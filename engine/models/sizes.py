@@ -1,13 +1,12 @@
-"""Bytes: weights by storage dtype, and the causal KV cache by element type.
+"""The sizes of a model: its parameters, its weight bytes by storage dtype, and the activations of one forward.
 
-Weights are counted on the model built on the meta device (exact parameter counts, no memory). fp8 storage
+What the memory preflight (``engine.preflight``) and the cost planner (``engine.plan``) count a model by. Weights
+are counted on the model built on the meta device (exact parameter counts, no memory). fp8 storage
 follows the engine (``engine.ops.store_linear_weights``): the weight matrices of linear layers take 1 byte per
 element, everything else (biases, norms, Wan's patch-embedding convolution and modulation tables) stays in the
 16-bit compute dtype.
 
-The KV cache's bytes (``KV_LAYOUTS``, ``kv_layout``, ``kv_bytes_per_token``, ``kv_cache_bytes``) are the KV cache
-module's own formula (``engine.causal.kv_cache``), re-exported here for the planner: the cache allocates exactly
-what it counts.
+A causal KV cache's bytes are the KV cache module's own formula (``engine.causal.kv_cache.bytes``).
 """
 
 from __future__ import annotations
@@ -18,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..causal.kv_cache import KV_LAYOUTS, KVBytes, KVLayout, kv_bytes_per_token, kv_cache_bytes, kv_layout
 from ..ops import Linear
+from .zimage import padded_length
+from .zimage_layers import ffn_hidden_dim
 
 WEIGHT_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -83,9 +83,6 @@ def image_activation_bytes(p, image_tokens: int, text_tokens: int, rows: int, dt
         mlp = int(hidden * p.mlp_ratio) * (2 if not hasattr(p, "vec_in_dim") else 1)
         tokens = image_tokens + text_tokens
     else:
-        from ..models.zimage import padded_length
-        from ..models.zimage_layers import ffn_hidden_dim
-
         hidden, heads = p.dim, p.n_heads
         mlp = 2 * ffn_hidden_dim(hidden)
         tokens = padded_length(image_tokens, p.seq_multiple) + padded_length(text_tokens, p.seq_multiple)
@@ -95,15 +92,11 @@ def image_activation_bytes(p, image_tokens: int, text_tokens: int, rows: int, dt
 
 
 __all__ = [
-    "KV_LAYOUTS",
-    "KVBytes",
-    "KVLayout",
-    "ParameterCount",
+    "FLUX_ACTIVATION_FACTOR",
     "WEIGHT_DTYPE_BYTES",
+    "ParameterCount",
     "count_parameters",
     "flux_activation_bytes",
-    "kv_bytes_per_token",
-    "kv_cache_bytes",
-    "kv_layout",
+    "image_activation_bytes",
     "preset_parameters",
 ]

@@ -1,7 +1,7 @@
 """Stream batch node: stylize a frame sequence with StreamDiffusion's design on a few-step image DiT (FLUX.1,
 FLUX.2, Z-Image).
 
-The frames go through ``fewstep.engine.stream.StreamBatch.run``: each frame is encoded by the tiny AE, enters a
+The frames go through ``fewstep.engine.stream_batch.StreamBatch.run``: each frame is encoded by the tiny AE, enters a
 buffer of frames at different denoising steps, and leaves T forwards later, decoded; one batched forward per
 frame. The output has one frame per input frame (the buffer is flushed at the end).
 """
@@ -13,7 +13,7 @@ import time
 
 from ..engine.run import RunOptions
 from ..engine.sampling import SCHEDULES
-from ..engine.stream import (
+from ..engine.stream_batch import (
     CFG_MODES,
     STREAM_SAMPLERS,
     StreamBatch,
@@ -23,7 +23,7 @@ from ..engine.stream import (
 )
 from .base import CATEGORY, model_input, reports_input_errors, seed_input, single_prompt
 from .host import Progress, check_interrupt, in_comfyui, interrupt_check, preview_payload
-from .memory import load_for_run
+from .model_management import load_for_run
 from .vae import FEWSTEP_TINY_VAE, images_to_nchw, nchw_to_images
 
 # Several entries would be averaged by ComfyUI's samplers; a stream batch has one prompt row for every frame.

@@ -1,7 +1,7 @@
 """Stream batch (StreamDiffusion's design) for realtime img2img and video-to-video on the engine's few-step DiTs.
 
 from fewstep.engine import open_model, load_tiny_vae
-from fewstep.engine.stream import StreamBatch, StreamConfig
+from fewstep.engine.stream_batch import StreamBatch, StreamConfig
 
 stream = StreamBatch(handle, load_tiny_vae("taef1_encoder.pth"), cond, height=512, width=512,  # taef2 for FLUX.2
                      config=StreamConfig(t_index_list=(16, 32), cfg_mode="self", guidance_scale=1.4))

@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 
+from ..models.flux_layers import modulate, norm_modulate
 from .calibration import MagCacheCalibration
 from .methods import FirstBlockCache, InputChangeCache, MagCache, TeaCache, residual_magnitude_ratio
 from .policy import GateDecision
@@ -50,8 +51,6 @@ def teacache_probe(model, h, rows: int) -> torch.Tensor:
 
 def _flux_probe(model, h, rows: int) -> torch.Tensor:
     """FLUX.1: block 0's modulated image input ``(1 + scale) * LayerNorm(img) + shift``, its own modulation."""
-    from ..models.flux_layers import modulate
-
     block = model.double_blocks[0]
     shift, scale = block.img_mod(h.vec[:rows])[:2]
     return modulate(block.img_norm1(h.img[:rows]), shift, scale)
@@ -60,8 +59,6 @@ def _flux_probe(model, h, rows: int) -> torch.Tensor:
 def _flux2_probe(model, h, rows: int) -> torch.Tensor:
     """FLUX.2: the same input of block 0, whose (shift, scale) come from the shared image modulation
     (``Flux2Hidden.mod_img``: the attention triple, computed once per forward for every double block)."""
-    from ..models.flux_layers import norm_modulate
-
     shift, scale, _gate = h.mod_img[0]
     return norm_modulate(
         model.double_blocks[0].img_norm1, h.img[:rows], shift[:rows], scale[:rows], h.backends

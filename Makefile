@@ -41,13 +41,13 @@ test-all: venv streamdiffusion
 # StreamDiffusion 0.1.1 (PyPI) pins diffusers==0.24.0 while the test extra pins diffusers==0.42.1, so it cannot
 # be in the extra: pip refuses the pair. The cross-check only runs its pure-torch code (predict_x0_batch,
 # SimilarImageFilter), which imports and runs with diffusers 0.42.1, so it goes into a folder of its own
-# without its dependencies and tests/test_stream_batch.py finds it through FEWSTEP_STREAMDIFFUSION_DIR.
+# without its dependencies and tests/engine/stream_batch/test_stream_batch.py finds it through FEWSTEP_STREAMDIFFUSION_DIR.
 # Offline, the install fails with a loud line and those tests skip with their reason.
 FEWSTEP_STREAMDIFFUSION_DIR ?= $(abspath $(VENV))/streamdiffusion-0.1.1
 streamdiffusion: venv
 	test -f "$(FEWSTEP_STREAMDIFFUSION_DIR)/streamdiffusion/pipeline.py" || \
 	  $(BIN)/python -m pip install -q --no-deps --target "$(FEWSTEP_STREAMDIFFUSION_DIR)" streamdiffusion==0.1.1 || \
-	  echo "== streamdiffusion 0.1.1 did not install: its cross-checks in tests/test_stream_batch.py will be skipped" >&2
+	  echo "== streamdiffusion 0.1.1 did not install: its cross-checks in tests/engine/stream_batch/test_stream_batch.py will be skipped" >&2
 
 lint: venv
 	$(BIN)/ruff check .

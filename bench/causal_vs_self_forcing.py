@@ -7,7 +7,7 @@
 ``--self-forcing DIR`` (default ``$FEWSTEP_SELF_FORCING_DIR``) is an extracted guandeh17/Self-Forcing checkout
 (``git archive HEAD | tar -x -C DIR``); its code is imported from there at run time, never copied here. Without it
 the script says so and exits cleanly. ``tests/self_forcing_harness.py`` (shared with
-``tests/test_self_forcing_reference.py``) builds their side; what runs is their code: the per-chunk loop of
+``tests/engine/causal/test_self_forcing_reference.py``) builds their side; what runs is their code: the per-chunk loop of
 ``CausalInferencePipeline.inference`` (denoising steps from ``denoising_step_list`` [1000, 750, 500, 250] warped
 through the shift-5 scheduler, re-noising, the clean-context pass at ``context_noise`` 0), ``WanDiffusionWrapper``'s
 forward and ``CausalWanModel`` with its rolling KV cache (absolute RoPE, ``local_attn_size`` = our window, no

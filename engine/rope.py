@@ -8,7 +8,7 @@ The rotation is applied in float32 (the tables' dtype) and cast back to the acti
 computed in float32 for FLUX, as its reference does, and in float64 for Wan, whose absolute frame positions grow
 without bound in a long stream: the float64 angles are reduced by ``cos`` / ``sin`` before the tables are
 rounded to float32, so a table entry is within one float32 rounding of the official float64 rotation at any
-position (``tests/test_rope_precision.py`` states the measured bound).
+position (``tests/engine/models/test_rope_precision.py`` states the measured bound).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The pairs are rotated as one complex multiply, ``(x0 + i x1) * (cos + i sin)``, 
 single elementwise pass that writes the interleaved output directly (no per-half tensors stacked and flattened
 afterwards; ~10x faster on the CPU for Wan's ``[1, 2304, 12, 128]`` float32 keys, ``bench/rope.py``). PyTorch's
 CPU kernels compute the complex product as ``x0 cos - x1 sin, x0 sin + x1 cos`` without fused multiply-adds, so
-it equals the two-real-halves formulation bit for bit (``tests/test_kernels.py`` asserts it). The real
+it equals the two-real-halves formulation bit for bit (``tests/kernels/test_kernels.py`` asserts it). The real
 formulation stays where that has not been verified or does not pay: on other devices (CUDA runs the Triton
 kernel, which ``bench/device/checks.py`` compares to this reference exactly), under ``torch.compile`` (the
 compiler fuses it into one kernel and has no complex code generation) and for 16-bit tables (no complex type).

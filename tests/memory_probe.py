@@ -1,7 +1,7 @@
 """Run one engine path in this (fresh) process and print, as JSON, its memory estimate and its measured peak.
 
 ``python memory_probe.py <path> <size> [<size> ...]``: for each size (ascending), the estimate the preflight
-checks (bytes) and the peak RSS growth of running the path once. Used by tests/test_memory_estimates.py.
+checks (bytes) and the peak RSS growth of running the path once. Used by tests/engine/preflight/test_memory_estimates.py.
 
 The peak is measured as in the kernel: /proc/self/clear_refs (5) resets VmHWM to the current VmRSS, the path
 runs, and VmHWM less that baseline is its peak growth. The caller runs this with glibc's mmap threshold fixed

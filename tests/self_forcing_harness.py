@@ -2,7 +2,7 @@
 
 The reference code is never part of this repository: ``FEWSTEP_SELF_FORCING_DIR`` (or a caller's path) names an
 extracted checkout, imported at run time; without it :func:`reference_dir` returns None and callers skip. Used by
-``tests/test_self_forcing_reference.py`` and ``bench/causal_vs_self_forcing.py`` (which puts ``tests/`` on its path).
+``tests/engine/causal/test_self_forcing_reference.py`` and ``bench/causal_vs_self_forcing.py`` (which puts ``tests/`` on its path).
 
 What runs is theirs: ``pipeline/causal_inference.py``'s ``CausalInferencePipeline.inference`` (the per-chunk loop:
 denoising steps, the scheduler's re-noising, the clean-context pass at ``context_noise``), ``WanDiffusionWrapper``'s

@@ -35,7 +35,7 @@ class Check:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| (the measure tests/test_kernels.py uses)."""
+    """max |out - ref| / max |ref| (the measure tests/kernels/test_kernels.py uses)."""
     ref64 = ref.double()
     return float((out.double() - ref64).abs().max() / ref64.abs().max().clamp_min(1e-30))
 
@@ -81,7 +81,7 @@ def matmul_rate(ctx: Context) -> dict:
 
 
 # -- Triton kernels --------------------------------------------------------------------------------------------------
-# max |triton - reference| / max |reference| per kernel and dtype: the bounds of tests/test_kernels.py, where the
+# max |triton - reference| / max |reference| per kernel and dtype: the bounds of tests/kernels/test_kernels.py, where the
 # interpreter truncates to bfloat16; a GPU rounds to nearest, so they hold with margin here
 KERNEL_TOL = {
     "dequantize_kv": {torch.float32: 0.0, torch.bfloat16: 2**-5},
@@ -521,7 +521,7 @@ def wan_fps(ctx: Context) -> dict:
 CHECKS = [
     Check("matmul_rate", "bf16 matmul rate of the device (the MFU denominator)", matmul_rate),
     Check("triton_kernels", "each Triton kernel equals its reference, compiled for the GPU", triton_kernels,
-          gpu_only="the Triton kernels are checked compiled for a GPU; on a CPU tests/test_kernels.py checks "
+          gpu_only="the Triton kernels are checked compiled for a GPU; on a CPU tests/kernels/test_kernels.py checks "
           "them through Triton's interpreter"),
     Check("flash_attn_vs_sdpa", "flash-attn backend equals SDPA", flash_attn_vs_sdpa,
           gpu_only="flash-attn runs only on a CUDA GPU (smoke mode runs on the CPU)"),

@@ -19,7 +19,7 @@ terms the unconditional prediction is therefore the one whose x0 *is* the refere
 
 so guidance pushes each step's prediction away from the reference, towards the prompt. With the ``renoise``
 sampler (StreamDiffusion's update: x0, then re-noise with the fixed noise of the next step) this closed form
-*is* the official recursion (tests/test_stream_batch.py runs both); with ``euler`` (the flow ODE step, which does
+*is* the official recursion (tests/engine/stream_batch/test_stream_batch.py runs both); with ``euler`` (the flow ODE step, which does
 not re-noise) the recursion has no meaning of its own and the closed form defines the reference. The modes differ in
 the reference and in how many rows the forward carries:
 

@@ -36,7 +36,7 @@ sit at different steps and advances all of them with one batched forward per inp
 
 Differences from StreamDiffusion (``cumulo-autumn/StreamDiffusion``, ``pipeline.py`` / ``image_filter.py``), all
 deliberate; with ``sampler="renoise"`` and frame buffer 1 every frame after its warm-up equals the official
-``predict_x0_batch`` on the same model, noise and settings (tests/test_stream_batch.py, optional cross-check):
+``predict_x0_batch`` on the same model, noise and settings (tests/engine/stream_batch/test_stream_batch.py, optional cross-check):
 
 * Flow matching instead of DDPM/LCM: ``a = 1 - s``, ``b = s``, sigmas from the engine's schedule presets, the
   model's velocity instead of eps, no LCM boundary scalings (see :mod:`.guidance` for RCFG and ``delta``).

@@ -228,7 +228,7 @@ class FluxAutoencoder(nn.Module):
         input). An estimate: at full resolution the decoder's last level reads the previous level's upsampled
         ``2 ch`` maps and its GroupNorm / SiLU / convolutions each write new ``ch``-channel maps (none in place),
         besides the copy the CPU's oneDNN convolution reorders its input into; the encoder's first level the same.
-        Measured peak RSS growth on the CPU in fp32 (tests/test_memory_estimates.py): 6.0 ``ch`` maps for the
+        Measured peak RSS growth on the CPU in fp32 (tests/engine/preflight/test_memory_estimates.py): 6.0 ``ch`` maps for the
         decoder, 5.3 for the encoder; :data:`FULL_RESOLUTION_MAPS` keeps a margin. The mid-block attention at 1/8
         resolution keeps a tokens x tokens score matrix when the backend has no fused kernel."""
         p = self.params

@@ -29,7 +29,7 @@ DECODER_WIDTHS = (256, 128, 64, 64)  # per decoder stage, then the width before 
 # Feature maps of the last (full-resolution) width alive at once per frame at the peak, for the memory preflight.
 # The decoder's last stage holds the time-split frames, the output of the 64 -> 64 conv and the copy the CPU's
 # oneDNN convolution reorders its input into (3 maps); the encoder's first convolutions the same. Measured peak
-# RSS growth on the CPU in fp32 (tests/test_memory_estimates.py): 2.8 to 3.0 maps per decoded frame for the
+# RSS growth on the CPU in fp32 (tests/engine/preflight/test_memory_estimates.py): 2.8 to 3.0 maps per decoded frame for the
 # decoder (chunks of 1 to 3 latent frames), 2.6 per (padded) input frame for the encoder; 4 keeps a margin.
 FULL_RESOLUTION_MAPS = 4
 

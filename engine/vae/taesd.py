@@ -13,7 +13,7 @@ from torch import nn
 
 # 64-channel feature maps alive at once at full resolution at the peak, for the memory preflight: a Block keeps
 # its input (the skip), the conv chain's intermediate (its ReLUs are not in place) and the copy the CPU's oneDNN
-# convolution reorders its input into. Measured peak RSS growth on the CPU in fp32 (tests/test_memory_estimates.py):
+# convolution reorders its input into. Measured peak RSS growth on the CPU in fp32 (tests/engine/preflight/test_memory_estimates.py):
 # 3.0 maps for the decoder, 3.1 for the encoder; 4 keeps a margin above both.
 FULL_RESOLUTION_MAPS = 4
 FULL_RESOLUTION_WIDTH = 64

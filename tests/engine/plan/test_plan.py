@@ -603,7 +603,7 @@ def _load_run_all():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "run_all"
+    path = Path(__file__).resolve().parents[3] / "bench" / "run_all"
     loader = importlib.machinery.SourceFileLoader("fewstep_bench_run_all", str(path))
     spec = importlib.util.spec_from_loader(loader.name, loader)
     module = importlib.util.module_from_spec(spec)

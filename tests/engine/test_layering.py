@@ -11,7 +11,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "engine"
 
 # Imports allowed inside functions: optional dependencies (absent on many installs) and heavy modules a run may
@@ -116,3 +116,18 @@ def test_imports_inside_functions_are_only_optional_or_heavy_dependencies():
                         if not all(n.startswith(OPTIONAL_OR_HEAVY) for n in names):
                             found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert found == []
+
+
+def test_the_tests_mirror_the_engine_and_pytest_finds_every_folder():
+    """Each engine package has its tests in tests/engine/<package>/, and every folder holding tests is on pytest's
+    path (pyproject's ``pythonpath``: test modules import shared helpers from each other by name)."""
+    import tomllib
+
+    tests = ROOT / "tests"
+    packages = {p.parent.name for p in ENGINE.glob("*/__init__.py")}
+    assert sorted(p for p in packages if not (tests / "engine" / p).is_dir()) == []
+    folders = {str(p.parent.relative_to(ROOT)) for p in tests.rglob("test_*.py") if "e2e" not in p.parts}
+    pythonpath = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["pythonpath"]
+    )
+    assert sorted(folders - pythonpath) == []

@@ -149,7 +149,7 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
         [sys.executable, "-m", "fewstep", "queue", str(wf), "--server", f"127.0.0.1:{port}"],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert r.returncode == 5, r.stderr
     assert f"cannot open the event stream ws://127.0.0.1:{port}/ws" in r.stderr
@@ -739,7 +739,7 @@ def test_stream_dir_help_is_one_sentence_with_the_default(capsys):
 
 # -- the README's stream client example ----------------------------------------------------------------------------
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 README_HEADING = "### Consuming the stream from your own client"
 
 

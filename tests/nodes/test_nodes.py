@@ -120,7 +120,7 @@ def test_each_function_returns_its_return_types(pack, monkeypatch, tmp_path):
     )
     assert video[0]["samples"].shape == (1, 16, 4, 4, 6) and video[1].shape == (13, 32, 48, 3)
     assert outputs["FewStepCausalContinue"][1].shape == (8, 32, 48, 3)  # 4 video frames per latent frame
-    from test_cache_native import CALC, DIFFUSION, OUTER, BaseModel, Patcher
+    from test_step_cache_native import CALC, DIFFUSION, OUTER, BaseModel, Patcher
 
     wrappers = types.SimpleNamespace(OUTER_SAMPLE=OUTER, CALC_COND_BATCH=CALC, DIFFUSION_MODEL=DIFFUSION)
     monkeypatch.setitem(sys.modules, "comfy.patcher_extension", types.SimpleNamespace(WrappersMP=wrappers))

@@ -32,8 +32,8 @@ from fewstep.engine.preflight import ledger as ledger_module
 from fewstep.engine.preflight.ledger import LEDGER
 from fewstep.engine.vae.tiny import load_tiny_vae
 
-ROOT = Path(__file__).resolve().parent.parent
-PROBE = Path(__file__).resolve().parent / "memory_probe.py"
+ROOT = Path(__file__).resolve().parents[3]
+PROBE = Path(__file__).resolve().parents[2] / "memory_probe.py"
 
 # An estimate may be above the measured peak by at most this factor (README: "Memory preflight")...
 FACTOR = 2.5

@@ -619,7 +619,7 @@ def test_shipped_dummy_workflow_settings_fall_back_on_the_cpu_with_the_reason(ti
 
     from fewstep.nodes.compile import FewStepCompile
 
-    api = json.loads((Path(__file__).resolve().parent.parent / "workflows" /
+    api = json.loads((Path(__file__).resolve().parents[3] / "workflows" /
                       "flux_schnell_compiled_dummy.api.json").read_text())  # fmt: skip
     (node,) = [n for n in api.values() if n["class_type"] == "FewStepCompile"]
     widgets = {k: v for k, v in node["inputs"].items() if not isinstance(v, list)}
@@ -759,7 +759,7 @@ def test_telemetry_counts_frames_when_the_pack_is_a_symlink(tmp_path):
 
     from fewstep.engine.compile.telemetry import package_relative
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     (tmp_path / "custom_nodes").mkdir()
     os.symlink(root, tmp_path / "custom_nodes" / "fewstep")
     code = (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH / "device_check"
 ORDER = ["matmul_rate", "triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "schnell_speed",
          "schnell_mfu", "wan_graph_equals_eager", "wan_fps"]  # fmt: skip

@@ -43,14 +43,15 @@ from ..errors import InputError
 from ..handle import ModelHandle
 from ..latent_formats import WAN21
 from ..ops import Linear, weight_bytes
+from ..preflight.budget import check_fits
 from ..sampling import schedule_sigmas
 from ..step_cache import STEP_CACHE_FEATURE
 from ..text_to_image import SampleReport, SampleRequest, check_sample_inputs
+from ..units import format_bytes
 from . import transport
 from .config import ParallelConfig
 from .jobs import dtype_name, fingerprint, request_to_job
 from .pool import WorkerPool, get_pool
-from .rank import available_memory
 from .sharding import image_sharding
 
 COMPILE_NOT_APPLIED = "compile: not applied on the pool's workers (they run the model eagerly)"
@@ -147,19 +148,25 @@ def check_image_sequence_parallel(
     check_sequence_parallel(degrees, sharding.heads(params), tokens, sharding.tokens_described, "latent")
 
 
-def _check_pool_memory(pool: WorkerPool, spec: dict) -> None:
-    """Before a CPU pool loads a model: the local workers together must fit in this machine's memory."""
+def check_local_workers_fit(pool: WorkerPool, spec: dict) -> None:
+    """Before a CPU pool loads a model: the local workers together must fit in this machine's memory.
+
+    The memory preflight's check on the host (``check_fits``: its margin, the cgroup cap and
+    ``FEWSTEP_MEMORY_LIMIT_GB`` less what the pack holds, the workers' resident memory included), for what loading
+    adds: each local worker's copy of the weights. The workers' baseline was checked when they started
+    (``ParallelConfig.check_memory``); GPU workers check their own device before loading
+    (``WorkerContext.check_model_fits``), as every rank does."""
     key = (spec["source"], spec["dtype"], spec["weight_dtype"], spec["attention"])
     if pool.model_key == key or pool.backend != "gloo":
-        return  # GPU workers check their own device before loading
-    available = available_memory()
-    need = len(pool.procs) * spec["weight_bytes"]
-    if available is not None and need > available:
-        raise InputError(
-            "parallel",
-            f"{len(pool.procs)} local workers each load the model ({spec['weight_bytes'] / 2**30:.2f} GiB): "
-            f"{need / 2**30:.2f} GiB, but {available / 2**30:.2f} GiB of memory is available",
-        )
+        return
+    workers, weights = len(pool.procs), int(spec["weight_bytes"])
+    check_fits(
+        {f"{workers} local workers x {format_bytes(weights)} model weights": workers * weights},
+        "cpu",
+        "parallel",
+        hint="Each local worker loads the whole model: start fewer local ranks (local_ranks, the degrees) and "
+        "join the others from other machines, or use a smaller dtype",
+    )
     pool.model_key = key
 
 
@@ -222,7 +229,7 @@ def parallel_sample_request(
             handle.family.name, handle.params, int(latent.shape[-2]), int(latent.shape[-1]), degrees
         )
     spec = model_spec(handle)
-    _check_pool_memory(pool, spec)
+    check_local_workers_fit(pool, spec)
     job = {
         "kind": "sample", "model": spec, "request": request_to_job(dataclasses.replace(request, sigmas=sigmas)),
         "degrees": list(degrees), "mode": mode,
@@ -419,7 +426,7 @@ class RemoteVideoSession:
                        config=dataclasses.asdict(self.config))  # fmt: skip
         elif self._new_prompt is not None:
             job["context"] = self._new_prompt
-        _check_pool_memory(self.pool, job["model"])
+        check_local_workers_fit(self.pool, job["model"])
         pool = self.pool
         n_job = pool.submit(job, self._chunk_limit())
         self.started, self._new_prompt = True, None

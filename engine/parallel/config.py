@@ -30,8 +30,9 @@ ALLOWED_PORTS_ENV = "FEWSTEP_POOL_ALLOWED_PORTS"  # explicit store ports (e.g. 2
 MAX_LOCAL_RANKS_ENV = "FEWSTEP_POOL_MAX_LOCAL_RANKS"  # local ranks allowed; default: this machine's cores
 LOWEST_PORT = 1024  # below: privileged ports, never bound for a workflow
 # Host memory of one idle worker (interpreter, torch, gloo, store clients) before any model: 226 MiB RSS
-# measured for a gloo rank on CPU (torch 2.13), rounded up. The model's weights are checked per job
-# (client.check_local_memory) once the model is known.
+# measured for a gloo rank on CPU (torch 2.13), rounded up. The model's weights are checked by the same preflight
+# when a job names the model: on the host for the local workers (client.check_local_workers_fit), and by each
+# rank on its own device (jobs.WorkerContext.check_model_fits).
 WORKER_BASELINE_BYTES = 256 << 20
 
 

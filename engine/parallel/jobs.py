@@ -28,12 +28,13 @@ from ..conditioning import TextCondition
 from ..errors import InputError
 from ..handle import ModelHandle, open_model
 from ..lora import LoraPatch, base_state_dict, read_lora
+from ..preflight.budget import check_fits
 from ..run import RunOptions
 from ..text_to_image import SampleRequest, sample
 from . import transport
 from .config import ParallelConfig
 from .mesh import SequenceMesh
-from .rank import JobCancelledError, available_memory, error_record
+from .rank import JobCancelledError, error_record
 from .sharding import CausalSharding, ImageSequenceSharding
 from .tasks import TASKS
 
@@ -177,7 +178,7 @@ class WorkerContext:
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._check_memory(spec)
+            self.check_model_fits(spec)
             self.handle = open_model(
                 spec["source"], weight_dtype=dtype_of(spec["weight_dtype"]), dtype=dtype_of(spec["dtype"]),
                 device=self.device, attention_backend=spec["attention"], seed=spec.get("seed", 0),
@@ -222,18 +223,22 @@ class WorkerContext:
             self.lora_patches[(path, digest)] = patch
         return patch.with_strength(item["strength"])
 
-    def _check_memory(self, spec: dict) -> None:
+    def check_model_fits(self, spec: dict) -> None:
+        """Refuse a model whose weights do not fit this rank's device, before loading them.
+
+        The memory preflight's check (``check_fits``: one margin, the cgroup cap and ``FEWSTEP_MEMORY_LIMIT_GB``),
+        made in this process on its own device: the budget is what this process can still allocate there, less,
+        under the limit, what this process's ledger holds (its previous model is dropped before this check, so
+        it holds nothing of it). The host checks the sum over its local workers on its own memory
+        (``client.check_local_workers_fit``); this check covers every rank, remote and GPU ones included."""
         need = int(spec.get("weight_bytes", 0))
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free = available_memory()
-        if free is not None and need and free < need * 1.1:
-            raise InputError(
-                "model",
-                f"rank {self.rank} ({self.device}) has {free / 2**30:.2f} GiB free; the model's weights take "
-                f"{need / 2**30:.2f} GiB (plus activations): use fewer ranks per machine or a smaller dtype",
-            )
+        check_fits(
+            {"model weights": need},
+            self.device,
+            "model",
+            hint=f"Rank {self.rank} holds a whole copy of the model: use fewer ranks per machine or a smaller "
+            "dtype",
+        )
 
 
 # -- job kinds --------------------------------------------------------------------------------------------------

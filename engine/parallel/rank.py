@@ -14,6 +14,7 @@ import traceback
 import torch
 
 from ..errors import InputError
+from ..preflight.budget import device_free_bytes
 
 
 class JobCancelledError(Exception):
@@ -21,23 +22,13 @@ class JobCancelledError(Exception):
 
 
 def describe_device(device: torch.device) -> dict:
+    """The rank's device as its start-up record states it; ``free_bytes`` is the memory preflight's figure for it
+    (what this process can still allocate there), the one its job-time checks use."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return {"device": str(device), "name": torch.cuda.get_device_name(device), "free_bytes": free,
-                "total_bytes": total}  # fmt: skip
-    return {"device": "cpu", "name": "cpu", "free_bytes": available_memory(), "total_bytes": None}
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo (bytes), None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+        _free, total = torch.cuda.mem_get_info(device)
+        return {"device": str(device), "name": torch.cuda.get_device_name(device),
+                "free_bytes": device_free_bytes(device), "total_bytes": total}  # fmt: skip
+    return {"device": "cpu", "name": "cpu", "free_bytes": device_free_bytes(device), "total_bytes": None}
 
 
 def error_record(err: BaseException, rank: int) -> dict:

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,8 +31,12 @@ from fewstep.engine.parallel import (
     check_sequence_parallel,
     parallel_sample,
 )
+from fewstep.engine.parallel.client import check_local_workers_fit
+from fewstep.engine.parallel.jobs import WorkerContext
 from fewstep.engine.parallel.mesh import shard
 from fewstep.engine.parallel.worker import connect
+from fewstep.engine.preflight import budget
+from fewstep.engine.preflight.ledger import LEDGER, Holding
 from fewstep.engine.run import RunOptions
 
 pytestmark = pytest.mark.skipif(
@@ -336,15 +341,85 @@ def test_bad_degrees_heads_and_sequence_are_input_errors(pool, flux, wan):
 
 
 def test_local_workers_that_would_not_fit_in_memory_are_refused_before_loading(pool, flux, monkeypatch):
-    from fewstep.engine.parallel import client
-
-    monkeypatch.setattr(client, "available_memory", lambda: 1000)
+    monkeypatch.delenv("FEWSTEP_MEMORY_LIMIT_GB", raising=False)
+    # the host's figure (the ranks, other processes, keep theirs)
+    monkeypatch.setattr(budget, "device_free_bytes", lambda device=None: 1000)
     monkeypatch.setattr(pool, "model_key", None)  # as if the workers held no model yet
     with pytest.raises(
-        InputError, match=r"input 'parallel': 2 local workers each load the model .* GiB of memory"
+        InputError,
+        match=r"input 'parallel': this needs about .* \(2 local workers x .* model weights .*\) but only 900 B of "
+        r"available host memory can be used on cpu; refused before allocating. Each local worker loads the whole "
+        r"model",
     ):
         parallel_sample(pool, flux, [make_cond(flux.params)], torch.zeros(1, 16, 8, 8), steps=1)
     assert pool.alive
+
+
+# -- the pool's memory checks are the memory preflight's (no worker process: the checks are called directly) ------
+_MIB = 2**20
+
+
+def _weights_spec(nbytes: int) -> dict:
+    return {"source": "dummy:flux-tiny", "dtype": "float32", "weight_dtype": "float32", "attention": "sdpa",
+            "weight_bytes": nbytes}  # fmt: skip
+
+
+def _budget_figures(monkeypatch, free: int, limit_gb: str | None, holdings=()) -> list:
+    """The memory preflight's figures, set: the device's free bytes, the pack's limit and holdings. Returns the
+    devices the budget was asked about."""
+    asked = []
+    monkeypatch.setattr(budget, "device_free_bytes", lambda device=None: asked.append(device) or free)
+    monkeypatch.setattr(LEDGER, "holdings", lambda *args, **kwargs: list(holdings))
+    if limit_gb is None:
+        monkeypatch.delenv("FEWSTEP_MEMORY_LIMIT_GB", raising=False)
+    else:
+        monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", limit_gb)
+    return asked
+
+
+def test_the_hosts_check_of_local_workers_honours_the_memory_limit_and_lists_what_is_held(monkeypatch):
+    held = [Holding("worker pool", 1, 100 * _MIB)]
+    # the limit decides: 512 MiB less the 100 held leaves 412 MiB, 370.8 MiB of it usable
+    asked = _budget_figures(monkeypatch, free=1 << 40, limit_gb="0.5", holdings=held)
+    cpu_pool = SimpleNamespace(model_key=None, backend="gloo", procs={0: None, 1: None})
+    with pytest.raises(InputError) as refused:
+        check_local_workers_fit(cpu_pool, _weights_spec(200 * _MIB))
+    assert str(refused.value) == (
+        "input 'parallel': this needs about 400.00 MiB (2 local workers x 200.00 MiB model weights 400.00 MiB) but "
+        "only 370.80 MiB of available host memory can be used on cpu; refused before allocating. Each local worker "
+        "loads the whole model: start fewer local ranks (local_ranks, the degrees) and join the others from other "
+        "machines, or use a smaller dtype. FEWSTEP_MEMORY_LIMIT_GB allows the pack 512.00 MiB in all and it already "
+        "holds 100.00 MiB on cpu (1 worker pool 100.00 MiB): free some of it (unload models, end video sessions) or "
+        "raise the limit"
+    )
+    assert asked == [torch.device("cpu")]  # the host's memory, through the preflight's budget
+    assert cpu_pool.model_key is None  # refused: the model is not marked as loaded
+    check_local_workers_fit(cpu_pool, _weights_spec(180 * _MIB))  # 360 MiB fit
+    assert cpu_pool.model_key == ("dummy:flux-tiny", "float32", "float32", "sdpa")
+    check_local_workers_fit(cpu_pool, _weights_spec(1 << 40))  # the workers hold this model already: no check
+    gpu_pool = SimpleNamespace(model_key=None, backend="nccl", procs={0: None, 1: None})
+    check_local_workers_fit(gpu_pool, _weights_spec(1 << 40))  # each GPU rank checks its own device
+    assert len(asked) == 2
+
+
+def test_a_ranks_check_before_loading_is_the_memory_preflight_on_its_own_device(monkeypatch):
+    rank = WorkerContext(None, _config(), 1, 2, torch.device("cuda", 1), "nccl")  # no store: no job is served
+    asked = _budget_figures(monkeypatch, free=1000 * _MIB, limit_gb=None)  # 900 MiB usable
+    rank.check_model_fits(_weights_spec(900 * _MIB))
+    with pytest.raises(InputError) as refused:
+        rank.check_model_fits(_weights_spec(901 * _MIB))
+    assert str(refused.value) == (
+        "input 'model': this needs about 901.00 MiB (model weights 901.00 MiB) but only 900.00 MiB of free GPU "
+        "memory can be used on cuda:1; refused before allocating. Rank 1 holds a whole copy of the model: use fewer "
+        "ranks per machine or a smaller dtype"
+    )
+    assert asked == [torch.device("cuda", 1)] * 2  # the rank's device, read through the preflight's budget
+    # the limit caps a rank as it caps the host: 512 MiB, 460.8 MiB of it usable
+    _budget_figures(monkeypatch, free=1000 * _MIB, limit_gb="0.5")
+    with pytest.raises(
+        InputError, match=r"input 'model': .* but only 460.80 MiB of free GPU memory can be used"
+    ):
+        rank.check_model_fits(_weights_spec(500 * _MIB))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPUs")

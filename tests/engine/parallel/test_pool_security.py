@@ -25,6 +25,7 @@ from net_listen import listening_ports_of
 from fewstep.engine import InputError
 from fewstep.engine.parallel import ParallelConfig, ParallelError, WorkerPool, transport
 from fewstep.engine.parallel.worker import Rendezvous, serve
+from fewstep.engine.preflight.ledger import LEDGER
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
@@ -431,8 +432,6 @@ def test_local_workers_whose_memory_does_not_fit_are_refused_before_any_process_
     _no_process_may_start(monkeypatch)
     monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "1")  # 0.9 GiB usable: 3 workers of 256 MiB fit, 4 do not
     # what earlier tests of this process still hold (models, a pool) would count against the limit: not here
-    from fewstep.engine.preflight.ledger import LEDGER
-
     monkeypatch.setattr(LEDGER, "holdings", lambda *args, **kwargs: [])
     WorkerPool(_config(dp_degree=3))
     with pytest.raises(InputError) as refused:
@@ -441,6 +440,30 @@ def test_local_workers_whose_memory_does_not_fit_are_refused_before_any_process_
         "FewStepParallelLauncher: input 'dp_degree': this needs about 1.00 GiB (4 worker processes x 256 MiB "
         "1.00 GiB) but only "
     ), str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_rank_refuses_weights_beyond_the_memory_limit_in_the_preflights_words(monkeypatch):
+    # the rank's process inherits the limit (0.3 GiB: 276.48 MiB usable, its ledger empty before it loads)
+    monkeypatch.setenv("FEWSTEP_MEMORY_LIMIT_GB", "0.3")
+    # what earlier tests of this process hold would count against the host's launch check: not here
+    monkeypatch.setattr(LEDGER, "holdings", lambda *args, **kwargs: [])
+    pool = WorkerPool(_config()).start()
+    try:
+        # a raw job, as the host sends it once its own check has passed: the rank checks before it loads
+        spec = {"source": "dummy:flux-tiny", "dtype": "float32", "weight_dtype": "float32", "attention": "auto",
+                "weight_bytes": 280 << 20}  # fmt: skip
+        with pytest.raises(InputError) as refused:
+            pool.run({"kind": "sample", "model": spec})
+        assert str(refused.value) == (
+            "input 'model': this needs about 280.00 MiB (model weights 280.00 MiB) but only 276.48 MiB of available "
+            "host memory can be used on cpu; refused before allocating. Rank 0 holds a whole copy of the model: use "
+            "fewer ranks per machine or a smaller dtype"
+        )
+        # a refusal, not a failure: the pool stays up
+        assert pool.run({"kind": "task", "name": "ping"})["world"] == 1
+    finally:
+        pool.shutdown()
 
 
 # -- a reader authenticates before it reads -------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from _common import header, median, save, setup_threads
 from fewstep import kernels
 from fewstep.engine import load_dit
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
-from fewstep.engine.causal.kv_cache import kv_cache_bytes
+from fewstep.engine.causal.kv_cache import KVStorage, kv_cache_bytes
 from fewstep.engine.models.wan import PRESETS
 from fewstep.kernels import kv_quant, norms, rope
 
@@ -36,8 +36,10 @@ GB = 1e9
 # -- memory ------------------------------------------------------------------------------------------------------------
 def window_bytes(preset: str, tokens_per_frame: int, window: WindowSpec, kv_dtype: str, keep: int) -> dict:
     p = PRESETS[preset]
-    cache = KVCache(p.num_layers, 1, tokens_per_frame, p.num_heads, p.head_dim, window, torch.bfloat16, "meta",
-                    kv_dtype=kv_dtype, keep_recent_chunks=keep)  # fmt: skip
+    storage = KVStorage(window, kv_dtype, keep_recent_chunks=keep)
+    cache = KVCache(
+        p.num_layers, 1, tokens_per_frame, p.num_heads, p.head_dim, storage, torch.bfloat16, "meta"
+    )
     return {
         "preset": preset,
         "kv_dtype": kv_dtype,
@@ -45,8 +47,8 @@ def window_bytes(preset: str, tokens_per_frame: int, window: WindowSpec, kv_dtyp
         "bytes": cache.nbytes,
         "bytes_per_token_full": cache.bytes_per_token(),
         "bytes_per_token_quantized": cache.quantized_bytes_per_token(),
-        "full_precision_frames": window.sink_frames + cache.full_ring,
-        "quantized_frames": cache.quant_ring,
+        "full_precision_frames": window.sink_frames + cache.slots.full_ring,
+        "quantized_frames": cache.slots.quant_ring,
     }
 
 
@@ -55,10 +57,10 @@ def formula_matches_allocation() -> bool:
     ok = True
     for kv_dtype in ("bf16", "int8", "int4"):
         for device in ("meta", "cpu"):
-            cache = KVCache(2, 2, 6, 4, 128, WindowSpec(3, 12, 2), torch.bfloat16, device, kv_dtype=kv_dtype,
-                            keep_recent_chunks=1)  # fmt: skip
+            storage = KVStorage(WindowSpec(3, 12, 2), kv_dtype, keep_recent_chunks=1)
+            cache = KVCache(2, 2, 6, 4, 128, storage, torch.bfloat16, device)
             # the KV cache's one formula (the planner's, the preflight's): the sinks' key copies included
-            formula = kv_cache_bytes(2, 2, 6, 4, 128, cache.window, torch.bfloat16, kv_dtype, 1).window
+            formula = kv_cache_bytes(2, 2, 6, 4, 128, storage.window, torch.bfloat16, kv_dtype, 1).window
             allocated = sum(b.nbytes for b in cache.buffers())
             ok &= cache.nbytes == formula == allocated
             if device == "cpu":

@@ -47,9 +47,9 @@ from .kv_cache import (
     KV_LAYOUTS,
     CrossAttentionCache,
     KVCache,
+    KVStorage,
     WindowSpec,
     check_kv_head_dim,
-    check_kv_storage,
     kv_bytes_per_token,
     kv_cache_bytes,
 )
@@ -77,8 +77,8 @@ class CausalConfig:
         :class:`InputError` naming the input, which the node or command that built the config locates). What
         depends on the model (int4 needs an even head_dim) is checked when a session opens."""
         window = WindowSpec(self.chunk_frames, self.window_frames, self.sink_frames)
-        object.__setattr__(self, "_window", window)  # frozen: the one WindowSpec of this config
-        check_kv_storage(self.kv_dtype, self.keep_recent_chunks, window, head_dim=None)
+        # frozen: the one WindowSpec and the one KVStorage of this config, each checked when built
+        object.__setattr__(self, "_storage", KVStorage(window, self.kv_dtype, self.keep_recent_chunks))
         check_finite_number(self.context_noise, "context_noise")
         if not 0 <= self.context_noise <= 1000:
             raise InputError(
@@ -88,7 +88,13 @@ class CausalConfig:
 
     @property
     def window(self) -> WindowSpec:
-        return self._window
+        return self._storage.window
+
+    @property
+    def storage(self) -> KVStorage:
+        """The KV cache's storage settings (the window, ``kv_dtype``, ``keep_recent_chunks``): a ``KVCache``
+        takes them as they are, unchecked."""
+        return self._storage
 
 
 @dataclass
@@ -206,9 +212,8 @@ class VideoSession:
         )  # fmt: skip
         self.cache = KVCache(
             layers=p.num_layers, batch=self.batch, tokens_per_frame=tokens_per_frame,
-            heads=heads, head_dim=p.head_dim, window=config.window, dtype=self.dtype, device=device,
-            rope=config.rope, kv_dtype=config.kv_dtype, keep_recent_chunks=config.keep_recent_chunks,
-            kernel_mode=self.backends.kernel_mode,
+            heads=heads, head_dim=p.head_dim, storage=config.storage, dtype=self.dtype, device=device,
+            rope=config.rope, backends=self.backends,
         )  # fmt: skip
         self.cross = CrossAttentionCache()
         self.generator = torch.Generator(device=device).manual_seed(seed)

@@ -14,6 +14,7 @@ from conftest import make_cond
 
 from fewstep.engine import open_model
 from fewstep.engine.causal import CausalConfig, VideoSession, kv_cache, open_session
+from fewstep.engine.causal.kv_cache import quantized as kv_quantized
 from fewstep.engine.causal.kv_cache import window as kv_window
 from fewstep.engine.compile import attach_compile, attach_compile_config
 from fewstep.engine.compile import graphs as compile_graphs
@@ -53,6 +54,20 @@ def window_checks(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def storage_checks(monkeypatch):
+    """Counts every check of KV storage settings (KVStorage checks itself with kv_cache.quantized.check_kv_storage)."""
+    calls = []
+    check = kv_quantized.check_kv_storage
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(kv_quantized, "check_kv_storage", counting)
+    return calls
+
+
 def _stub_pool(degrees=(2, 1)):
     """What RemoteVideoSession reads of a pool before its first job (no worker is started)."""
     config = ParallelConfig(mode="sp", ulysses_degree=degrees[0], ring_degree=degrees[1], backend="gloo")
@@ -77,6 +92,28 @@ def test_the_window_is_checked_once_per_pool_session_open(wan, window_checks, mo
     )
     assert isinstance(session, RemoteVideoSession) and compiled is None
     assert len(window_checks) == 1
+
+
+def test_the_kv_storage_is_checked_once_per_session_open(wan, storage_checks):
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, kv_dtype="int8", steps=2)
+    assert len(storage_checks) == 1  # built: checked
+    session, _ = open_session(wan, _context(), H, W, config, 3)
+    session.run(3)  # frames age out into the quantized ring
+    assert session.cache.frames_quantized > 0
+    assert session.cache.storage is config.storage  # the cache takes the config's storage as it is
+    assert (
+        len(storage_checks) == 1
+    )  # the session's preflight, its KV cache and its chunks do not check it again
+
+
+def test_the_kv_storage_is_checked_once_per_pool_session_open(wan, storage_checks, monkeypatch):
+    config = CausalConfig(chunk_frames=2, window_frames=6, kv_dtype="int8", steps=2)
+    monkeypatch.setattr(OnPool, "pool", lambda self, where=None: _stub_pool())
+    session, _ = open_session(
+        wan, _context(), H, W, config, 3, options=RunOptions(pool=OnPool(_stub_pool().config))
+    )
+    assert isinstance(session, RemoteVideoSession)
+    assert len(storage_checks) == 1
 
 
 def test_bad_settings_are_refused_when_the_config_is_built():

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from fewstep import kernels  # noqa: E402
 from fewstep.engine.backends import Backends  # noqa: E402
+from fewstep.engine.causal import CausalConfig, open_session  # noqa: E402
 from fewstep.engine.handle import open_model  # noqa: E402
 from fewstep.engine.run import open_run  # noqa: E402
 from fewstep.kernels import dispatch, kv_quant, norms, rope  # noqa: E402
@@ -269,6 +270,34 @@ def test_modes_and_a_failing_kernel_falling_back_to_its_reference_for_the_rest_o
     )  # the record is not a choice: equal backends stay equal
     with pytest.raises(RuntimeError, match="no kernel image"):
         kernels.rms_norm(x, w, 1e-6, mode="triton")
+
+
+def test_a_failing_kv_quantization_in_a_sessions_cache_falls_back_in_that_run(monkeypatch):
+    """The KV cache quantizes the frames that age out (in ``begin``, outside any forward) with the run's backends:
+    a kernel that fails there lands in that run's record, and the next run's record starts empty."""
+
+    class Broken:  # every Triton kernel fails, as on a GPU the build does not support
+        def __getattr__(self, kernel):
+            def failing(*args):
+                raise RuntimeError("no kernel image for this GPU")
+
+            return failing
+
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "load_ops", Broken)
+    monkeypatch.setattr(dispatch, "triton_device", lambda tensor: True)  # as on a GPU with Triton
+    wan = open_model("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+    config = CausalConfig(chunk_frames=1, window_frames=3, steps=2, kv_dtype="int8", keep_recent_chunks=0)
+    first, _ = open_session(wan, _rand(1, 5, 4096, seed=62), 32, 48, config, 3)
+    first.run(3)
+    assert (
+        first.cache.frames_quantized == 2
+    )  # frames 0 and 1, quantized by the cache when chunks 2 and 3 begin
+    assert first.cache.backends is first.backends  # the run's
+    record = first.backends.kernel_fallbacks
+    assert record.failed["quantize_kv"] == "RuntimeError: no kernel image for this GPU"
+    second, _ = open_session(wan, _rand(1, 5, 4096, seed=62), 32, 48, config, 3)
+    assert "quantize_kv" not in second.backends.kernel_fallbacks  # a new run decides afresh
 
 
 def test_each_run_starts_with_no_kernel_fallbacks():

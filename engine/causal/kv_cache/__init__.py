@@ -19,7 +19,7 @@ most. Every denoising step of a chunk rewrites the chunk's slots; the clean pass
 RoPE positions (``rope``):
 
 * ``"cache"`` (default): keys are read at their position *in the cache*: sinks at ``0 .. S-1``, then the
-  retained frames contiguously, then the chunk (:meth:`KVCache.position_of`). Distances stay bounded by the
+  retained frames contiguously, then the chunk (:meth:`WindowSpec.cache_position`). Distances stay bounded by the
   window, so a stream runs past any position table (the StreamingLLM choice). Until the first eviction these
   are the absolute positions; without sinks, attention is the same as with absolute positions at any length.
 * ``"absolute"``: every key at its absolute frame index (Self-Forcing / CausVid). Distances between the chunk and
@@ -32,7 +32,7 @@ modes rotate queries and non-sink keys at their absolute frame index, keys once,
 again: a frame that ages out into the quantized ring is quantized already rotated and read without rotation).
 Only the sinks differ: under ``"cache"`` a sink ``s`` must sit at ``s + o`` in that frame of reference, and ``o``
 moves when the window slides, at most once a chunk. :meth:`KVCache.begin` then rewrites the sinks' keys, one pass
-over the sink frames of every layer, from an unrotated copy of them (``sink_keys``, taken once when the sinks are
+over the sink frames of every layer, from an unrotated copy of them (``sink_k{i}``, taken once when the sinks are
 committed), so the rounding of a sink never accumulates over a long stream. Scores and outputs equal those of the
 cache positions read directly (``tests/engine/causal/test_causal.py``: the no-cache reference at cache positions).
 
@@ -61,8 +61,9 @@ Where each concern lives (each a small piece; :class:`KVCache` composes them and
 * ``window.py``: :class:`WindowSpec` (which frames a chunk sees) and ``SlotRing`` (which frame each slot holds:
   the sinks, the full-precision ring, the quantized ring; host integers);
 * ``sinks.py``: ``SinkKeys``, the sinks' re-positioning under ``rope="cache"``;
-* ``quantized.py``: int8 / int4 storage: :func:`check_kv_storage`, :class:`QuantizedKV`, the quantization of the
-  frames that age out of the full-precision ring;
+* ``quantized.py``: the storage settings, :class:`KVStorage` (``kv_dtype``, ``keep_recent_chunks``; checked
+  once, when built, by :func:`check_kv_storage`), and int8 / int4 storage: :class:`QuantizedKV`, the
+  quantization of the frames that age out of the full-precision ring;
 * ``bytes.py``: THE formula for a cache's bytes (:func:`kv_cache_bytes`, :class:`KVFrames`): the cache allocates
   its slots by it, and the planner, a session's memory preflight and a pool session's size count with it;
 * ``layer.py``: ``LayerView``, one layer's write, read and attention during a forward;
@@ -83,7 +84,7 @@ from .bytes import (
 from .cache import KVCache
 from .cross import CrossAttentionCache
 from .layer import LayerView
-from .quantized import QuantizedKV, check_kv_head_dim, check_kv_storage
+from .quantized import KVStorage, QuantizedKV, check_kv_head_dim, check_kv_storage
 from .sinks import SinkKeys
 from .window import ROPE_MODES, SlotRing, WindowSpec, check_window
 
@@ -96,6 +97,7 @@ __all__ = [
     "KVCache",
     "KVFrames",
     "KVLayout",
+    "KVStorage",
     "LayerView",
     "QuantizedKV",
     "SinkKeys",

@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .... import kernels
+from ...backends import DEFAULT_BACKENDS, Backends
 from ...errors import InputError
 from ...rope import RopeFreqs
-from .bytes import KV_LAYOUTS, KVFrames, kv_bytes_per_token, kv_cache_bytes
+from .bytes import KV_LAYOUTS, KVFrames, kv_bytes_per_token
 from .layer import LayerView
-from .quantized import QUANTIZED_PARTS, QuantizedKV, check_kv_storage, quantize_aged, quantized_rows
+from .quantized import QUANTIZED_PARTS, KVStorage, QuantizedKV, quantize_aged, quantized_rows
 from .sinks import SinkKeys
-from .window import ROPE_MODES, SlotRing, WindowSpec
+from .window import ROPE_MODES, SlotRing
 
 
 class KVCache(nn.Module):
@@ -33,45 +33,44 @@ class KVCache(nn.Module):
         tokens_per_frame: int,
         heads: int,
         head_dim: int,
-        window: WindowSpec,
+        storage: KVStorage,
         dtype: torch.dtype,
         device,
         rope: str = "cache",
-        kv_dtype: str = "bf16",
-        keep_recent_chunks: int = 1,
-        kernel_mode: str = "auto",
+        backends: Backends = DEFAULT_BACKENDS,
     ):
-        """``kernel_mode``: the run's kernel mode (``Backends.kernel_mode``), for the quantization of frames that
-        age out of the full-precision ring and the sinks' re-positioning (in :meth:`begin`, outside any
+        """``storage``: the window and how it is stored (checked when it was built: not again here; the model's
+        part, :func:`.quantized.check_kv_head_dim`, when a session opens). ``backends``: the run's
+        (``Run.backends``), whose kernel mode and record of kernel fallbacks the quantization of frames that age
+        out of the full-precision ring and the sinks' re-positioning use (in :meth:`begin`, outside any
         forward)."""
         super().__init__()
         if rope not in ROPE_MODES:
             raise InputError("rope", f"unknown RoPE mode {rope!r}; expected one of {', '.join(ROPE_MODES)}")
-        self.window = window  # checked when it was built
-        self.bits = check_kv_storage(kv_dtype, keep_recent_chunks, window, head_dim)
-        self.kv_dtype, self.keep_recent_chunks = kv_dtype, keep_recent_chunks
-        self.kernel_mode = kernels.check_mode(kernel_mode)
+        self.storage, self.backends = storage, backends
         self.tokens_per_frame, self.layers, self.rope = tokens_per_frame, layers, rope
-        frames = KVFrames.allocated(window, self.bits, keep_recent_chunks, rope)  # what kv_cache_bytes counts
-        self.full_ring, self.quant_ring = frames.full - window.sink_frames, frames.quantized
-        self.slots = SlotRing(window, self.full_ring, self.quant_ring)
-        self.sinks = SinkKeys(window, tokens_per_frame, self.kernel_mode) if frames.sink_copies else None
+        window, bits = storage.window, storage.bits
+        frames = KVFrames.allocated(
+            window, bits, storage.keep_recent_chunks, rope
+        )  # what kv_cache_bytes counts
+        self.slots = SlotRing(window, frames.full - window.sink_frames, frames.quantized)
+        self.sinks = SinkKeys(window, tokens_per_frame, backends) if frames.sink_copies else None
 
-        def storage(
+        def allocate(
             name: str, frame_count: int, row: tuple[int, ...] = (heads, head_dim), kind=dtype
         ) -> None:
             shape = (batch, frame_count * tokens_per_frame, *row)
             self.register_buffer(name, torch.zeros(shape, dtype=kind, device=device), persistent=False)
 
         for i in range(layers):  # the sinks and the full-precision ring
-            storage(f"k{i}", frames.full)
-            storage(f"v{i}", frames.full)
+            allocate(f"k{i}", frames.full)
+            allocate(f"v{i}", frames.full)
         for i in range(layers if frames.sink_copies else 0):  # the sinks' unrotated keys (sinks.py)
-            storage(f"sink_k{i}", frames.sink_copies)
+            allocate(f"sink_k{i}", frames.sink_copies)
         for i in range(layers if frames.quantized else 0):  # the quantized ring (quantized.py)
             for name in ("k", "v"):
-                for suffix, (row, kind) in zip(QUANTIZED_PARTS, quantized_rows(heads, head_dim, self.bits)):
-                    storage(f"{name}q{i}{suffix}", frames.quantized, row, kind)
+                for suffix, (row, kind) in zip(QUANTIZED_PARTS, quantized_rows(heads, head_dim, bits)):
+                    allocate(f"{name}q{i}{suffix}", frames.quantized, row, kind)
         # Per-chunk bookkeeping as device tensors of fixed shapes, rewritten in place by `begin` (so a forward,
         # compiled or replayed from a CUDA graph, reads the same tensors every chunk): the token slots the
         # chunk writes, and which token slots (full precision, then quantized) its queries see.
@@ -103,46 +102,22 @@ class KVCache(nn.Module):
             self._query_freqs = RopeFreqs(freqs.cos.to(device), freqs.sin.to(device))
         return self
 
-    # -- storage, by layer ---------------------------------------------------------------------------------------
-    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # -- storage, by layer (registered names only: see the class docstring) ------------------------------------
+    def layer(self, index: int) -> LayerView:
+        """Layer ``index``'s view of the cache for a forward: its storage and this chunk's tensors."""
+        quant = self._layer_quant(index) if self.slots.quant_ring else None
+        return LayerView(self, *self._layer_kv(index), quant)
+
+    def _layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k{index}"), getattr(self, f"v{index}")
 
-    def sink_keys(self, index: int) -> torch.Tensor:
-        """Layer ``index``'s unrotated sink keys ``[B, S*T, H, D]`` (``rope="cache"`` with sinks)."""
-        return getattr(self, f"sink_k{index}")
-
-    def layer_quant(self, index: int) -> tuple[QuantizedKV, QuantizedKV]:
+    def _layer_quant(self, index: int) -> tuple[QuantizedKV, QuantizedKV]:
         return tuple(
             QuantizedKV(*(getattr(self, f"{name}q{index}{suffix}") for suffix in QUANTIZED_PARTS))
             for name in ("k", "v")
         )
 
-    @property
-    def k(self) -> list[torch.Tensor]:
-        return [self.layer_kv(i)[0] for i in range(self.layers)]
-
-    @property
-    def v(self) -> list[torch.Tensor]:
-        return [self.layer_kv(i)[1] for i in range(self.layers)]
-
-    @property
-    def k_quant(self) -> list[QuantizedKV]:
-        return [self.layer_quant(i)[0] for i in range(self.layers)] if self.quant_ring else []
-
-    @property
-    def v_quant(self) -> list[QuantizedKV]:
-        return [self.layer_quant(i)[1] for i in range(self.layers)] if self.quant_ring else []
-
-    def layer(self, index: int) -> LayerView:
-        return LayerView(self, *self.layer_kv(index), self.layer_quant(index) if self.quant_ring else None)
-
     # -- bytes: the formula of bytes.py --------------------------------------------------------------------------
-    @staticmethod
-    def planned_bytes(*args, **kwargs) -> int:
-        """The :attr:`nbytes` of a cache built with these arguments (all but ``device``), without allocating:
-        ``kv_cache_bytes(...).window``."""
-        return kv_cache_bytes(*args, **kwargs).window
-
     @property
     def nbytes(self) -> int:
         """Bytes of the K/V storage (every layer's buffers, scales and zero points and sink copies included; the
@@ -151,48 +126,25 @@ class KVCache(nn.Module):
 
     def bytes_per_token(self) -> int:
         """``2 x heads x head_dim x layers x element size``: K and V of one full-precision token, all layers."""
-        k0 = self.layer_kv(0)[0]
-        _, _, heads, head_dim = k0.shape
-        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS["bf16"], k0.element_size())
+        _, _, heads, head_dim = self.k0.shape
+        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS["bf16"], self.k0.element_size())
 
     def quantized_bytes_per_token(self) -> int:
         """``2 x heads x (codes + scale + zero point) x layers``: K and V of one quantized token (0 if none)."""
-        if self.bits is None:
+        if self.storage.bits is None:
             return 0
-        _, _, heads, head_dim = self.layer_kv(0)[0].shape
-        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS[self.kv_dtype])
+        _, _, heads, head_dim = self.k0.shape
+        return kv_bytes_per_token(self.layers, heads, head_dim, KV_LAYOUTS[self.storage.kv_dtype])
 
     def bytes_used(self) -> int:
         """Bytes of the occupied slots (full precision and quantized) and sink copies, all layers and the whole
         batch."""
         full, quantized = self.slots.filled()
         filled = KVFrames(full, quantized, 0 if self.sinks is None else self.sinks.copied)
-        batch = self.layer_kv(0)[0].shape[0]
+        batch = self.k0.shape[0]
         return filled.nbytes(
             self.tokens_per_frame, batch * self.bytes_per_token(), batch * self.quantized_bytes_per_token()
         )
-
-    # -- host bookkeeping (plain integers, read for reports and tests) -------------------------------------------
-    @property
-    def slot_frame(self) -> list[int | None]:
-        """Which frame each full-precision slot holds."""
-        return self.slots.full
-
-    def slot_of(self, frame: int) -> int:
-        return self.slots.slot_of(frame)
-
-    def quant_slot_of(self, frame: int) -> int:
-        return self.slots.quant_slot_of(frame)
-
-    @property
-    def sink_offset(self) -> int:
-        """The offset the sink slots' keys are rotated at (see the package docstring)."""
-        return 0 if self.sinks is None else self.sinks.offset
-
-    def position_of(self, frame: int, chunk_start: int) -> int:
-        """RoPE frame position of ``frame`` as read by the chunk starting at ``chunk_start`` (what attention
-        computes; the stored rotations differ from it by one offset, see the package docstring)."""
-        return frame if self.rope == "absolute" else self.window.cache_position(frame, chunk_start)
 
     # -- one chunk -----------------------------------------------------------------------------------------------
     def begin(self, chunk_start: int, frames: int, grid_hw: tuple[int, int], rope_fn) -> None:
@@ -207,16 +159,17 @@ class KVCache(nn.Module):
                 f"the next chunk must start at frame {self.frames_committed} (the frames "
                 f"committed so far), not {chunk_start}",
             )
-        if frames != self.window.chunk_frames:
-            raise InputError("chunk", f"chunks are {self.window.chunk_frames} latent frames, got {frames}")
+        chunk_frames = self.storage.window.chunk_frames
+        if frames != chunk_frames:
+            raise InputError("chunk", f"chunks are {chunk_frames} latent frames, got {frames}")
         if self._chunk == (chunk_start, frames):
             return
         t = self.tokens_per_frame
         chunk = range(chunk_start, chunk_start + frames)
-        if self.quant_ring:
-            layers = ((self.layer_kv(i), self.layer_quant(i)) for i in range(self.layers))
+        if self.slots.quant_ring:
+            layers = ((self._layer_kv(i), self._layer_quant(i)) for i in range(self.layers))
             aged = self.slots.age_out(chunk)
-            self.frames_quantized += quantize_aged(aged, layers, t, self.bits, self.kernel_mode)
+            self.frames_quantized += quantize_aged(aged, layers, t, self.storage.bits, self.backends)
         written = self.slots.place(chunk)
         visible = self.slots.see(chunk_start)
         tokens = torch.arange(t)
@@ -225,25 +178,15 @@ class KVCache(nn.Module):
         self.chunk_positions.copy_(torch.tensor(list(chunk)))
         self._query_freqs = _refill(self._query_freqs, rope_fn(self.chunk_positions, grid_hw))
         if self.sinks is not None:
-            copies = [self.sink_keys(i) for i in range(self.layers)]
-            self.sinks.reposition(chunk_start, self.frames_committed, self.k, copies, grid_hw, rope_fn)
+            keys = [self._layer_kv(i)[0] for i in range(self.layers)]
+            copies = [getattr(self, f"sink_k{i}") for i in range(self.layers)]  # unrotated (sinks.py)
+            self.sinks.reposition(chunk_start, self.frames_committed, keys, copies, grid_hw, rope_fn)
         self._chunk = (chunk_start, frames)
 
     def key_mask(self) -> torch.Tensor | None:
         """The keys this chunk's queries may see, ``[1, 1, 1, slots * T]`` (None once every slot is visible:
         the window is full and the step is a pure function of fixed shapes, unmasked)."""
         return None if self.slots.all_visible else self.key_visible.view(1, 1, 1, -1)
-
-    def visible_rows(self) -> torch.Tensor:
-        """Token indices (into :meth:`LayerView.read_window`) of the visible slots, in slot order."""
-        t = self.tokens_per_frame
-        slots = torch.tensor(self.slots.visible_slots, dtype=torch.long)
-        return (slots[:, None] * t + torch.arange(t)).flatten().to(self.key_visible.device)
-
-    def read_frames(self) -> list[int]:
-        """The frames the current chunk reads, in the order of ``layer(i).read()``'s tokens."""
-        by_slot = self.slots.frames_by_slot()
-        return [by_slot[i] for i in self.slots.visible_slots]
 
     def query_rope(self) -> RopeFreqs:
         return self._query_freqs

@@ -21,8 +21,9 @@ class LayerView:
         self.keys, self.values = keys, values
         self.quant: tuple[QuantizedKV, QuantizedKV] | None = quant  # None without quantized storage
         self.write_index, self.mask = cache.write_index, cache.key_mask()
-        self.query_freqs, self.bits = cache.query_rope(), cache.bits
-        self._visible_rows = cache.visible_rows  # read() only (inspection): never called in a forward
+        self.query_freqs, self.bits = cache.query_rope(), cache.storage.bits
+        # read() only (inspection): never called in a forward
+        self._slots, self._tokens_per_frame = cache.slots, cache.tokens_per_frame
 
     def key_mask(self) -> torch.Tensor | None:
         """As :meth:`KVCache.key_mask` for this chunk (None: the window is full, unmasked)."""
@@ -57,10 +58,11 @@ class LayerView:
         return k_read, v_read
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The visible slots only, in the order of ``KVCache.read_frames`` (for inspection and tests: the forward
+        """The visible slots only, in the order of ``SlotRing.read_frames`` (for inspection and tests: the forward
         reads :meth:`read_window` under the visibility mask, which needs no shape that changes)."""
         k_read, v_read = self.read_window()
-        rows = self._visible_rows()
+        tokens = self._slots.visible_tokens(self._tokens_per_frame)
+        rows = torch.tensor(tokens, dtype=torch.long, device=k_read.device)
         return k_read.index_select(1, rows), v_read.index_select(1, rows)
 
     def _fused_quantized_attention(self, q: torch.Tensor, backends: Backends) -> torch.Tensor:

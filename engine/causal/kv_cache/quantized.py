@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .... import kernels
 from ....kernels.kv_quant import packed_dim
+from ...backends import Backends
 from ...errors import InputError
 from .bytes import KV_LAYOUTS
 from .window import AgedRun, WindowSpec
@@ -27,11 +27,33 @@ from .window import AgedRun, WindowSpec
 QUANTIZED_PARTS = ("", "_scale", "_zero")
 
 
+@dataclass(frozen=True)
+class KVStorage:
+    """How a cache stores its window: ``kv_dtype`` (bf16: the compute dtype, unquantized; int8 / int4: the frames
+    older than the current and ``keep_recent_chunks`` newest chunks quantized).
+
+    Checked once, when it is built, against its ``window`` (:func:`check_kv_storage`; an :class:`InputError`
+    naming the input): a ``CausalConfig`` builds one, a ``KVCache`` takes it and never checks it again. What
+    depends on the model (int4 needs an even head_dim, :func:`check_kv_head_dim`) is checked when a session opens."""
+
+    window: WindowSpec
+    kv_dtype: str = "bf16"
+    keep_recent_chunks: int = 1
+
+    def __post_init__(self):
+        check_kv_storage(self.kv_dtype, self.keep_recent_chunks, self.window, head_dim=None)
+
+    @property
+    def bits(self) -> int | None:
+        """The quantization bits (None: unquantized)."""
+        return KV_LAYOUTS[self.kv_dtype].bits
+
+
 def check_kv_storage(
     kv_dtype: str, keep_recent_chunks: int, window: WindowSpec, head_dim: int | None, where: str | None = None
 ) -> int | None:
     """The quantization bits of ``kv_dtype`` (None: unquantized), or an :class:`InputError`. ``head_dim`` None:
-    the settings alone (a ``CausalConfig`` when it is built); the model's part is :func:`check_kv_head_dim`."""
+    the settings alone (a :class:`KVStorage` when it is built); the model's part is :func:`check_kv_head_dim`."""
     if kv_dtype not in KV_LAYOUTS:
         raise InputError(
             "kv_dtype",
@@ -94,10 +116,11 @@ def quantize_aged(
     layers: Iterable[tuple[tuple[torch.Tensor, torch.Tensor], tuple[QuantizedKV, QuantizedKV]]],
     tokens_per_frame: int,
     bits: int,
-    kernel_mode: str,
+    backends: Backends,
 ) -> int:
     """Quantize each run of aged-out frames from its full-precision slots into its quantized slots, in every
-    layer (``layers``: each layer's full-precision ``(K, V)`` and quantized ``(K, V)``). Returns the frames."""
+    layer (``layers``: each layer's full-precision ``(K, V)`` and quantized ``(K, V)``), with the run's
+    ``backends`` (its kernel mode and its record of kernel fallbacks). Returns the frames."""
     t = tokens_per_frame
     layers = list(layers)
     for run in runs:
@@ -105,8 +128,6 @@ def quantize_aged(
         dst = slice(run.quant_slot * t, (run.quant_slot + run.frames) * t)
         for full_kv, quant_kv in layers:
             for full, quant in zip(full_kv, quant_kv):
-                for buffer, part in zip(
-                    quant.parts(), kernels.quantize_kv(full[:, src], bits, mode=kernel_mode)
-                ):
+                for buffer, part in zip(quant.parts(), backends.quantize_kv(full[:, src], bits)):
                     buffer[:, dst].copy_(part)
     return sum(run.frames for run in runs)

@@ -13,15 +13,17 @@ from __future__ import annotations
 import torch
 
 from .... import kernels
+from ...backends import Backends
 from .window import WindowSpec
 
 
 class SinkKeys:
     """Host state of the sinks' key copies: how many sink frames are copied, and the offset the sink slots' keys
-    are rotated at. The tensors (each layer's key buffer and sink-key copy) are the cache's, passed per call."""
+    are rotated at. The tensors (each layer's key buffer and sink-key copy) are the cache's, passed per call;
+    ``backends``: the run's (its kernel mode and its record of kernel fallbacks, for the rotations)."""
 
-    def __init__(self, window: WindowSpec, tokens_per_frame: int, kernel_mode: str):
-        self.window, self.tokens_per_frame, self.kernel_mode = window, tokens_per_frame, kernel_mode
+    def __init__(self, window: WindowSpec, tokens_per_frame: int, backends: Backends):
+        self.window, self.tokens_per_frame, self.backends = window, tokens_per_frame, backends
         self.copied = 0  # sink frames whose unrotated keys are in the copies
         self.offset = 0  # the offset the sink slots' keys are rotated at
 
@@ -38,6 +40,7 @@ class SinkKeys:
         ``s + o`` for this chunk's offset ``o`` when it moved (at most once a chunk, one pass over the sink
         frames, always from the copies: no rounding accumulates)."""
         t, device = self.tokens_per_frame, keys[0].device
+        mode, fallbacks = self.backends.kernel_mode, self.backends.kernel_fallbacks
         committed = min(self.window.sink_frames, frames_committed)
         if committed > self.copied:
             # written by their chunk's queries' rotation, at their absolute index (o is 0 while a sink is written)
@@ -45,7 +48,7 @@ class SinkKeys:
             rows = slice(self.copied * t, committed * t)
             for layer_keys, copy in zip(keys, copies):
                 unrotated = kernels.apply_rope(
-                    layer_keys[:, rows], written.cos, -written.sin, mode=self.kernel_mode
+                    layer_keys[:, rows], written.cos, -written.sin, mode=mode, fallbacks=fallbacks
                 )
                 copy[:, rows].copy_(unrotated)
             self.copied = committed
@@ -55,6 +58,8 @@ class SinkKeys:
         n = self.copied  # offset > 0 only once every sink is committed (and copied)
         freqs = rope_fn(torch.arange(n, device=device) + offset, grid_hw)
         for layer_keys, copy in zip(keys, copies):
-            rotated = kernels.apply_rope(copy[:, : n * t], freqs.cos, freqs.sin, mode=self.kernel_mode)
+            rotated = kernels.apply_rope(
+                copy[:, : n * t], freqs.cos, freqs.sin, mode=mode, fallbacks=fallbacks
+            )
             layer_keys[:, : n * t].copy_(rotated)
         self.offset = offset

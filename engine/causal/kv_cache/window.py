@@ -141,6 +141,16 @@ class SlotRing:
     def frames_by_slot(self) -> list[int | None]:
         return self.full + self.quantized
 
+    def read_frames(self) -> list[int]:
+        """The frames the current chunk reads, in slot order (the order of ``LayerView.read``'s tokens)."""
+        by_slot = self.frames_by_slot()
+        return [by_slot[i] for i in self.visible_slots]
+
+    def visible_tokens(self, tokens_per_frame: int) -> list[int]:
+        """Token indices (into ``LayerView.read_window``) of the current chunk's visible slots, in slot order."""
+        t = tokens_per_frame
+        return [slot * t + token for slot in self.visible_slots for token in range(t)]
+
     def filled(self) -> tuple[int, int]:
         """Occupied (full-precision, quantized) slots."""
         return sum(f is not None for f in self.full), sum(f is not None for f in self.quantized)

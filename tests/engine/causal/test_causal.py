@@ -7,6 +7,7 @@ import torch
 
 from fewstep.engine import InputError, load_dit, load_tiny_vae
 from fewstep.engine.causal import CausalConfig, KVCache, SessionStore, VideoSession, WindowSpec
+from fewstep.engine.causal.kv_cache import KVStorage
 from fewstep.engine.causal.reference import recompute_video
 
 H, W = 32, 48  # px: a 4x6 latent, 2x3 tokens per frame
@@ -61,14 +62,19 @@ def test_cache_positions_stay_bounded_with_sinks(wan):
     assert not torch.allclose(a[:, :, 6:], b[:, :, 6:], atol=1e-3)  # the sink's distance is kept short
     cache = session.cache
     start = cache.frames_committed
-    positions = [cache.position_of(f, start) for f in range(start - 2, start + 2)]
+    positions = [rel.window.cache_position(f, start) for f in range(start - 2, start + 2)]
     assert max(positions) < rel.window_frames
+
+
+def _kv_pointers(cache: KVCache) -> list[int]:
+    views = [cache.layer(i) for i in range(cache.layers)]
+    return [t.data_ptr() for view in views for t in (view.keys, view.values)]
 
 
 def test_kv_memory_is_preallocated_flat_and_accounted(wan):
     config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=2)
     session = VideoSession(wan, _ctx(), H, W, config, seed=0)
-    pointers = [t.data_ptr() for t in session.cache.k + session.cache.v]
+    pointers = _kv_pointers(session.cache)
     p, tokens = wan.params, 6  # 2x3 tokens per latent frame
     per_token = 2 * p.dim * p.num_layers * 4  # K and V, every layer, fp32, no GQA
     assert session.cache.bytes_per_token() == per_token
@@ -80,7 +86,7 @@ def test_kv_memory_is_preallocated_flat_and_accounted(wan):
         used.append(chunk.kv_bytes_used)
     # the sinks' copies are taken when the chunk after them begins
     assert used == [2 * tokens * per_token, 5 * tokens * per_token] + [7 * tokens * per_token] * 6
-    assert pointers == [t.data_ptr() for t in session.cache.k + session.cache.v]  # written in place
+    assert pointers == _kv_pointers(session.cache)  # written in place
 
 
 def test_continued_session_equals_one_long_generation(wan):
@@ -118,7 +124,7 @@ def test_bidirectional_single_chunk_equals_causal_chunk(wan):
         6,
         wan.params.num_heads,
         wan.params.head_dim,
-        WindowSpec(3, 6),
+        KVStorage(WindowSpec(3, 6)),
         torch.float32,
         "cpu",
     )

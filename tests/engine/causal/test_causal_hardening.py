@@ -18,7 +18,8 @@ from conftest import ROOT, fake_comfy_memory_manager, make_cond
 from test_nodes import _run
 
 from fewstep.engine import InputError, load_dit, load_tiny_vae
-from fewstep.engine.causal import CausalConfig, SessionStore, VideoSession
+from fewstep.engine.causal import CausalConfig, KVCache, SessionStore, VideoSession, WindowSpec
+from fewstep.engine.causal.kv_cache import KVStorage, kv_cache_bytes
 
 H, W = 32, 48  # px: a 4x6 latent, 2x3 tokens per frame
 CONFIG = CausalConfig(chunk_frames=2, window_frames=4, sink_frames=1)
@@ -224,12 +225,11 @@ def test_a_window_that_cannot_fit_is_refused_before_allocating(wan, monkeypatch)
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
 def test_the_kv_estimate_is_what_the_cache_allocates(wan, kv_dtype):
-    from fewstep.engine.causal import KVCache, WindowSpec
-
     window = WindowSpec(2, 9, 1)
     args = dict(layers=2, batch=2, tokens_per_frame=6, heads=2, head_dim=32, window=window, dtype=torch.float32,
                 kv_dtype=kv_dtype, keep_recent_chunks=1)  # fmt: skip
-    assert KVCache.planned_bytes(**args) == KVCache(**args, device="cpu").nbytes
+    cache = KVCache(2, 2, 6, 2, 32, KVStorage(window, kv_dtype, 1), torch.float32, "cpu")
+    assert kv_cache_bytes(**args).window == cache.nbytes
 
 
 def test_the_node_refuses_outputs_that_cannot_fit(pack, monkeypatch):

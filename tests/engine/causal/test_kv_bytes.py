@@ -11,7 +11,7 @@ import torch
 
 from fewstep.engine import open_model
 from fewstep.engine.causal import CausalConfig, KVCache, WindowSpec
-from fewstep.engine.causal.kv_cache import kv_cache_bytes
+from fewstep.engine.causal.kv_cache import KVStorage, kv_cache_bytes
 from fewstep.engine.causal.session import session_bytes
 from fewstep.engine.parallel.client import RemoteVideoSession
 from fewstep.engine.plan import plan_cost
@@ -49,12 +49,13 @@ def test_the_formula_equals_the_allocation_empty_and_full(kv_dtype, dtype, sinks
         dtype=dtype, kv_dtype=kv_dtype, keep_recent_chunks=keep_recent, rope=rope,
     )  # fmt: skip
     planned = kv_cache_bytes(**args)
-    cache = KVCache(**args, device="cpu")
-    assert planned.window == cache.nbytes == _allocated(cache) == KVCache.planned_bytes(**args)
+    storage = KVStorage(spec, kv_dtype, keep_recent)
+    cache = KVCache(LAYERS, BATCH, TOKENS, HEADS, HEAD_DIM, storage, dtype, "cpu", rope=rope)
+    assert planned.window == cache.nbytes == _allocated(cache)
     assert planned.per_token == BATCH * (cache.quantized_bytes_per_token() or cache.bytes_per_token())
     assert (
-        planned.full_frames == spec.sink_frames + cache.full_ring
-        and planned.quantized_frames == cache.quant_ring
+        planned.full_frames == spec.sink_frames + cache.slots.full_ring
+        and planned.quantized_frames == cache.slots.quant_ring
     )
     # the fill counts with the same formula: once the window is full, every allocated byte is used
     used = []
@@ -78,8 +79,7 @@ def test_the_planner_and_the_preflight_count_what_the_cache_allocates(kv_dtype, 
     plan = plan_cost(p, height=32, width=48, latent_frames=4, chunk_frames=2, window_frames=9, sink_frames=sinks,
                      batch=BATCH, kv_dtype=kv_dtype, keep_recent_chunks=keep_recent, vae=False)  # fmt: skip
     for dtype in (torch.bfloat16, torch.float32):
-        cache = KVCache(p.num_layers, BATCH, tpf, p.num_heads, p.head_dim, config.window, dtype, "meta",
-                        kv_dtype=kv_dtype, keep_recent_chunks=keep_recent)  # fmt: skip
+        cache = KVCache(p.num_layers, BATCH, tpf, p.num_heads, p.head_dim, config.storage, dtype, "meta")
         if dtype == torch.bfloat16:
             assert plan["kv_bytes_window"] == cache.nbytes == _allocated(cache)
         parts = session_bytes(p, BATCH, 32, 48, config, dtype, tpf, p.num_heads)
@@ -107,8 +107,8 @@ def test_a_pool_session_counts_what_its_ranks_allocate(degrees):
     session = RemoteVideoSession(_stand_in_pool(degrees), handle, context, 32, 48, config, degrees=degrees)
     u, r = degrees
     tpf = wan_tokens_per_frame(p, 32, 48)
-    rank_cache = KVCache(p.num_layers, BATCH, tpf // r, p.num_heads // u, p.head_dim, config.window, torch.float32,
-                         "meta", kv_dtype="int8", keep_recent_chunks=1)  # fmt: skip
+    rank_cache = KVCache(p.num_layers, BATCH, tpf // r, p.num_heads // u, p.head_dim, config.storage, torch.float32,
+                         "meta")  # fmt: skip
     whole = kv_cache_bytes(
         p.num_layers, BATCH, tpf, p.num_heads, p.head_dim, config.window, torch.float32, "int8", 1
     )

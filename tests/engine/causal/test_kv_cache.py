@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fewstep.engine import load_dit
 from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.causal import CausalConfig, CrossAttentionCache, KVCache, VideoSession, WindowSpec
+from fewstep.engine.causal.kv_cache import KVStorage
 from fewstep.engine.compile import CompileWatch, compile_model
 from fewstep.engine.errors import InputError
 from fewstep.engine.rope import RopeFreqs, apply_rope, rope_freqs
@@ -30,8 +31,9 @@ def _rand(*shape, seed):
 def _layouts(cache: KVCache) -> list[tuple]:
     """(data_ptr, shape) of every tensor a chunk step reads or writes."""
     q_rope = cache.query_rope()
-    tensors = [*cache.layer_kv(0), cache.write_index, cache.key_visible, q_rope.cos, q_rope.sin]
-    tensors += list(cache.layer_quant(0)[0].parts()) if cache.quant_ring else []
+    view = cache.layer(0)
+    tensors = [view.keys, view.values, cache.write_index, cache.key_visible, q_rope.cos, q_rope.sin]
+    tensors += list(view.quant[0].parts()) if view.quant is not None else []
     return [(t.data_ptr(), tuple(t.shape)) for t in tensors]
 
 
@@ -40,7 +42,7 @@ def _layouts(cache: KVCache) -> list[tuple]:
 def test_every_chunk_reads_the_same_tensors_before_and_after_the_window_fills(rope, kv_dtype):
     spec = WindowSpec(2, 7, 1)
     t = 6
-    cache = KVCache(1, 1, t, 2, 8, spec, torch.float32, "cpu", rope=rope, kv_dtype=kv_dtype)
+    cache = KVCache(1, 1, t, 2, 8, KVStorage(spec, kv_dtype), torch.float32, "cpu", rope=rope)
     layouts, reads, masked = [], [], []
     for start in range(0, 20, 2):
         cache.begin(start, 2, (2, 3), _identity_rope)
@@ -97,11 +99,12 @@ def test_a_chunk_step_reads_nothing_back_to_the_host(wan, kv_dtype):
 
 def test_to_converts_the_storage_every_view_reads():
     """``cache.to(torch.float64)`` used to convert the registered buffers but not the lists aliasing them."""
-    cache = KVCache(2, 1, 6, 2, 8, WindowSpec(2, 6, 0), torch.float32, "cpu", kv_dtype="int8")
+    cache = KVCache(2, 1, 6, 2, 8, KVStorage(WindowSpec(2, 6, 0), "int8"), torch.float32, "cpu")
     cache.to(torch.float64)
-    assert [k.dtype for k in cache.k + cache.v] == [torch.float64] * 4
-    assert cache.k[1] is cache.k1 and cache.v[0] is cache.v0
-    assert cache.k_quant[0].data is cache.kq0 and cache.k_quant[0].data.dtype == torch.uint8
+    views = [cache.layer(i) for i in range(2)]
+    assert [t.dtype for view in views for t in (view.keys, view.values)] == [torch.float64] * 4
+    assert views[1].keys is cache.k1 and views[0].values is cache.v0
+    assert views[0].quant[0].data is cache.kq0 and views[0].quant[0].data.dtype == torch.uint8
     cache.begin(0, 2, (2, 3), _identity_rope)
     k = _rand(1, 12, 2, 8, seed=4).double()
     cache.layer(1).attend(torch.zeros(1, 12, 2, 8, dtype=torch.float64), k, k, DEFAULT_BACKENDS)
@@ -169,7 +172,7 @@ def test_keys_are_rotated_once_when_written_and_the_sinks_follow_the_window(kv_d
     rotated at their absolute frame index; sink keys sit at ``s + o`` for the chunk's offset ``o``, rewritten from
     the unrotated copies, so a sink's key is the same rotation of the same numbers however long the stream."""
     spec, t = WindowSpec(2, 7, 1), 6
-    cache = KVCache(1, 1, t, 2, 8, spec, torch.float32, "cpu", rope="cache", kv_dtype=kv_dtype)
+    cache = KVCache(1, 1, t, 2, 8, KVStorage(spec, kv_dtype), torch.float32, "cpu", rope="cache")
     written: dict[int, torch.Tensor] = {}
     checked = {"full": 0, "quantized": 0}
     for start in range(0, 20, 2):
@@ -182,20 +185,21 @@ def test_keys_are_rotated_once_when_written_and_the_sinks_follow_the_window(kv_d
         written.update({start: k[:, :t], start + 1: k[:, t:]})
         stored = view.read_window()[0]
         if kv_dtype == "bf16":
-            assert stored.data_ptr() == cache.layer_kv(0)[0].data_ptr()
+            assert stored.data_ptr() == view.keys.data_ptr()
         offset = spec.cache_offset(start)
-        for frame in cache.read_frames():
+        slots = cache.slots
+        for frame in slots.read_frames():
             at = frame + offset if frame < spec.sink_frames else frame
             expected = apply_rope(written[frame], _frame_rope(torch.tensor([at]), (2, 3)))
-            if frame in cache.slot_frame:  # full precision: the rotation of the written key
-                slot = cache.slot_of(frame)
-                got = cache.layer_kv(0)[0][:, slot * t : (slot + 1) * t]
+            if frame in slots.full:  # full precision: the rotation of the written key
+                slot = slots.slot_of(frame)
+                got = view.keys[:, slot * t : (slot + 1) * t]
                 torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
                 checked["full"] += 1
             else:  # aged out: quantized after it was rotated, read back within the int8 step
-                slot = spec.sink_frames + cache.full_ring + cache.quant_slot_of(frame)
+                slot = spec.sink_frames + slots.full_ring + slots.quant_slot_of(frame)
                 assert (stored[:, slot * t : (slot + 1) * t] - expected).abs().max() < 0.05
                 checked["quantized"] += 1
         cache.commit()
     assert checked["full"] > 0 and (checked["quantized"] > 0) == (kv_dtype == "int8")
-    assert cache.sink_offset == spec.cache_offset(18) > 0
+    assert cache.sinks.offset == spec.cache_offset(18) > 0

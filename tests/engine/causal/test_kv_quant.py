@@ -18,7 +18,7 @@ import torch
 from fewstep.engine import InputError, load_dit
 from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
-from fewstep.engine.causal.kv_cache import check_kv_storage
+from fewstep.engine.causal.kv_cache import KVStorage, check_kv_storage
 from fewstep.engine.causal.reference import recompute_video
 from fewstep.engine.rope import RopeFreqs
 from fewstep.kernels import kv_quant
@@ -115,15 +115,15 @@ def test_cache_reads_recent_frames_exactly_and_older_ones_dequantized(chunk, win
     ``keep`` completed chunks as written, older frames as ``dequantize(quantize(x))``, each quantized once."""
     t = 2  # tokens per frame
     spec = WindowSpec(chunk, window, sinks)
-    cache = KVCache(1, 1, t, 2, 8, spec, torch.float32, "cpu", rope="absolute", kv_dtype=f"int{bits}",
-                    keep_recent_chunks=keep)  # fmt: skip
+    storage = KVStorage(spec, f"int{bits}", keep_recent_chunks=keep)
+    cache = KVCache(1, 1, t, 2, 8, storage, torch.float32, "cpu", rope="absolute")
     quantized = []
     for start in range(0, 10 * chunk, chunk):
         cache.begin(start, chunk, (1, t), _identity_rope)
         kv = [_frame_kv(f, t) for f in range(start, start + chunk)]
         k, v = (torch.cat(parts, dim=1) for parts in zip(*kv))
         cache.layer(0).attend(torch.zeros(1, chunk * t, 2, 8), k, v, DEFAULT_BACKENDS)
-        frames = cache.read_frames()
+        frames = cache.slots.read_frames()
         assert sorted(frames) == [f for f in range(start + chunk) if spec.visible(start, f)]
         keys, values = cache.layer(0).read()
         assert keys.shape == values.shape == (1, len(frames) * t, 2, 8)
@@ -152,11 +152,11 @@ def test_accounting_equals_allocation_and_memory_is_flat():
     sizes = {}
     for kv_dtype in ("bf16", "int8", "int4"):
         cache = KVCache(
-            3, 2, 10, 4, 128, spec, torch.bfloat16, "meta", kv_dtype=kv_dtype, keep_recent_chunks=1
+            3, 2, 10, 4, 128, KVStorage(spec, kv_dtype, keep_recent_chunks=1), torch.bfloat16, "meta"
         )
         per_token = cache.bytes_per_token(), cache.quantized_bytes_per_token()
-        full = (cache.window.sink_frames + cache.full_ring) * 10 * 2  # tokens x batch
-        quant = cache.quant_ring * 10 * 2
+        full = (spec.sink_frames + cache.slots.full_ring) * 10 * 2  # tokens x batch
+        quant = cache.slots.quant_ring * 10 * 2
         assert (
             cache.nbytes
             == sum(b.nbytes for b in cache.buffers())
@@ -195,7 +195,7 @@ def test_quantized_stream_memory_is_preallocated_flat_and_accounted(wan):
     cache = session.cache
     pointers = [b.data_ptr() for b in cache.buffers()]
     full, quant = cache.bytes_per_token() * 6, cache.quantized_bytes_per_token() * 6  # per frame: 6 tokens
-    assert cache.full_ring == 4 and cache.quant_ring == 1
+    assert cache.slots.full_ring == 4 and cache.slots.quant_ring == 1
     used = []
     for chunk in session.chunks(6):
         sink_copy = full // 2  # rope="cache": the sink's keys, unrotated (taken when chunk 1 begins)
@@ -309,7 +309,7 @@ def test_video_node_takes_the_kv_storage_inputs(pack):
     latent, _, ref, report = _node(sampler, **args, kv_dtype="int8", keep_recent_chunks=0)
     assert latent["samples"].shape == (1, 16, 4, 4, 6) and "KV cache" in report
     live = sys.modules[f"{pack.__name__}.nodes.video"].SESSIONS.get(ref.key)
-    assert live.cache.kv_dtype == "int8" and live.cache.frames_quantized == 3
+    assert live.cache.storage.kv_dtype == "int8" and live.cache.frames_quantized == 3
     with pytest.raises(
         ValueError, match=r"^FewStepCausalVideoSampler: input 'keep_recent_chunks': 4 recent chunks"
     ):

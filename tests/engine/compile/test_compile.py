@@ -18,7 +18,7 @@ from conftest import make_cond
 
 from fewstep.engine import open_model, sample_latent
 from fewstep.engine.backends import DEFAULT_BACKENDS
-from fewstep.engine.causal.kv_cache import CrossAttentionCache, KVCache, WindowSpec
+from fewstep.engine.causal.kv_cache import CrossAttentionCache, KVCache, KVStorage, WindowSpec
 from fewstep.engine.compile import (
     COMPILE_FEATURE,
     CaptureError,
@@ -285,7 +285,7 @@ def causal_stream(model, forward, chunks: int = 5, window: WindowSpec = ROLLING,
     """Chunk by chunk over a KV cache (as VideoSession does): 2 denoising forwards and a commit per chunk; the
     cache fills, then rolls (default: sinks 2, window 6)."""
     p = model.params
-    cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, window, torch.float32, device)
+    cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, KVStorage(window), torch.float32, device)
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         ctx = model.embed_context(torch.randn(1, 8, p.text_dim, generator=g).to(device))
@@ -563,7 +563,8 @@ def test_planner_keeps_a_causal_wan_forward_whole():
     """The KV-cache calls are no break points (static shapes): one segment; asked to, it cuts at attention."""
     model = fresh("wan-tiny").model
     p = model.params
-    cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, WindowSpec(2, 4, 0), torch.float32, "cpu")
+    storage = KVStorage(WindowSpec(2, 4, 0))
+    cache = KVCache(p.num_layers, 1, 16, p.num_heads, p.head_dim, storage, torch.float32, "cpu")
     cache.begin(0, 2, (4, 4), model.frame_rope)
     with torch.inference_mode():
         ctx = model.embed_context(torch.randn(1, 8, p.text_dim))

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fewstep.engine import InputError, TextCondition, load_dit, open_model, sample_latent
 from fewstep.engine.causal import CausalConfig, KVCache, VideoSession, WindowSpec
+from fewstep.engine.causal.kv_cache import KVStorage
 from fewstep.engine.models import flux2, zimage
 from fewstep.engine.models.flux import random_inputs
 from fewstep.engine.ops import weight_bytes
@@ -226,7 +227,7 @@ def test_kv_bytes_equal_the_cache_allocation(wan, chunk, window, sinks, batch):
     p = wan.params
     tpf = wan_tokens_per_frame(p, 32, 48)
     spec = WindowSpec(chunk, window, sinks)
-    cache = KVCache(p.num_layers, batch, tpf, p.num_heads, p.head_dim, spec, torch.bfloat16, "cpu")
+    cache = KVCache(p.num_layers, batch, tpf, p.num_heads, p.head_dim, KVStorage(spec), torch.bfloat16, "cpu")
     plan = plan_cost(p, height=32, width=48, latent_frames=chunk * 2, chunk_frames=chunk, window_frames=window,
                      sink_frames=sinks, batch=batch, vae=False)  # fmt: skip
     assert plan["kv_bytes_window"] == cache.nbytes
@@ -238,7 +239,9 @@ def test_kv_bytes_equal_the_cache_allocation(wan, chunk, window, sinks, batch):
 def test_kv_bytes_of_wan_1_3b_at_480p():
     p = plan_preset("wan2.1-1.3b", height=480, width=832, frames=81, vae=False)
     spec = WindowSpec(3, 21, 0)
-    cache = KVCache(30, 1, 1560, 12, 128, spec, torch.bfloat16, "meta")  # meta: sizes without the 6 GB
+    cache = KVCache(
+        30, 1, 1560, 12, 128, KVStorage(spec), torch.bfloat16, "meta"
+    )  # meta: sizes without the 6 GB
     assert p["tokens_per_frame"] == 1560 and p["latent_frames"] == 21 and p["chunks"] == 7
     assert p["kv_bytes_per_token"] == cache.bytes_per_token() == 184_320  # 2 x 1536 x 30 x 2 B
     assert p["kv_bytes_window"] == cache.nbytes == 184_320 * 1560 * 21
@@ -249,16 +252,9 @@ def test_kv_bytes_of_wan_1_3b_at_480p():
     # sinks (0) + current chunk + 1 recent chunk stay bf16, the other 15 frames are quantized
     assert by["int8"]["full_frames"] == 6 and by["int8"]["quantized_frames"] == 15
     assert by["int8"]["window"] == (6 * 184_320 + 15 * 95_040) * 1560
-    if _kv_cache_supports_quantization():
-        for kv_dtype in ("int8", "int4"):
-            quantized = KVCache(30, 1, 1560, 12, 128, spec, torch.bfloat16, "meta", kv_dtype=kv_dtype)
-            assert by[kv_dtype]["window"] == quantized.nbytes, kv_dtype
-
-
-def _kv_cache_supports_quantization() -> bool:
-    import inspect
-
-    return "kv_dtype" in inspect.signature(KVCache).parameters
+    for kv_dtype in ("int8", "int4"):
+        quantized = KVCache(30, 1, 1560, 12, 128, KVStorage(spec, kv_dtype), torch.bfloat16, "meta")
+        assert by[kv_dtype]["window"] == quantized.nbytes, kv_dtype
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -266,20 +262,20 @@ def _kv_cache_supports_quantization() -> bool:
     ("chunk", "window", "sinks", "keep"), [(3, 21, 0, 1), (2, 9, 1, 0), (2, 9, 1, 3), (1, 4, 0, 2)]
 )
 def test_quantized_kv_bytes_equal_the_cache_allocation(wan, kv_dtype, chunk, window, sinks, keep):
-    if not _kv_cache_supports_quantization():
-        pytest.skip("engine.causal.KVCache has no kv_dtype (KV quantization not in this checkout)")
     p = wan.params
     tpf = wan_tokens_per_frame(p, 32, 48)
     spec = WindowSpec(chunk, window, sinks)
-    cache = KVCache(p.num_layers, 2, tpf, p.num_heads, p.head_dim, spec, torch.bfloat16, "cpu",
-                    kv_dtype=kv_dtype, keep_recent_chunks=keep)  # fmt: skip
+    storage = KVStorage(spec, kv_dtype, keep_recent_chunks=keep)
+    cache = KVCache(p.num_layers, 2, tpf, p.num_heads, p.head_dim, storage, torch.bfloat16, "cpu")
     plan = plan_cost(p, height=32, width=48, latent_frames=chunk * 2, chunk_frames=chunk, window_frames=window,
                      sink_frames=sinks, batch=2, kv_dtype=kv_dtype, keep_recent_chunks=keep, vae=False)  # fmt: skip
     assert plan["kv_bytes_window"] == cache.nbytes
     assert plan["kv_bytes_per_token"] == cache.quantized_bytes_per_token() * 2
     assert (
         plan["kv_bytes_by_dtype"]["bf16"]["window"]
-        == KVCache(p.num_layers, 2, tpf, p.num_heads, p.head_dim, spec, torch.bfloat16, "cpu").nbytes
+        == KVCache(
+            p.num_layers, 2, tpf, p.num_heads, p.head_dim, KVStorage(spec), torch.bfloat16, "cpu"
+        ).nbytes
     )
 
 

@@ -34,7 +34,7 @@ Only the sinks differ: under ``"cache"`` a sink ``s`` must sit at ``s + o`` in t
 moves when the window slides, at most once a chunk. :meth:`KVCache.begin` then rewrites the sinks' keys, one pass
 over the sink frames of every layer, from an unrotated copy of them (``sink_k{i}``, taken once when the sinks are
 committed), so the rounding of a sink never accumulates over a long stream. Scores and outputs equal those of the
-cache positions read directly (``tests/engine/causal/test_causal.py``: the no-cache reference at cache positions).
+cache positions read directly (``tests/engine/causal/test_causal_session.py``: the no-cache reference at cache positions).
 
 Storage (``kv_dtype``):
 

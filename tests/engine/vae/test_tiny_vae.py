@@ -247,7 +247,7 @@ def test_raw_latent_conversion_per_family(variant, scale, shift):
 
 def test_taef2_raw_latent_is_flux2s_128_channel_latent():
     """No scale or shift; ComfyUI's FLUX.2 LATENT [B, 128, h, w] is taef2's [B, 32, 2h, 2w] 2x2-patchified
-    (tests/engine/vae/test_tiny_vae_flux2_zimage.py checks the layout against einops and the real weights)."""
+    (the FLUX.2 tests below check the layout against einops and the real weights)."""
     vae = load_tiny_vae("dummy:taef2")
     raw = torch.randn(2, 128, 3, 4)
     latent = vae.raw_to_latent(raw)

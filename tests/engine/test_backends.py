@@ -141,7 +141,8 @@ def test_the_runs_kernel_mode_reaches_every_forward(monkeypatch):
     def spy(name):
         real = getattr(kernels, name)
 
-        def call(*args, mode="auto"):
+        def call(*args, mode="auto", fallbacks=None):
+            assert isinstance(fallbacks, kernels.KernelFallbacks)  # the run's record travels with its mode
             seen.append((name, mode))
             return real(*args, mode="reference")  # the CPU has no Triton driver
 

@@ -14,7 +14,7 @@ The ratio column is new / old per round (below 1: the new tree is faster), its m
 Cases (dummy weights, the CPU, ``OMP_NUM_THREADS=--threads``):
 
 * ``generate``: ``flux-mid`` 128x128 px, 4 steps of the flux.1-schnell schedule: median step, the sampling loop;
-* ``stream bf16`` / ``stream int8``: ``wan-mid`` 64x96 px, 8 chunks of 3 latent frames, a 9-frame window: median
+* ``stream bf16`` / ``stream int8``: ``wan-mid`` 64x96 px, 16 chunks of 3 latent frames, a 9-frame window: median
   seconds of the chunks whose window is full (chunk 3 on; each includes the previous chunk's clean-context pass),
   and the first chunk;
 * ``import``: ``python -c "import fewstep.engine"``.
@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 
-STREAM = ["stream", "--model", "wan-mid", "--height", "64", "--width", "96", "--chunks", "8", "--chunk-frames", "3",
+STREAM = ["stream", "--model", "wan-mid", "--height", "64", "--width", "96", "--chunks", "16", "--chunk-frames", "3",
           "--window-frames", "9", "--json"]  # fmt: skip
 CASES = {
     "generate": [

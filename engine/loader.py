@@ -67,10 +67,6 @@ def resolve_device(device, input_name: str = "device") -> torch.device:
     return dev
 
 
-def _check_fits(parts, device, input_name, where=None, hint=""):
-    return check_fits(parts, device, input_name, where, hint)
-
-
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -87,9 +83,9 @@ def _preflight_file(path: str, dtype: torch.dtype, dev: torch.device, input_name
         _safetensors_conversion_bytes(f, dtype) for f in files if f.lower().endswith(SAFETENSORS_SUFFIXES)
     )
     host = {"weights file": size, f"conversion to {str(dtype).replace('torch.', '')}": converted}
-    _check_fits(host, "cpu", input_name, hint=hint)
+    check_fits(host, "cpu", input_name, hint=hint)
     if dev.type != "cpu":
-        _check_fits({"weights": converted or size}, dev, input_name, hint=hint)
+        check_fits({"weights": converted or size}, dev, input_name, hint=hint)
 
 
 def _safetensors_conversion_bytes(path: str, dtype: torch.dtype) -> int:
@@ -200,7 +196,7 @@ def _load_dummy(preset: str, dtype, dev, weight_dtype, seed, input_name, memory_
     count = preset_parameters(family.model_class, params)
     smallest = min(family.presets, key=lambda n: _width(family.presets[n]))
     dtype_name = str(dtype).replace("torch.", "")
-    _check_fits(
+    check_fits(
         {f"{dtype_name} weights": count.total * _dtype_bytes(dtype)},
         dev,
         input_name,

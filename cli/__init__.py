@@ -9,6 +9,7 @@ module and registers its arguments here.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 import traceback
@@ -76,6 +77,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a value outside an option's choices said in one line (the closest names, or all of them
+    when none is close) instead of the whole usage followed by every choice."""
+
+    def _check_value(self, action, value):
+        if action.choices is None or value in action.choices:
+            return
+        where = self.prog.removeprefix("python -m ")
+        name = action.option_strings[-1] if action.option_strings else action.dest
+        # main() prints it as every other bad input: one line, exit status 2
+        raise InputError(name, choice_problem(action, value), where)
+
+
+def choice_problem(action: argparse.Action, value: str) -> str:
+    """Why ``value`` is not one of ``action``'s choices: the choice it belongs to elsewhere (an action's
+    ``elsewhere``: value -> hint, e.g. a video preset given to an image command), else the closest choices."""
+    elsewhere = getattr(action, "elsewhere", {}).get(value)
+    if elsewhere:
+        return elsewhere
+    choices = [str(c) for c in action.choices]
+    close = difflib.get_close_matches(str(value), choices, n=3, cutoff=0.6)
+    if close:
+        return (
+            f"unknown {value!r}; did you mean {' or '.join(close) if len(close) < 3 else ', '.join(close)}?"
+        )
+    return f"unknown {value!r}; expected one of {', '.join(choices)}"
+
+
 def _flags_of(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
     """dest -> long option of one sub-command (``window_frames`` -> ``--window-frames``)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
@@ -99,7 +128,11 @@ def as_flag_error(err: InputError, command: str, flags: dict[str, str]) -> Input
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except InputError as err:  # a value outside an option's choices (Parser)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
@@ -121,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m fewstep",
         description=DESCRIPTION,
         parents=[global_arguments(defaults=True)],

@@ -61,12 +61,23 @@ def add_text_tokens_argument(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def add_model_arguments(
-    p: argparse.ArgumentParser, presets, default: str, model_help: str, checkpoints: str | None = None
+    p: argparse.ArgumentParser,
+    presets,
+    default: str,
+    model_help: str,
+    checkpoints: str | None = None,
+    elsewhere: dict[str, str] | None = None,
 ) -> None:
     """The flags that say which diffusion model a command loads and how it is stored and run: ``--model`` (one of
     ``presets``), ``--weights``, ``--dtype``, ``--weight-dtype``, ``--device``. ``checkpoints``: the checkpoint
-    layouts ``--weights`` reads, where the command names them."""
-    p.add_argument("--model", default=default, choices=sorted(presets), help=model_help)
+    layouts ``--weights`` reads, where the command names them. ``elsewhere``: presets of other commands -> the
+    one-line hint given when one of them is passed here."""
+    names = sorted(presets)
+    # the presets are listed once, in the help, not as a {a,b,...} metavar repeated in the usage line
+    model = p.add_argument(
+        "--model", default=default, choices=names, metavar="PRESET", help=f"{model_help}: {', '.join(names)}"
+    )
+    model.elsewhere = elsewhere or {}
     layouts = f" ({checkpoints})" if checkpoints else ""
     p.add_argument(
         "--weights",
@@ -150,15 +161,24 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         "--schedule",
         default=None,
         choices=list(SCHEDULES) + ["custom"],
-        help="sigma schedule (default: the model's few-step schedule)",
+        help="sigma schedule (default: the model's own: its few-step schedule, the dev schedule for FLUX.1-dev "
+        "and FLUX.2-dev)",
     )
     p.add_argument(
         "--sigmas", default="", help="with --schedule custom: the sigmas, comma separated (default: none)"
     )
     p.add_argument(
-        "--sampler", default=None, choices=list(SAMPLERS), help="sampler (default: the schedule's sampler)"
+        "--sampler",
+        default=None,
+        choices=list(SAMPLERS),
+        help="sampler (default: the schedule's sampler; euler with --schedule custom)",
     )
-    p.add_argument("--cfg", type=float, default=1.0, help="CFG scale; other than 1 it needs --negative-seed")
+    p.add_argument(
+        "--cfg",
+        type=float,
+        default=1.0,
+        help="CFG scale; other than 1 it needs --negative-seed (refused without)",
+    )
     p.add_argument(
         "--guidance",
         type=float,

@@ -22,6 +22,7 @@ from ..engine.handle import open_model
 from ..engine.loader import load_dit
 from ..engine.ops import weight_bytes
 from ..engine.text_to_image import sample_latent
+from ..engine.units import format_bytes
 from ..engine.vae import load_tiny_vae
 from ..engine.vae.flux_ae import load_flux_ae
 from .common import (
@@ -101,6 +102,14 @@ class Report:
         self.out_dir = out_dir
         self.sections: list[tuple[str, list[tuple[str, object]]]] = []
         self.data: dict = {}
+        self.written: list[str] = []  # every file the demo wrote, in order, for the outputs rows
+
+    def wrote(self, *paths: str) -> list[str]:
+        self.written += paths
+        return list(paths)
+
+    def written_names(self, suffix: str) -> str:
+        return ", ".join(os.path.basename(p) for p in self.written if p.endswith(suffix))
 
     def section(self, title: str, rows: list[tuple[str, object]], data: dict | None = None) -> None:
         self.sections.append((title, rows))
@@ -118,7 +127,9 @@ class Report:
         return value.text() if isinstance(value, Timing) else str(value)
 
     def save_latent(self, name: str, latent: torch.Tensor) -> None:
-        save_tensors({"latent": latent.contiguous()}, os.path.join(self.out_dir, f"{name}.safetensors"))
+        path = os.path.join(self.out_dir, f"{name}.safetensors")
+        save_tensors({"latent": latent.contiguous()}, path)
+        self.wrote(path)
 
     def write(self) -> None:
         lines = ["# fewstep demo report", ""]
@@ -136,7 +147,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if mse == 0 else 10 * math.log10(peak**2 / mse)
 
 
-def image_family_run(preset: str, size: int, out_dir: str, repeats: int) -> tuple[tuple[str, str], dict]:
+def image_family_run(preset: str, size: int, report: Report, repeats: int) -> tuple[tuple[str, str], dict]:
     """Text-to-image runs of a dummy preset with its family's schedule, latent geometry and tiny decode."""
     handle = open_model(f"dummy:{preset}", device="cpu")
     family, params = handle.family, handle.params
@@ -148,11 +159,11 @@ def image_family_run(preset: str, size: int, out_dir: str, repeats: int) -> tupl
     )
     tiny = load_tiny_vae(default_tiny_vae(family), device="cpu")
     image = tiny.decode(tiny.raw_to_latent(out))
-    save_png(image, out_dir, f"{preset}_tiny")
+    images = report.wrote(*save_png(image, report.out_dir, f"{preset}_tiny"))
     row = (
         f"{preset} ({family.image.description})",
         f"{schedule}: {rep.model_calls} forwards, {seconds.text()}; LATENT {list(out.shape)}, "
-        f"{tiny.variant.name} decode",
+        f"{tiny.variant.name} decode to {', '.join(os.path.basename(p) for p in images)}",
     )
     return row, {"schedule": schedule, "forwards": rep.model_calls, "latent_shape": list(out.shape),
                  "seconds": seconds.as_dict()}  # fmt: skip
@@ -262,7 +273,9 @@ def run(args) -> int:
         full.decode(torch.zeros(1, 16, 2, 2))
         tiny_img, tiny_s = timed(repeats, lambda: tiny.decode(tiny.raw_to_latent(few)))
         full_img, full_s = timed(repeats, lambda: full.decode(few))
-    written = save_png(tiny_img, args.out, "decode_tiny") + save_png(full_img, args.out, "decode_full")
+    written = report.wrote(
+        *save_png(tiny_img, args.out, "decode_tiny"), *save_png(full_img, args.out, "decode_full")
+    )
     report.section(
         "decode: tiny vs full autoencoder",
         [
@@ -278,7 +291,7 @@ def run(args) -> int:
     # and tiny AE. Test-size presets: this section shows the paths (forwards, shapes), not speed.
     rows, data = [], {}
     for preset in ("flux2-tiny", "zimage-tiny"):
-        row, data[preset] = image_family_run(preset, args.size, args.out, repeats)
+        row, data[preset] = image_family_run(preset, args.size, report, repeats)
         rows.append(row)
     report.section("FLUX.2 and Z-Image", rows, data)
 
@@ -301,10 +314,11 @@ def run(args) -> int:
         video.close()
     finally:
         video.abandon()
+    report.wrote(video.path)
     save_tensors(
         {"latent": torch.cat([c.raw for c in chunks], dim=2).contiguous(),
          "frames": torch.cat([c.frames for c in chunks], dim=1).contiguous()},
-        os.path.join(args.out, "stream.safetensors"),
+        report.wrote(os.path.join(args.out, "stream.safetensors"))[0],
     )  # fmt: skip
     later = Timing([c.seconds for c in chunks[1:]])
     report.section(
@@ -320,8 +334,8 @@ def run(args) -> int:
             ("later chunks", later),
             (
                 "KV cache",
-                f"{chunks[-1].kv_bytes} B allocated (flat), used per chunk: "
-                + ", ".join(str(c.kv_bytes_used) for c in chunks),
+                f"{format_bytes(chunks[-1].kv_bytes)} allocated (flat), used per chunk: "
+                + ", ".join(format_bytes(c.kv_bytes_used) for c in chunks),
             ),  # fmt: skip
             (
                 "video",
@@ -353,14 +367,20 @@ def run(args) -> int:
         ],
         {"before": before, "after": after, "busy": busy},
     )
+    report.wrote(os.path.join(args.out, "report.md"), os.path.join(args.out, "report.json"))
+    outputs = [
+        ("images", report.written_names(".png")),
+        ("video", report.written_names(os.path.splitext(video.path)[1])),
+        ("latents", report.written_names(".safetensors")),
+        ("report", report.written_names("report.md") + ", " + report.written_names("report.json")),
+    ]
     report.section(
         "total",
-        [("demo wall time", Timing([time.perf_counter() - t0])), ("outputs", args.out)],
+        [("demo wall time", Timing([time.perf_counter() - t0])), ("outputs", args.out), *outputs],
     )
     report.write()
     if busy:
         print(f"\nwarning: busy machine (load {max(loads):.2f} on {after['cores']} cores): the timings are not "
               "comparable")  # fmt: skip
-    print(f"\nwrote {os.path.join(args.out, 'report.md')}, {os.path.join(args.out, 'report.json')} and "
-          f"{video.path}")  # fmt: skip
+    print(f"\nwrote {len(report.written)} files to {args.out}: the outputs rows above")
     return 0

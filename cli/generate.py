@@ -49,11 +49,17 @@ HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage ti
 
 
 def add_arguments(p) -> None:
+    presets = all_presets()
     add_model_arguments(
         p,
-        all_presets(),
+        [name for name, (family, _) in presets.items() if family.is_image],
         default="flux.1-schnell",
-        model_help="model preset: the architecture built for dummy weights, and the default schedule",
+        model_help="image model preset: the architecture built for dummy weights, and the default schedule",
+        elsewhere={
+            name: f"{name} is a {family.name} video model, which `python -m fewstep stream --model {name}` runs"
+            for name, (family, _) in presets.items()
+            if not family.is_image
+        },
     )
     add_attention_argument(p)
     add_lora_argument(p)
@@ -103,6 +109,7 @@ def run(args) -> int:
     if args.guidance is not None:
         check_finite_number(args.guidance, "--guidance")
     check_finite_number(args.cfg, "--cfg")
+    check_cfg_has_negative(args.cfg, args.negative_seed)
     if image_preset:  # the preset is the architecture: an unknown default schedule fails before loading
         check_schedule(args.schedule or default_schedule(*all_presets()[args.model]))
     compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading, too
@@ -198,6 +205,19 @@ TINY_PRESETS = {"flux": "flux-tiny", "flux2": "flux2-tiny", "zimage": "zimage-ti
 
 def tiny_preset_of(preset: str) -> str:
     return TINY_PRESETS.get(family_of_preset(preset).name, "flux-tiny")
+
+
+def check_cfg_has_negative(cfg: float, negative_seed: int | None) -> None:
+    """CFG mixes a positive and a negative prediction; without a negative there is nothing to guide against, and
+    running at cfg 1 instead would hand back an image the user did not ask for. The CLI has no text encoder, so
+    its only negative is the seeded synthetic one; a user of FLUX.1-dev / FLUX.2-dev likely meant --guidance."""
+    if cfg != 1 and negative_seed is None:
+        raise InputError(
+            "--cfg",
+            f"CFG {cfg:g} needs a negative prompt: add --negative-seed N (seeded synthetic negative embeddings), "
+            "or leave --cfg at 1 (the few-step models are distilled to run without CFG; the distilled guidance "
+            "of FLUX.1-dev / FLUX.2-dev is --guidance)",
+        )
 
 
 def check_schedule(name: str) -> str:

@@ -309,6 +309,10 @@ def _run(client: ComfyClient, prompt: dict, extra: dict, args, budget: WriteBudg
 
 
 def _follow(ws, prompt_id: str, prompt: dict, args, stream: ChunkStream | None = None) -> int:
+    # A node may report the same value twice: the video sampler reports a chunk's end with its last frame as
+    # the preview, then the same count again before the next chunk's first step; the server forwards both.
+    # One line per value and node: a repeat only refreshed the preview, which a terminal does not show.
+    last_progress: dict[object, tuple[object, object]] = {}
     while True:
         try:
             kind, payload = ws.receive()
@@ -331,6 +335,9 @@ def _follow(ws, prompt_id: str, prompt: dict, args, stream: ChunkStream | None =
         event = msg["type"]
         if event == "progress" and not args.quiet:
             node = data.get("node")
+            if last_progress.get(node) == (data.get("value"), data.get("max")):
+                continue
+            last_progress[node] = (data.get("value"), data.get("max"))
             kind_name = prompt.get(str(node), {}).get("class_type", "")
             print(
                 f"node {node} {kind_name}: {data.get('value')}/{data.get('max')}", file=sys.stderr, flush=True

@@ -15,8 +15,9 @@ from ..engine.causal.recipe import open_session
 from ..engine.checks import check_seed
 from ..engine.errors import InputError
 from ..engine.handle import open_model
-from ..engine.models.registry import FAMILIES
+from ..engine.models.registry import FAMILIES, all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from ..engine.units import format_bytes
 from ..engine.vae import load_tiny_vae
 from .common import (
     RenamedUnit,
@@ -50,6 +51,11 @@ def add_arguments(p) -> None:
         default="wan-tiny",
         model_help="Wan preset: the architecture built for dummy weights",
         checkpoints="Self-Forcing, CausVid, ComfyUI",
+        elsewhere={
+            name: f"{name} is a {family.name} image model, which `python -m fewstep generate --model {name}` runs"
+            for name, (family, _) in all_presets().items()
+            if family.is_image
+        },
     )
     add_lora_argument(p)
     p.add_argument("--height", type=int, default=64, help="video height in pixels (multiple of 16)")
@@ -90,16 +96,17 @@ def add_arguments(p) -> None:
         "--rope",
         default="cache",
         choices=list(ROPE_MODES),
-        help="RoPE of cached keys: cache stores them unrotated and rotates them by their slot in the window "
-        "when read (runs past any position table); absolute rotates them once at their frame index "
-        "(Self-Forcing, CausVid)",
+        help="RoPE positions of the cached keys: cache reads every key at its place in the window (sinks first, "
+        "then the retained frames; distances stay bounded, so a stream runs past any position table); absolute "
+        "at its frame index (Self-Forcing, CausVid). Both rotate a key once, when it is written; under cache "
+        "the sink keys are rotated anew, from an unrotated copy, when the window slides",
     )
     p.add_argument(
         "--kv-dtype",
         default="bf16",
         choices=list(KV_DTYPES),
         help="KV storage: bf16 is the compute dtype, unquantized; int8 / int4 quantize completed chunks older "
-        "than --keep-recent-chunks",
+        "than --keep-recent-chunks (never the sink frames)",
     )
     p.add_argument(
         "--keep-recent-chunks",
@@ -211,7 +218,7 @@ def run(args) -> int:
                 if not args.json:
                     say(
                         f"chunk {chunk.index}: latent frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}"
-                        f", {chunk.seconds:.3f} s, KV {chunk.kv_bytes_used}/{chunk.kv_bytes} B"
+                        f", {chunk.seconds:.3f} s, KV {format_bytes(chunk.kv_bytes_used)} of {format_bytes(chunk.kv_bytes)}"
                         + "".join(f"; wrote {path}" for path in written)
                     )
                 del chunk

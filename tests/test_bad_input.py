@@ -217,7 +217,7 @@ def test_generate_default_model_is_refused_with_the_estimate_and_a_hint(capsys, 
     [
         (
             ["--model", "wan-tiny"],
-            "input '--model': this sampler runs image DiTs (FLUX.1, FLUX.2, Z-Image); wan-tiny is a wan video model",
+            "input '--model': wan-tiny is a wan video model, which `python -m fewstep stream --model wan-tiny` runs",
         ),
         (["--batch", "-1"], "input '--batch': expected at least 1, got -1"),
         (["--batch", "0"], "input '--batch': expected at least 1, got 0"),
@@ -236,6 +236,24 @@ def test_generate_bad_options_are_one_line_errors(capsys, tmp_path, argv, expect
                        "--out", str(tmp_path), *argv)  # fmt: skip
     assert status == 2 and expected in _one_error_line(err)
     assert _one_error_line(err).startswith("error: fewstep generate: ")
+
+
+def test_generate_cfg_without_a_negative_is_refused(capsys, tmp_path):
+    """CFG needs a negative to guide against; running at cfg 1 instead (what it did, with a note) would hand back
+    an image the user did not ask for."""
+    status, err = _cli(capsys, "generate", "--model", "flux-tiny", "--cfg", "3.5", "--out", str(tmp_path))
+    assert status == 2 and _one_error_line(err) == (
+        "error: fewstep generate: input '--cfg': CFG 3.5 needs a negative prompt: add --negative-seed N (seeded "
+        "synthetic negative embeddings), or leave --cfg at 1 (the few-step models are distilled to run without "
+        "CFG; the distilled guidance of FLUX.1-dev / FLUX.2-dev is --guidance)"
+    )
+    assert not (tmp_path / "latent.safetensors").exists()
+
+
+def test_generate_cfg_with_a_negative_runs_cfg(capsys, tmp_path):
+    status = main(["generate", "--model", "flux-tiny", "--height", "16", "--width", "16", "--steps", "1",
+                   "--cfg", "3.5", "--negative-seed", "7", "--out", str(tmp_path)])  # fmt: skip
+    assert status == 0 and "1 DiT forwards (2 rows), CFG on" in capsys.readouterr().out.splitlines()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")

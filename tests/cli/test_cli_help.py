@@ -197,3 +197,75 @@ def test_plan_errors_name_the_video_frames_flag(capsys):
     assert main(["stream", "--kv-dtype", "int8", "--keep-recent", "9"]) == 2  # the old spelling, the new name
     err = capsys.readouterr().err
     assert "fewstep stream: input '--keep-recent-chunks': 9 recent chunks" in err
+
+
+# -- choices: what each command accepts, and a wrong value in one line -----------------------------------------
+def _run(capsys, *argv) -> tuple[int, list[str]]:
+    from fewstep.cli import main
+
+    status = main(list(argv))
+    return status, capsys.readouterr().err.splitlines()
+
+
+def test_each_command_lists_only_the_presets_it_runs():
+    from fewstep.engine.models.registry import all_presets
+
+    subs = _subparsers(build_parser())
+    model = {
+        c: next(a for a in _options(subs[c]) if "--model" in a.option_strings) for c in ("generate", "stream")
+    }
+    presets = all_presets()
+    assert model["generate"].choices == sorted(n for n, (f, _) in presets.items() if f.is_image)
+    assert model["stream"].choices == sorted(n for n, (f, _) in presets.items() if f.name == "wan")
+    generate_help = subs["generate"].format_help()
+    assert "wan-tiny" not in generate_help and "z-image-turbo" in generate_help
+    assert "flux-tiny" not in subs["stream"].format_help()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["generate", "--model", "flux-tny"],
+            "error: fewstep generate: input '--model': unknown 'flux-tny'; did you mean flux-tiny, flux2-tiny, "
+            "flux2-tiny-dev?",
+        ),
+        (
+            ["generate", "--model", "wan-tiny"],
+            "error: fewstep generate: input '--model': wan-tiny is a wan video model, which "
+            "`python -m fewstep stream --model wan-tiny` runs",
+        ),
+        (
+            ["stream", "--model", "z-image-turbo"],
+            "error: fewstep stream: input '--model': z-image-turbo is a zimage image model, which "
+            "`python -m fewstep generate --model z-image-turbo` runs",
+        ),
+        (
+            ["stream", "--model", "xyz"],
+            "error: fewstep stream: input '--model': unknown 'xyz'; expected one of wan-mid, wan-tiny, "
+            "wan2.1-1.3b, wan2.1-14b",
+        ),
+        (
+            ["generate", "--decode", "tin"],
+            "error: fewstep generate: input '--decode': unknown 'tin'; did you mean tiny?",
+        ),
+        (
+            ["stream", "--rope", "absolut"],
+            "error: fewstep stream: input '--rope': unknown 'absolut'; did you mean absolute?",
+        ),
+        (["generat"], "error: fewstep: input 'command': unknown 'generat'; did you mean generate?"),
+    ],
+)
+def test_a_value_outside_the_choices_is_one_line_with_the_closest(capsys, argv, expected):
+    """Not argparse's whole usage followed by every choice: one line, the closest names (or all, when none is
+    close), exit status 2."""
+    status, err = _run(capsys, *argv)
+    assert (status, err) == (2, [expected])
+
+
+def test_stream_rope_help_says_keys_are_rotated_once_when_written():
+    """Since the cache-relative RoPE change (engine/causal/kv_cache/layer.py: attend) a key is rotated once, when
+    it is written, in both modes; nothing is rotated on the read."""
+    rope = next(a for a in _options(_subparsers(build_parser())["stream"]) if "--rope" in a.option_strings)
+    assert "rotate a key once, when it is written" in rope.help
+    assert "unrotated and rotates" not in rope.help and "when read" not in rope.help

@@ -4,6 +4,7 @@ without PyAV), generate's file messages, and progress bars on a terminal only.""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import struct
@@ -236,3 +237,22 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
     assert r.returncode == 0 and r.stderr == ""
     r = _cli("stream", "--height", "32", "--width", "48", "--chunks", "2", "--chunk-frames", "2")
     assert r.returncode == 0 and r.stderr == ""
+
+
+def test_stream_chunk_lines_give_kv_sizes_in_binary_units(capsys):
+    """The chunk lines read "KV 36.00 KiB of 72.00 KiB" (engine.units.format_bytes), not raw byte counts; the
+    --json report keeps the exact bytes."""
+    from fewstep.cli import main
+    from fewstep.engine.units import format_bytes
+
+    argv = ["stream", "--height", "32", "--width", "48", "--chunks", "2", "--chunk-frames", "2",
+            "--window-frames", "4"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    chunks = json.loads(capsys.readouterr().out)["chunks"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    for line, chunk in zip(lines, chunks):
+        kv = f"KV {format_bytes(chunk['kv_bytes_used'])} of {format_bytes(chunk['kv_bytes'])}"
+        assert line.startswith(f"chunk {chunk['index']}: latent frames ") and line.endswith(f" s, {kv}"), line
+        assert " B" not in kv or chunk["kv_bytes"] < 1024

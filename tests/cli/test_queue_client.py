@@ -426,6 +426,32 @@ def test_success_prints_progress_and_downloads_outputs(fake_server, tmp_path, ca
     assert posted["prompt"]["4"]["inputs"]["width"] == 128 and posted["client_id"]
 
 
+def test_a_repeated_progress_value_prints_one_line(fake_server, tmp_path, capsys):
+    """The video sampler reports a chunk's end (with its preview) and the same count again before the next
+    chunk's first step: one line per value and node."""
+
+    def progress(node, value):
+        return {"type": "progress", "data": {"node": node, "value": value, "max": 8, "prompt_id": PROMPT_ID}}
+
+    fake_server.events = [
+        progress("9", 3),
+        progress("9", 4),
+        b"\x00\x00\x00\x01preview",
+        progress("9", 4),
+        progress("4", 4),  # another node at the same count is its own line
+        progress("9", 5),
+        {"type": "executing", "data": {"node": None, "prompt_id": PROMPT_ID}},
+    ]
+    fake_server.history = {PROMPT_ID: {"outputs": {}}}
+    assert _queue(fake_server, tmp_path) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "node 9 SaveLatent: 3/8",
+        "node 9 SaveLatent: 4/8",
+        "node 4 EmptyLatentImage: 4/8",
+        "node 9 SaveLatent: 5/8",
+    ]
+
+
 def test_ui_format_file_is_converted_with_the_servers_object_info(fake_server, tmp_path, capsys):
     assert _queue(fake_server, tmp_path, _ui_workflow(), "--quiet") == 0
     assert "UI-format (canvas) workflow; converting it" in capsys.readouterr().err

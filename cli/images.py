@@ -1,4 +1,4 @@
-"""Writing decoded images from the CLI (Pillow, which ComfyUI ships; `pip install 'comfyui-fewstep[images]'`)."""
+"""Writing decoded images from the CLI (Pillow, which ComfyUI ships; `pip install pillow`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ def save_png(images: torch.Tensor, out_dir: str, stem: str) -> list[str]:
     try:
         from PIL import Image
     except ImportError as exc:
-        raise InputError(
-            "--decode", "writing PNG needs Pillow: pip install 'comfyui-fewstep[images]'"
-        ) from exc
+        raise InputError("--decode", "writing PNG needs Pillow: pip install pillow") from exc
     paths = []
     for i, img in enumerate(images):
         array = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()

@@ -311,7 +311,7 @@ class StreamOutput:
                 lines.append(
                     f"  {video.dropped} later frames are not in {os.path.basename(video.path)}: without PyAV the "
                     f"WebP is assembled in memory, bounded at {WEBP_MAX_BYTES // 2**20} MiB; they are in "
-                    "the chunk files (pip install 'comfyui-fewstep[video]' for a full MP4)"
+                    "the chunk files (pip install av for a full MP4)"
                 )
         if self.videos:
             lines.append(

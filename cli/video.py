@@ -1,5 +1,5 @@
 """Writing decoded video from the CLI (``stream --out``, the demo): MP4 through PyAV
-(``pip install 'comfyui-fewstep[video]'``), or animated WebP through Pillow when PyAV is absent."""
+(``pip install av``), or animated WebP through Pillow when PyAV is absent."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def to_uint8_frames(frames: torch.Tensor):
 
 
 def video_backend() -> str:
-    """``mp4`` when PyAV is installed (``pip install 'comfyui-fewstep[video]'``), else ``webp`` through Pillow."""
+    """``mp4`` when PyAV is installed (``pip install av``), else ``webp`` through Pillow."""
     try:
         import av  # noqa: F401
     except ImportError:
@@ -127,8 +127,7 @@ def open_video(stem: str, width: int, height: int, fps: int = VIDEO_FPS, backend
         except ImportError as exc:
             raise InputError(
                 "--out",
-                "writing a video needs PyAV (pip install 'comfyui-fewstep[video]') or Pillow "
-                "(pip install 'comfyui-fewstep[images]')",
+                "writing a video needs PyAV (pip install av) or Pillow (pip install pillow)",
             ) from exc
     cls = Mp4Writer if kind == "mp4" else WebPWriter
     return cls(stem + cls.suffix, width, height, fps)

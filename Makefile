@@ -1,25 +1,39 @@
 # Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the fast tests).
 # `make test-all` is what CI runs: every test, the slow ones and the end-to-end ones (with COMFYUI_DIR) included.
-# Both create ./.venv first. TORCH_SPEC pins the torch build (on the project's CI machines
+# Both create ./.venv first: `make demo` with the runtime and the images / video extras only, `make test` with the
+# test extra (pytest, ruff, triton...). TORCH_SPEC pins the torch build (on the project's CI machines
 # torch==2.13.0 resolves to a local CPU wheel; elsewhere set TORCH_SPEC to the build you want).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.fewstep-installed
 
 .PHONY: venv demo test test-slow test-e2e test-all streamdiffusion lint format bench clean
 
-venv: $(STAMP)
+# Two stamps, one per set of extras: the demo needs only the runtime and the output extras (PNG, MP4); the tests
+# add the test extra (pytest, ruff, triton alone is about 1 GB, diffusers, transformers...). Each stamp records
+# what its pip install brought in, so `make demo` on a fresh machine never downloads the test tools, and
+# `make test` after `make demo` adds them to the same venv.
+RUNTIME_STAMP := $(VENV)/.fewstep-runtime-installed
+TEST_STAMP := $(VENV)/.fewstep-test-installed
 
-$(STAMP): pyproject.toml setup.py
+venv: $(TEST_STAMP)
+
+$(VENV)/.fewstep-torch-installed:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]"
-	touch $(STAMP)
+	touch $@
 
-demo: venv
+$(RUNTIME_STAMP): $(VENV)/.fewstep-torch-installed pyproject.toml setup.py
+	$(BIN)/python -m pip install -q -e ".[images,video]"
+	touch $@
+
+$(TEST_STAMP): $(VENV)/.fewstep-torch-installed pyproject.toml setup.py
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(RUNTIME_STAMP)
 	$(BIN)/python -m fewstep demo --out out/demo
 
 # The fast set: everything but the tests marked `slow` and the end-to-end ones (tests/e2e).

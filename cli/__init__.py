@@ -9,13 +9,13 @@ module and registers its arguments here.
 from __future__ import annotations
 
 import argparse
-import difflib
 import logging
 import sys
 import traceback
 
 from ..engine.errors import FewStepError, InputError
 from . import demo, generate, plan, queue, stream, worker
+from .common import did_you_mean
 
 COMMANDS = {
     "generate": generate,
@@ -97,12 +97,8 @@ def choice_problem(action: argparse.Action, value: str) -> str:
     if elsewhere:
         return elsewhere
     choices = [str(c) for c in action.choices]
-    close = difflib.get_close_matches(str(value), choices, n=3, cutoff=0.6)
-    if close:
-        return (
-            f"unknown {value!r}; did you mean {' or '.join(close) if len(close) < 3 else ', '.join(close)}?"
-        )
-    return f"unknown {value!r}; expected one of {', '.join(choices)}"
+    hint = did_you_mean(str(value), choices)
+    return f"unknown {value!r}; {hint or 'expected one of ' + ', '.join(choices)}"
 
 
 def _flags_of(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:

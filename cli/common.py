@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
 import sys
@@ -374,3 +375,12 @@ def say(line: str) -> None:
 
     tqdm.write(line, file=sys.stdout)
     sys.stdout.flush()
+
+
+def did_you_mean(value: str, names) -> str | None:
+    """ "did you mean a, b or c?" with the names closest to a mistyped ``value`` (difflib), None when none is."""
+    close = difflib.get_close_matches(value, [str(n) for n in names], n=3, cutoff=0.6)
+    if not close:
+        return None
+    listed = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
+    return f"did you mean {listed}?"

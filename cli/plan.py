@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 from ..engine.checks import check_image_size
+from ..engine.errors import InputError
 from ..engine.plan import DEFAULT_MFU, GPUS, KV_LAYOUTS, WEIGHT_DTYPE_BYTES, known_models, plan_preset
-from .common import add_deprecated_alias
+from .common import add_deprecated_alias, did_you_mean
 
 HELP = (
     "cost plan of a job: FLOPs per DiT forward, forwards, KV-cache and weight bytes, predicted seconds on a GPU "
@@ -126,8 +127,19 @@ def run(args) -> int:
         "mfu": args.mfu,
         "vae": not args.no_vae,
     }
+    check_model_name(args.model)
     # 0 means "the default" on the node; here an omitted option does
     check_image_size(settings["height"], settings["width"], 16, "omit the option for the model's default")
     plan = plan_preset(args.model, **settings)  # errors name engine arguments; main() maps them to the flags
     print(json.dumps(plan.fields, indent=2) if args.json else plan.table())
     return 0
+
+
+def check_model_name(model: str) -> None:
+    """A typo of a known preset: the closest names, in one line (an unrelated name gets the engine's error,
+    which lists every model)."""
+    known = known_models()
+    name = model.removeprefix("dummy:")
+    hint = did_you_mean(name, known) if name not in known else None
+    if hint:
+        raise InputError("--model", f"unknown model {model!r}; {hint}")

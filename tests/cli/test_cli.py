@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from fewstep.engine.units import format_bytes
 
 
 def _cli(*args, cwd=None, env=None):
@@ -114,6 +117,7 @@ def test_demo_writes_report(tmp_path):
         tmp_path / "demo" / "zimage-tiny_tiny.png"
     ).exists()
     _demo_report_json_matches_md(report, (tmp_path / "demo" / "report.md").read_text())
+    _demo_names_every_output(report, tmp_path / "demo", r.stdout)
     _demo_timings_are_medians_of_the_repeats(report, 2)
     _demo_states_the_machine(report, r.stdout)
     _demo_video_is_watchable(report, tmp_path / "demo")
@@ -148,6 +152,21 @@ def _demo_report_json_matches_md(report: dict, md: str) -> None:
                 assert shown == f"{value['median_s']:.2f} s {spread}", (title, label)
             else:
                 assert shown == value, (title, label)
+
+
+def _demo_names_every_output(report: dict, out, stdout: str) -> None:
+    """The total section names every file the demo wrote (the four PNGs among them), and nothing else is in the
+    folder; the KV cache row gives binary units, not raw bytes."""
+    total = report["total"]["rows"]
+    assert total["images"] == "decode_tiny.png, decode_full.png, flux2-tiny_tiny.png, zimage-tiny_tiny.png"
+    assert total["video"] == "stream.mp4" and total["report"] == "report.md, report.json"
+    named = [name for kind in ("images", "video", "latents", "report") for name in total[kind].split(", ")]
+    assert sorted(named) == sorted(os.listdir(out))
+    assert f"wrote {len(named)} files to {out}: the outputs rows above" in stdout.splitlines()
+    kv = report["causal video stream"]["rows"]["KV cache"]
+    used = report["causal video stream"]["kv_bytes_used"]
+    assert kv.endswith("used per chunk: " + ", ".join(format_bytes(b) for b in used)), kv
+    assert re.match(r"\d+\.\d\d (KiB|MiB|GiB) allocated \(flat\), ", kv), kv
 
 
 def _demo_timings_are_medians_of_the_repeats(report: dict, repeats: int) -> None:

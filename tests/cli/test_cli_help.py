@@ -227,8 +227,8 @@ def test_each_command_lists_only_the_presets_it_runs():
     [
         (
             ["generate", "--model", "flux-tny"],
-            "error: fewstep generate: input '--model': unknown 'flux-tny'; did you mean flux-tiny, flux2-tiny, "
-            "flux2-tiny-dev?",
+            "error: fewstep generate: input '--model': unknown 'flux-tny'; did you mean flux-tiny, flux2-tiny "
+            "or flux2-tiny-dev?",
         ),
         (
             ["generate", "--model", "wan-tiny"],
@@ -254,6 +254,10 @@ def test_each_command_lists_only_the_presets_it_runs():
             "error: fewstep stream: input '--rope': unknown 'absolut'; did you mean absolute?",
         ),
         (["generat"], "error: fewstep: input 'command': unknown 'generat'; did you mean generate?"),
+        (  # plan's --model is free text (a 'dummy:' prefix is accepted): the same hint, from plan itself
+            ["plan", "--model", "dummy:wan-tin"],
+            "error: fewstep plan: input '--model': unknown model 'dummy:wan-tin'; did you mean wan-tiny or wan-mid?",
+        ),
     ],
 )
 def test_a_value_outside_the_choices_is_one_line_with_the_closest(capsys, argv, expected):

@@ -49,7 +49,8 @@ def flux2_klein_tiny_decode(g: Graph) -> None:
 
 klein is step-distilled: the flux.2-klein schedule runs 4 steps (its shift follows the image size), no CFG and
 no distilled guidance, one DiT forward per step. The prompt is encoded by Qwen3-4B (CLIPLoader type flux2: three
-of its hidden layers stacked, 7680 wide). The LATENT is ComfyUI's FLUX.2 latent (128 channels at 1/16 of the
+of its hidden layers stacked, 7680 wide), which ComfyUI does from 0.9.2 on: older versions, 0.8.0 included, encode
+Qwen3-4B 2560 wide for Z-Image whatever the type, and the FewStep Sampler stops with a width error. The LATENT is ComfyUI's FLUX.2 latent (128 channels at 1/16 of the
 image size, from Empty Flux 2 Latent); TAEF2 decodes it in milliseconds at lower detail than the full VAE.
 {CURRENT_COMFYUI}
 

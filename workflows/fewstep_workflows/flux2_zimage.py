@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .graph import Graph, Node, Out, workflow
+from .nodes import IMAGE_BATCH_NOTE
 from .parts import PROMPT, ImageInputs, decode_and_save, fewstep_sampler, tiny_decoded_image
 from .stream import stylize_frames
 
@@ -197,11 +198,13 @@ No files? Open zimage_turbo_stream_batch_dummy.json."""
 
 @workflow("zimage_turbo_stream_batch_dummy")
 def zimage_turbo_stream_batch_dummy(g: Graph) -> None:
-    g.note = """The Z-Image stream batch with no model files (random weights, CPU, seconds).
+    g.note = f"""The Z-Image stream batch with no model files (random weights, CPU, seconds).
 
 Six 64x64 frames: three blue, then three orange, through dummy:zimage-tiny and dummy:taef1. With
 similarity_threshold 0.98 the filter skips repeats of a near-identical frame (seeded: the same frames every run)
 and the report says which. Random weights: the output frames are noise.
+
+{IMAGE_BATCH_NOTE}
 
 Needs no files. For real stylisation open zimage_turbo_stream_batch.json (a current ComfyUI)."""
     model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Z-Image)", 1, model_name="dummy:zimage-tiny")

@@ -87,3 +87,7 @@ WAN22 = LatentFormat(
          0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744),
 )  # fmt: skip
 HUNYUAN_VIDEO = LatentFormat("hunyuan-video", channels=16, scale=0.476986)
+# The Wan 2.1 VAE latent as the VAE gives it (ComfyUI's Wan LATENT), before WAN21's per-channel normalization:
+# the space LightX2V's lighttaew2_1 works in (LightX2V WanVAE_tiny need_scaled=True un-normalizes before its
+# decoder; ComfyUI 0.8.0's VAELoader decodes a LATENT with it unscaled), unlike madebyollin's taew2_1.
+WAN21_RAW = LatentFormat("wan2.1-raw", channels=16)

@@ -37,7 +37,9 @@ def nchw_to_images(x: torch.Tensor) -> torch.Tensor:
 class FewStepTinyVAELoader:
     DESCRIPTION = (
         "Loads a tiny autoencoder from models/vae_approx (TAESD family: taesd, taesdxl, taesd3, taef1, "
-        "taef2, taesana; TAEHV video: taew2_1, taew2_2, taehv), or dummy:<variant>; .pth or .safetensors. Given "
+        "taef2, taesana; TAEHV video: taew2_1, lighttaew2_1, taew2_2, taehv), or dummy:<variant>; .pth or "
+        ".safetensors. The file name tells variants with the same tensors apart (taew2_1 / lighttaew2_1 / taehv: "
+        "the names ComfyUI's VAELoader uses load as those). Given "
         "one half of a TAESD pair (taef1_decoder.pth), the other half next to it is loaded too; madebyollin's "
         "Hugging Face taef1 / taef2 files (diffusers layout) hold both halves."
     )

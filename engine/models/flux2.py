@@ -269,13 +269,29 @@ TEXT_ENCODERS = {
     12288: "Qwen3-8B hidden states of layers 9, 18, 27 stacked (3 x 4096)",
 }
 
+# ComfyUI encodes Qwen3 for klein since release 0.9.2 (its commit "Flux2 Klein support", #11890, added the
+# stacked-layer klein encoder behind CLIPLoader type flux2). 0.9.1 and older, 0.8.0 included, route every
+# Qwen3-4B file to Z-Image's encoder whatever the type (one layer, 2560 wide) and load Qwen3-8B as a Llama,
+# so a width error on klein usually means an older ComfyUI, not a wrong loader setting.
+KLEIN_ENCODER_SINCE = "0.9.2"
+COMFYUI_LOADERS = {
+    15360: "CLIPLoader type flux2 with the Mistral-Small-3.1 file, CLIPTextEncode",
+    7680: (
+        f"CLIPLoader type flux2 with qwen_3_4b, CLIPTextEncode, on ComfyUI {KLEIN_ENCODER_SINCE} or newer; "
+        "older ComfyUI, 0.8.0 included, encodes Qwen3-4B 2560 wide, as for Z-Image, whatever the type"
+    ),
+    12288: (
+        f"CLIPLoader type flux2 with the Qwen3-8B file, CLIPTextEncode, on ComfyUI {KLEIN_ENCODER_SINCE} or "
+        "newer; older ComfyUI has no klein encoder for Qwen3-8B"
+    ),
+}
+
 
 def text_encoder_for(params: Flux2Params) -> str:
     """The text-encoder setup whose output this model's ``context_in_dim`` is, for error messages."""
-    what = TEXT_ENCODERS.get(
-        params.context_in_dim, f"{params.context_in_dim}-wide stacked text-encoder states"
-    )
-    return f"{what} (CLIPLoader type flux2, CLIPTextEncode)"
+    width = params.context_in_dim
+    what = TEXT_ENCODERS.get(width, f"{width}-wide stacked text-encoder states")
+    return f"{what} ({COMFYUI_LOADERS.get(width, 'CLIPLoader type flux2, CLIPTextEncode')})"
 
 
 # FLUX.2-dev's default distilled guidance (black-forest-labs/flux2 scripts/cli.py: guidance 4.0); klein

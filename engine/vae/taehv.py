@@ -51,6 +51,8 @@ TAEHV_CONFIGS: dict[str, TAEHVConfig] = {
     c.name: c
     for c in (
         TAEHVConfig("taew2_1", latent_channels=16, patch_size=1),
+        # LightX2V's LightTAE for Wan 2.1: taew2_1's layout (every key and shape), trained on un-normalized latents
+        TAEHVConfig("lighttaew2_1", latent_channels=16, patch_size=1),
         TAEHVConfig("taew2_2", latent_channels=48, patch_size=2),
         TAEHVConfig("taehv", latent_channels=16, patch_size=1),
     )
@@ -352,8 +354,8 @@ def detect_taehv(sd: dict[str, Tensor]) -> list[str]:
     """Variants whose exact layout (every key and shape) ``sd`` has; [] if it is not a base TAEHV file.
 
     Latent channels show in ``decoder.1.weight`` [256, C, 3, 3] and the patch size in ``encoder.0.weight``
-    [64, 3 p^2, 3, 3]. Wan 2.1's and HunyuanVideo's files share a layout, so both are returned for 16 channels;
-    the caller breaks the tie (by file name).
+    [64, 3 p^2, 3, 3]. Wan 2.1's (taew2_1, lighttaew2_1) and HunyuanVideo's files share a layout, so all three
+    are returned for 16 channels; the caller breaks the tie (by file name).
     """
     if "encoder.0.weight" not in sd or "decoder.1.weight" not in sd:
         return []

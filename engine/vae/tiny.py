@@ -76,6 +76,10 @@ TINY_VARIANTS: dict[str, TinyVariant] = {
         TinyVariant("taef2", "image", lf.FLUX2_RAW, 8, 1, "FLUX.2", comfy_latent=lf.FLUX2, latent_patch=2),
         TinyVariant("taesana", "image", lf.SANA_DCAE, 32, 1, "Sana (DC-AE f32c32)"),
         TinyVariant("taew2_1", "video", lf.WAN21, 8, 4, "Wan 2.1 (and Qwen-Image)"),
+        # ComfyUI 0.8.0's VAELoader lists it from vae_approx by this name; it decodes the LATENT as it is
+        TinyVariant(
+            "lighttaew2_1", "video", lf.WAN21_RAW, 8, 4, "Wan 2.1, LightX2V LightTAE", comfy_latent=lf.WAN21
+        ),
         TinyVariant("taew2_2", "video", lf.WAN22, 16, 4, "Wan 2.2 5B"),
         TinyVariant("taehv", "video", lf.HUNYUAN_VIDEO, 8, 4, "HunyuanVideo"),
     )
@@ -404,7 +408,8 @@ def load_tiny_vae(
 
     The variant is inferred from the tensors (latent channels, 8x or 32x, the FLUX.2 pooling branch, TAEHV's
     memory blocks and patch size); the file name only breaks ties (taesd vs taesdxl, taesd3 vs taef1, taew2_1
-    vs taehv). Given one part of a TAESD pair (``taef1_decoder.pth``), the other part next to it is loaded too.
+    vs lighttaew2_1 vs taehv: the longest variant name the file name contains, so the names ComfyUI's own
+    VAELoader reads from vae_approx, lighttaew2_1.* and taehv.*, load as those). Given one part of a TAESD pair (``taef1_decoder.pth``), the other part next to it is loaded too.
     """
     dev = resolve_device(device)
     dtype = dtype or default_compute_dtype(dev)
@@ -446,7 +451,7 @@ def load_tiny_vae(
                 f"  top-level keys found: {top_level_summary(sd)}\n  known: TAESD family "
                 "(nn.Sequential keys 0.weight, 3.conv.0.weight, ...: taesd, taesdxl, taesd3, "
                 "taef1, taef2, taesana) and TAEHV (encoder.*/decoder.* with memory blocks: "
-                "taew2_1, taew2_2, taehv)",
+                "taew2_1, lighttaew2_1, taew2_2, taehv)",
             )
         part, candidates = detected
         found[part] = (sub, candidates, name)

@@ -240,3 +240,38 @@ def test_a_sample_request_is_what_sample_latent_runs_and_survives_a_job(tiny_han
         request_to_job(dataclasses.replace(request, sigmas=request.schedule_for(tiny_handle)))
     )
     assert torch.equal(sample(tiny_handle, sent)[0], expected)
+
+
+def test_klein_width_error_names_the_comfyui_release_that_encodes_klein(pack):
+    # ComfyUI 0.8.0 encodes qwen_3_4b 2560 wide under CLIPLoader type flux2 (Z-Image's encoder); the message
+    # must send the user to the release with the klein encoder, not only to a loader setting they already use.
+    model = _node_model(pack, "flux2-tiny")
+    z_image_width = _synthetic(pack, width=2560, pooled_width=0)
+    expected = (
+        "FewStepSampler: input 'positive': conditioning tokens are [1, 6, 2560]; this FLUX.2 (BFL MMDiT, shared "
+        "modulation) model (flux2-tiny) expects [batch, tokens, 7680]: Qwen3-4B hidden states of layers 9, 18, 27 "
+        "stacked (3 x 2560) (CLIPLoader type flux2 with qwen_3_4b, CLIPTextEncode, on ComfyUI 0.9.2 or newer; "
+        "older ComfyUI, 0.8.0 included, encodes Qwen3-4B 2560 wide, as for Z-Image, whatever the type)"
+    )
+    with pytest.raises(ValueError) as caught:
+        _sample(pack, model, z_image_width, (1, 128, 4, 4))
+    assert str(caught.value) == expected
+
+
+def test_flux2_text_encoder_hints_name_the_loader_for_every_width():
+    from fewstep.engine.models import flux2
+
+    klein_9b = flux2.with_overrides(flux2.PRESETS["flux2-tiny"], context_in_dim=12288)
+    assert flux2.text_encoder_for(klein_9b) == (
+        "Qwen3-8B hidden states of layers 9, 18, 27 stacked (3 x 4096) (CLIPLoader type flux2 with the Qwen3-8B "
+        "file, CLIPTextEncode, on ComfyUI 0.9.2 or newer; older ComfyUI has no klein encoder for Qwen3-8B)"
+    )
+    dev = flux2.with_overrides(flux2.PRESETS["flux2-tiny"], context_in_dim=15360)
+    assert flux2.text_encoder_for(dev).endswith(
+        "(CLIPLoader type flux2 with the Mistral-Small-3.1 file, CLIPTextEncode)"
+    )
+    odd = flux2.with_overrides(flux2.PRESETS["flux2-tiny"], context_in_dim=96)
+    assert (
+        flux2.text_encoder_for(odd)
+        == "96-wide stacked text-encoder states (CLIPLoader type flux2, CLIPTextEncode)"
+    )

@@ -4,6 +4,7 @@ KV window (issue 5)."""
 from __future__ import annotations
 
 from .graph import Graph, Out, workflow
+from .nodes import IMAGE_BATCH_NOTE
 from .parts import (
     VIDEO_PROMPT,
     VIDEO_PROMPT_2,
@@ -97,6 +98,8 @@ The first sampler generates 4 chunks; FewStep Causal Video Continue carries the 
 chunks with the second prompt. Only the cross-attention (text) cache is rebuilt: the KV cache keeps the video,
 so motion and content carry across the switch. Both parts' frames are joined and saved as one video.
 
+{IMAGE_BATCH_NOTE}
+
 Files (ComfyUI/models/...):
 {WAN_FILES}
 
@@ -114,9 +117,11 @@ No files? Open wan_causal_continue_dummy.json."""
 
 @workflow("wan_causal_continue_dummy")
 def wan_causal_continue_dummy(g: Graph) -> None:
-    g.note = """Continue a causal video session with a new prompt, with no model files (random weights).
+    g.note = f"""Continue a causal video session with a new prompt, with no model files (random weights).
 
 Same graph as wan_causal_continue.json: two synthetic prompts stand in for the text encoder.
+
+{IMAGE_BATCH_NOTE}
 
 Needs no files."""
     model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Wan)", 1, model_name="dummy:wan-tiny")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .graph import Graph, Node, Out, workflow
+from .nodes import IMAGE_BATCH_NOTE
 from .parts import PROMPT, ImageInputs, decode_and_save, fewstep_sampler, tiny_decoded_image
 from .stream import stylize_frames
 
@@ -49,7 +50,8 @@ def flux2_klein_tiny_decode(g: Graph) -> None:
 
 klein is step-distilled: the flux.2-klein schedule runs 4 steps (its shift follows the image size), no CFG and
 no distilled guidance, one DiT forward per step. The prompt is encoded by Qwen3-4B (CLIPLoader type flux2: three
-of its hidden layers stacked, 7680 wide). The LATENT is ComfyUI's FLUX.2 latent (128 channels at 1/16 of the
+of its hidden layers stacked, 7680 wide), which ComfyUI does from 0.9.2 on: older versions, 0.8.0 included, encode
+Qwen3-4B 2560 wide for Z-Image whatever the type, and the FewStep Sampler stops with a width error. The LATENT is ComfyUI's FLUX.2 latent (128 channels at 1/16 of the
 image size, from Empty Flux 2 Latent); TAEF2 decodes it in milliseconds at lower detail than the full VAE.
 {CURRENT_COMFYUI}
 
@@ -196,11 +198,13 @@ No files? Open zimage_turbo_stream_batch_dummy.json."""
 
 @workflow("zimage_turbo_stream_batch_dummy")
 def zimage_turbo_stream_batch_dummy(g: Graph) -> None:
-    g.note = """The Z-Image stream batch with no model files (random weights, CPU, seconds).
+    g.note = f"""The Z-Image stream batch with no model files (random weights, CPU, seconds).
 
 Six 64x64 frames: three blue, then three orange, through dummy:zimage-tiny and dummy:taef1. With
 similarity_threshold 0.98 the filter skips repeats of a near-identical frame (seeded: the same frames every run)
 and the report says which. Random weights: the output frames are noise.
+
+{IMAGE_BATCH_NOTE}
 
 Needs no files. For real stylisation open zimage_turbo_stream_batch.json (a current ComfyUI)."""
     model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy Z-Image)", 1, model_name="dummy:zimage-tiny")

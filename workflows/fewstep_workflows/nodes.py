@@ -255,6 +255,18 @@ NEWER_CORE_NODES = {
 # (node, combo input) -> entries added after 0.3.64: CLIPLoader's "flux2" loads FLUX.2's Qwen3 / Mistral encoders.
 NEWER_COMBO_OPTIONS = {("CLIPLoader", "type"): ("flux2",)}
 
+# Deprecated core nodes the workflows keep on purpose, with the node that replaces each in newer ComfyUI.
+# ComfyUI 0.8.0 flags ImageBatch DEPRECATED: /object_info says "deprecated": true and the frontend hides it from
+# node search (setting Comfy.Node.ShowDeprecated, off by default), but execution ignores the flag, so a saved
+# workflow still runs it; 0.30.0 still registers it, still flagged. Its replacement, BatchImagesNode, is not in
+# 0.3.64 (the oldest ComfyUI the pack supports): switching would break the workflows there.
+DEPRECATED_CORE_NODES = {"ImageBatch": "BatchImagesNode"}
+IMAGE_BATCH_NOTE = (
+    "Joining images uses core's Batch Images (ImageBatch): ComfyUI 0.8.0 and later mark it deprecated and hide it "
+    "from node search, but it still runs; its replacement (BatchImagesNode) is missing from ComfyUI 0.3.64, so "
+    "this workflow keeps it to run on both."
+)
+
 
 def with_newer_options(name: str, d: dict) -> dict:
     """A CORE_NODES entry with the combo entries of later ComfyUI releases appended."""

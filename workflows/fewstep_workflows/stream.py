@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .graph import Graph, Node, Out, workflow
+from .nodes import IMAGE_BATCH_NOTE
 from .parts import flux_text, save_video
 
 STREAM_FILES = """- diffusion_models/flux1-schnell.safetensors
@@ -84,11 +85,13 @@ No files? Open flux_schnell_stream_batch_dummy.json."""
 
 @workflow("flux_schnell_stream_batch_dummy")
 def flux_schnell_stream_batch_dummy(g: Graph) -> None:
-    g.note = """The stream batch with no model files (random weights, CPU, seconds).
+    g.note = f"""The stream batch with no model files (random weights, CPU, seconds).
 
 Six 64x64 frames: three blue, then three orange. With similarity_threshold 0.98 the filter skips repeats of
 a near-identical frame (seeded, so the same frames every run) and the report says which. Random weights: the
 output frames are noise.
+
+{IMAGE_BATCH_NOTE}
 
 Needs no files. For real stylisation open flux_schnell_stream_batch.json."""
     model = g.add("FewStepDiTLoader", "FewStep DiT Loader (dummy weights)", 1, model_name="dummy:flux-tiny")

@@ -128,7 +128,7 @@ VARIANT_LAYOUT = {
         "decoder.22.bias": (12,),
     },
 }
-VARIANT_LAYOUT["taehv"] = VARIANT_LAYOUT["taew2_1"]
+VARIANT_LAYOUT["taehv"] = VARIANT_LAYOUT["lighttaew2_1"] = VARIANT_LAYOUT["taew2_1"]
 BIASLESS = [
     "encoder.3.bias",
     "encoder.8.bias",
@@ -265,7 +265,13 @@ def test_stream_empty_chunk_and_mismatch(model):
 
 
 def test_detect_each_variant():
-    expected = {"taew2_1": ["taew2_1", "taehv"], "taew2_2": ["taew2_2"], "taehv": ["taew2_1", "taehv"]}
+    wan21_layout = ["taew2_1", "lighttaew2_1", "taehv"]  # the same tensors: the file name breaks the tie
+    expected = {
+        "taew2_1": wan21_layout,
+        "lighttaew2_1": wan21_layout,
+        "taew2_2": ["taew2_2"],
+        "taehv": wan21_layout,
+    }
     for name, config in TAEHV_CONFIGS.items():
         with torch.device("meta"):
             sd = TAEHV(config).state_dict()

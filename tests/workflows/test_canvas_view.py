@@ -126,3 +126,17 @@ def test_the_builder_refuses_a_graph_too_wide_to_show():
     g.note = "Seven columns of nodes and the Note."
     with pytest.raises(ValueError, match="too_wide: the graph does not fit a 1600x900 window at scale 0.62"):
         to_ui(g)
+
+
+# Nodes the frontend draws taller than their saved size (it grows a node to fit its widgets, never shrinks one):
+# the file combos with an upload button, measured in both frontends on workflows that saved them smaller
+# (LoadImage 80 -> 102, LoadVideo 58 -> 82). The boxes above use the saved size, so it must not be smaller.
+DRAWN_HEIGHT = {"LoadImage": 102, "LoadVideo": 82}
+
+
+def test_saved_sizes_hold_what_the_frontend_draws():
+    found = [
+        (p.name, n) for p in UI_FILES for n in json.loads(p.read_text())["nodes"] if n["type"] in DRAWN_HEIGHT
+    ]
+    assert {n["type"] for _, n in found} == set(DRAWN_HEIGHT)
+    assert [(name, n["title"]) for name, n in found if n["size"][1] < DRAWN_HEIGHT[n["type"]]] == []

@@ -169,7 +169,9 @@ def widget_default(inp: InputSpec, where: str):
 def node_height(spec: NodeSpec) -> int:
     slots = max(len([i for i in spec.inputs if not i.is_widget]), len(spec.outputs))
     widgets = sum(TEXT_H if w.opts.get("multiline") else WIDGET_H * (1 + w.has_control) for w in spec.widgets)
-    return slots * SLOT_H + widgets + 10
+    # the frontend adds an upload button under an image / video file combo (and grows a node saved smaller)
+    uploads = sum(bool(w.opts.get("image_upload") or w.opts.get("video_upload")) for w in spec.widgets)
+    return slots * SLOT_H + widgets + WIDGET_H * uploads + 10
 
 
 def execution_order(graph: Graph) -> dict[int, int]:

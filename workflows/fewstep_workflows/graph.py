@@ -324,8 +324,9 @@ VIEW_MARGIN = 16  # room between the graph and the panels
 # (the pack's name) above it
 ABOVE_NODE = 30 + 24
 DEFAULT_SCALE = 0.8
-# Below scale 0.6 LiteGraph draws nodes without their text (the LowQualityRenderingZoomThreshold setting's
-# default in both frontends); six columns (the Note and five of nodes) fit 1600 px wide at 0.64
+# Zoomed out further, LiteGraph draws nodes without their text: both frontends set canvas.low_quality at scale
+# 0.57 and below, not at 0.59 (their 8 px minimum font size over 14 px text). Six columns (the Note and five of
+# nodes) fit 1600 px wide at 0.64.
 MIN_SCALE = 0.62
 
 

@@ -138,4 +138,4 @@ Files (ComfyUI/models/...):
         "SamplerCustomAdvanced", "SamplerCustomAdvanced", 4, noise=noise[0], guider=guider[0], sampler=sampler[0],
         sigmas=sigmas[0], latent_image=latent[0],
     )  # fmt: skip
-    decode_and_save(g, out[0], 5, "fewstep/native_dev_cache_gate")
+    decode_and_save(g, out[0], 4, "fewstep/native_dev_cache_gate")

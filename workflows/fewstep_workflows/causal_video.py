@@ -80,14 +80,14 @@ def continue_graph(
     more = g.add(
         "FewStepCausalContinue",
         "Continue: second prompt",
-        4,
+        3,
         session=video[2],
         num_chunks=chunks[1],
         positive=second,
     )
-    frames = g.add("ImageBatch", "Join the frames", 5, image1=video[1], image2=more[1])
-    g.add("PreviewAny", "Report (continuation)", 5, ui_height=200, source=more[3])
-    save_video(g, frames[0], 6, prefix)
+    frames = g.add("ImageBatch", "Join the frames", 4, image1=video[1], image2=more[1])
+    g.add("PreviewAny", "Report (continuation)", 4, ui_height=200, source=more[3])
+    save_video(g, frames[0], 5, prefix)
 
 
 @workflow("wan_causal_continue")

@@ -169,7 +169,9 @@ def widget_default(inp: InputSpec, where: str):
 def node_height(spec: NodeSpec) -> int:
     slots = max(len([i for i in spec.inputs if not i.is_widget]), len(spec.outputs))
     widgets = sum(TEXT_H if w.opts.get("multiline") else WIDGET_H * (1 + w.has_control) for w in spec.widgets)
-    return slots * SLOT_H + widgets + 10
+    # the frontend adds an upload button under an image / video file combo (and grows a node saved smaller)
+    uploads = sum(bool(w.opts.get("image_upload") or w.opts.get("video_upload")) for w in spec.widgets)
+    return slots * SLOT_H + widgets + WIDGET_H * uploads + 10
 
 
 def execution_order(graph: Graph) -> dict[int, int]:
@@ -297,9 +299,69 @@ def to_ui(graph: Graph) -> dict:
         ],
         "groups": [],
         "config": {},
-        "extra": {"ds": {"scale": 0.8, "offset": [COL_WIDTH + 40, 80]}},
+        "extra": {"ds": saved_view(graph.name, nodes)},
         "version": 0.4,
     }
+
+
+# The saved view (extra.ds) opens every workflow with its Note and all its nodes in sight, in both frontends the
+# pack supports, measured in headless Chromium at 1600x900 and 1920x1080 (tests/workflows/test_canvas_view.py
+# pins the measurements per frontend). Frontend 1.27.10 (ComfyUI 0.3.64) puts the canvas element below its 78 px
+# top menu and right of its 64 px sidebar; 1.35.9 (ComfyUI 0.8.0) spreads the canvas under the whole window and
+# floats its 38 px workflow tabs, the row below them (breadcrumb and Run toolbar, down to y 90) and its 59 px
+# sidebar over it. Both float the minimap and the zoom controls in the bottom-right corner. Below in px of the
+# canvas element, which is where extra.ds places the graph: screen = (pos + offset) * scale.
+VIEW_WINDOW = (1600, 900)  # the smaller window size supported; a larger window only adds room right and below
+VIEW_LEFT = 64  # 1.35.9's sidebar (59 px) and 1.27.10's canvas starting right of its sidebar (64 px)
+VIEW_TOP = 90  # 1.35.9's tabs and the breadcrumb / Run toolbar row below them
+VIEW_RIGHT_INSET = 64  # 1.27.10's canvas is its sidebar's width narrower than the window
+VIEW_BOTTOM_INSET = 78  # and its top menu's height shorter
+# 1.27.10's minimap and zoom controls (1.35.9's are smaller): the corner from 384 px left of the window's right
+# edge (320 + 64) and 344 px above its bottom (266 + 78), in canvas-element px
+CORNER_WIDTH, CORNER_HEIGHT = 384, 344
+VIEW_MARGIN = 16  # room between the graph and the panels
+# What the frontend draws above a node's pos: LiteGraph's 30 unit title bar and 1.27.10's node-source badge
+# (the pack's name) above it
+ABOVE_NODE = 30 + 24
+DEFAULT_SCALE = 0.8
+# Zoomed out further, LiteGraph draws nodes without their text: both frontends set canvas.low_quality at scale
+# 0.57 and below, not at 0.59 (their 8 px minimum font size over 14 px text). Six columns (the Note and five of
+# nodes) fit 1600 px wide at 0.64.
+MIN_SCALE = 0.62
+
+
+def node_boxes(nodes: list[dict]) -> list[tuple[float, float, float, float]]:
+    """Each UI node's box on the canvas (x0, y0, x1, y1), title bar and badge included."""
+    return [
+        (n["pos"][0], n["pos"][1] - ABOVE_NODE, n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1])
+        for n in nodes
+    ]
+
+
+def saved_view(name: str, nodes: list[dict]) -> dict:
+    """The largest scale, from :data:`DEFAULT_SCALE` down to :data:`MIN_SCALE` in steps of 0.01, at which the
+    graph's top-left sits at the free area's top-left and no node reaches past its right or bottom edge or into
+    the bottom-right corner; the offset that puts it there."""
+    boxes = node_boxes(nodes)
+    left, top = min(b[0] for b in boxes), min(b[1] for b in boxes)
+    width, height = VIEW_WINDOW
+    right, bottom = width - VIEW_RIGHT_INSET - VIEW_MARGIN, height - VIEW_BOTTOM_INSET - VIEW_MARGIN
+    corner = (width - CORNER_WIDTH - VIEW_MARGIN, height - CORNER_HEIGHT - VIEW_MARGIN)
+    for step in range(round((DEFAULT_SCALE - MIN_SCALE) * 100) + 1):
+        scale = round(DEFAULT_SCALE - step / 100, 2)
+        offset = [
+            round((VIEW_LEFT + VIEW_MARGIN) / scale - left),
+            round((VIEW_TOP + VIEW_MARGIN) / scale - top),
+        ]
+        screen = [[(x + offset[i % 2]) * scale for i, x in enumerate(b)] for b in boxes]
+        if all(
+            b[2] <= right and b[3] <= bottom and not (b[2] > corner[0] and b[3] > corner[1]) for b in screen
+        ):
+            return {"scale": scale, "offset": offset}
+    raise ValueError(
+        f"{name}: the graph does not fit a {width}x{height} window at scale {MIN_SCALE}: "
+        "lay it out in fewer columns or shorter ones"
+    )
 
 
 def sockets(node: Node) -> list[InputSpec]:

@@ -80,7 +80,7 @@ Files (ComfyUI/models/...):
         sigmas=sigmas[0],
         latent_image=latent[0],
     )
-    decode_and_save(g, out[0], 5, "fewstep/native_schnell")
+    decode_and_save(g, out[0], 4, "fewstep/native_schnell")
 
 
 @workflow("fewstep_schedule_dummy")

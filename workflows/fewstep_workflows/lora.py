@@ -52,15 +52,15 @@ No files? Open flux_dev_hyper_lora_dummy.json."""
         clip_name2="clip_l.safetensors", type="flux",
     )  # fmt: skip
     cond = g.add(
-        "CLIPTextEncodeFlux", "Prompt", 3, clip=clip[0], clip_l=PROMPT, t5xxl=PROMPT, guidance=preset[2]
+        "CLIPTextEncodeFlux", "Prompt", 2, clip=clip[0], clip_l=PROMPT, t5xxl=PROMPT, guidance=preset[2]
     )
     latent = g.add("EmptySD3LatentImage", "Image size", 3, width=1024, height=1024, batch_size=1)
     sampler = fewstep_sampler(
-        g, "FewStep Sampler (8 steps)", 4, model[0], cond[0], latent[0], steps=preset[0], schedule="flux.1-dev",
+        g, "FewStep Sampler (8 steps)", 3, model[0], cond[0], latent[0], steps=preset[0], schedule="flux.1-dev",
     )  # fmt: skip
     g.add("PreviewAny", "Sampler report", 4, ui_height=200, source=sampler[1])
-    g.add("PreviewAny", "Preset settings", 2, ui_height=140, source=preset[4])
-    decode_and_save(g, sampler[0], 5, "fewstep/flux_dev_hyper_lora")
+    g.add("PreviewAny", "Preset settings", 1, ui_height=140, source=preset[4])
+    decode_and_save(g, sampler[0], 4, "fewstep/flux_dev_hyper_lora")
 
 
 @workflow("flux_dev_hyper_lora_dummy")

@@ -36,7 +36,7 @@ def sequence_parallel_image(
         inputs.latent,
         parallel=pool[0],
     )
-    g.add("PreviewAny", "Pool", inputs.col + 1, ui_height=140, source=pool[1])
+    g.add("PreviewAny", "Pool", inputs.col, ui_height=140, source=pool[1])
     g.add("PreviewAny", "Sampler report", inputs.col + 1, ui_height=200, source=sampler[1])
     inputs.save(g, sampler[0], save_col, prefix)
 
@@ -56,7 +56,7 @@ Files (ComfyUI/models/...):
 {FLUX_SIDE_FILES}
 
 No GPUs? Open flux_sequence_parallel_dummy.json (two CPU workers on gloo)."""
-    sequence_parallel_image(g, flux1_inputs(g, 2048), save_col=5, prefix="fewstep/schnell_sp")
+    sequence_parallel_image(g, flux1_inputs(g, 2048), save_col=4, prefix="fewstep/schnell_sp")
 
 
 @workflow("flux_sequence_parallel_dummy")
@@ -85,7 +85,7 @@ Files (ComfyUI/models/...):
 
 No GPUs? Open wan_causal_sequence_parallel_dummy.json."""
     inputs = self_forcing_inputs(g)
-    pool = launcher(g, inputs.col)
+    pool = launcher(g, inputs.col - 1)  # under the inputs: the sampler's column holds its report too
     causal_video(
         g, inputs, "FewStep Causal Video Sampler (on the pool)", "Report", "fewstep/wan_stream_sp", width=832,
         height=480, num_chunks=7, chunk_frames=3, window_frames=21, sink_frames=0, seed=7, parallel=pool[0],
@@ -101,7 +101,7 @@ equal the single-process ones. The output is noise.
 
 Needs no files. For the real model open wan_causal_sequence_parallel.json."""
     inputs = dummy_wan_inputs(g)
-    pool = launcher(g, inputs.col, threads_per_rank=1)
+    pool = launcher(g, inputs.col - 1, threads_per_rank=1)
     causal_video(
         g, inputs, "FewStep Causal Video Sampler (on the pool)", "Report", "fewstep/wan_stream_sp_dummy",
         width=96, height=64, num_chunks=3, chunk_frames=2, window_frames=6, sink_frames=1, seed=7,

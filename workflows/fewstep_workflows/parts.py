@@ -206,13 +206,13 @@ def dummy_wan_inputs(g: Graph) -> VideoInputs:
 def causal_video(
     g: Graph, inputs: VideoInputs, title: str, report: str, prefix: str, latent_prefix: str = "", **widgets
 ) -> Node:
-    """The causal video sampler, its report and the saved video, right of the inputs; with ``latent_prefix``
-    the latent is saved too (under the report, the video moving one column on)."""
+    """The causal video sampler and its report under it, right of the inputs, and the saved video in the next
+    column; with ``latent_prefix`` the latent is saved too (in that column, the video moving one column on)."""
     video = g.add(
         "FewStepCausalVideoSampler", title, inputs.col, model=inputs.model, positive=inputs.cond,
         tiny_vae=inputs.tiny, **widgets,
     )  # fmt: skip
-    g.add("PreviewAny", report, inputs.col + 1, ui_height=200, source=video[3])
+    g.add("PreviewAny", report, inputs.col, ui_height=200, source=video[3])
     if latent_prefix:
         g.add("SaveLatent", "Save latent", inputs.col + 1, samples=video[0], filename_prefix=latent_prefix)
     save_video(g, video[1], inputs.col + 1 + bool(latent_prefix), prefix)

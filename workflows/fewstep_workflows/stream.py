@@ -54,7 +54,7 @@ def stylize_frames(g: Graph, model: Out, cond: Out, dummy: bool, prefix: str, **
         seed=42,
         **schedule,
     )
-    g.add("PreviewAny", "Report (fps, frames skipped)", 4, ui_height=200, source=out[1])
+    g.add("PreviewAny", "Report (fps, frames skipped)", 3, ui_height=200, source=out[1])
     save_video(g, out[0], 4, prefix)
 
 

@@ -1,5 +1,6 @@
-"""The users' README and the docs/ pages: README stays short, every relative link (and #anchor) resolves, every
-docs page is reachable, and README keeps naming the CI test command (`.ci/run` runs what README says)."""
+"""The users' README and the docs/ pages: README stays short, every relative link (and #anchor) resolves (also in
+bench/README.md, where the measurements live), every docs page is reachable, and README keeps naming the CI test
+command (`.ci/run` runs what README says)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ FENCE = re.compile(r"^(```|~~~)")
 
 
 def _pages() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    # bench/README.md holds the measurements the docs link to, and links back to them
+    return [README, *sorted(DOCS.glob("*.md")), ROOT / "bench" / "README.md"]
 
 
 def _outside_code(text: str) -> str:

@@ -135,3 +135,25 @@ def test_the_link_checker_sees_a_broken_link_and_a_broken_anchor(tmp_path):
     )
     assert relative_links(page) == ["a.md#some-code-heading", "c.md", "a.md#nope"]
     assert anchors(tmp_path / "a.md") == {"title", "some-code-heading"}
+
+
+def _node_sections(text: str) -> dict[str, str]:
+    """docs/nodes.md's '### `NodeId`' sections: node id -> the section's text."""
+    parts = re.split(r"^### `([A-Za-z0-9_]+)`[^\n]*$", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_nodes_page_documents_every_node_and_input():
+    from fewstep.nodes import NODE_CLASS_MAPPINGS
+
+    sections = _node_sections((DOCS / "nodes.md").read_text())
+    missing = []
+    for node_id, cls in NODE_CLASS_MAPPINGS.items():
+        if node_id not in sections:
+            missing.append(f"{node_id}: no '### `{node_id}`' section")
+            continue
+        inputs = cls.INPUT_TYPES()
+        for name in [*inputs.get("required", {}), *inputs.get("optional", {})]:
+            if f"`{name}`" not in sections[node_id]:
+                missing.append(f"{node_id}: input '{name}' is not in its section")
+    assert not missing, "docs/nodes.md is missing:\n" + "\n".join(missing)

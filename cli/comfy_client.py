@@ -439,7 +439,7 @@ MAX_COUNT = 1 << 62  # chunk indices, frame numbers, byte counts: bounded so tha
 
 @dataclasses.dataclass(frozen=True)
 class ChunkEvent:
-    """The data of one ``fewstep.chunk`` event (the contract in the README): a chunk a fewstep sampler finished."""
+    """The data of one ``fewstep.chunk`` event (the contract in docs/streaming-api.md): a chunk a fewstep sampler finished."""
 
     node: str
     chunk: int  # index in the session (keeps counting across FewStepCausalContinue)

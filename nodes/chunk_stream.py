@@ -3,7 +3,7 @@
 ComfyUI shows a node's frames only when the node returns; a realtime stream wants them as they are made. After
 every chunk a :class:`ChunkStream` writes the chunk's decoded frames as one short animated WebP clip into ComfyUI's
 temp folder (subfolder ``fewstep``, served by ``/view?type=temp``) and sends a ``fewstep.chunk`` websocket event
-to the client that queued the prompt (README: "Streamed chunks"). Only the newest ``FEWSTEP_STREAM_CHUNKS_KEPT``
+to the client that queued the prompt (docs/streaming-api.md). Only the newest ``FEWSTEP_STREAM_CHUNKS_KEPT``
 clips stay on disk (default 64, across runs), so a stream of any length holds a bounded amount of disk; a
 client fetches each clip when its event arrives. A batch of several videos streams its first. Outside a ComfyUI run (tests, CLI) nothing is written or sent.
 """

@@ -53,7 +53,7 @@ def _graph_break_counts() -> Counter:
 
 def package_relative(filename: str, root: str) -> str | None:
     """``filename`` relative to the package ``root`` (resolved), or None outside it. Dynamo records the path a module
-    was imported from, unresolved: with the pack installed as a symlink in custom_nodes (which README allows) that
+    was imported from, unresolved: with the pack installed as a symlink in custom_nodes (which docs/install.md allows) that
     path is the link's, so it is resolved before the comparison."""
     for candidate in (filename, os.path.realpath(filename)):
         try:

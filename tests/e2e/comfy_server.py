@@ -31,7 +31,7 @@ COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 
 requires_comfyui = pytest.mark.skipif(
     not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").exists(),
-    reason="set COMFYUI_DIR to a ComfyUI checkout (see README: end-to-end tests) to run these",
+    reason="set COMFYUI_DIR to a ComfyUI checkout (see docs/testing.md: end-to-end tests) to run these",
 )
 
 

@@ -41,7 +41,7 @@ from fewstep.engine.models.flux import image_ids, pack_latent, text_ids, unpack_
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 pytestmark = pytest.mark.skipif(
     not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "comfy" / "lora.py").exists(),
-    reason="set COMFYUI_DIR to a ComfyUI checkout (see README: end-to-end tests) to compare with ComfyUI's LoRA code",
+    reason="set COMFYUI_DIR to a ComfyUI checkout (see docs/testing.md: end-to-end tests) to compare with ComfyUI's LoRA code",
 )
 SCRIPT = Path(__file__).with_name("comfy_lora_reference.py")
 RANK = 4

@@ -751,7 +751,7 @@ def test_engine_api_takes_the_node_text_forms():
 
 @pytest.mark.slow
 def test_telemetry_counts_frames_when_the_pack_is_a_symlink(tmp_path):
-    """README allows installing the pack as a symlink in custom_nodes; dynamo then records the link's paths,
+    """docs/install.md allows installing the pack as a symlink in custom_nodes; dynamo then records the link's paths,
     which the frame filter resolves before comparing them with the package root (it read 0 frames before)."""
     import os
     import subprocess

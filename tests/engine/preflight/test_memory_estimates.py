@@ -35,7 +35,7 @@ from fewstep.engine.vae.tiny import load_tiny_vae
 ROOT = Path(__file__).resolve().parents[3]
 PROBE = Path(__file__).resolve().parents[2] / "memory_probe.py"
 
-# An estimate may be above the measured peak by at most this factor (README: "Memory preflight")...
+# An estimate may be above the measured peak by at most this factor (docs/planner.md: "Memory preflight")...
 FACTOR = 2.5
 # ... plus this much: at the smallest sizes the allocator's page granularity and the interpreter's own small
 # allocations are of the order of the estimate itself

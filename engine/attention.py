@@ -37,7 +37,7 @@ def check_backend(backend: str, input_name: str = "attention") -> str:
         raise InputError(
             input_name,
             "flash-attn was requested but is not usable here (needs a CUDA GPU and the flash_attn package: "
-            "pip install 'comfyui-fewstep[gpu]'); choose 'sdpa' or 'auto'",
+            "pip install flash-attn); choose 'sdpa' or 'auto'",
         )
     return backend
 

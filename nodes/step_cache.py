@@ -54,17 +54,31 @@ MAGCACHE_FOLDER = "fewstep_magcache"  # ComfyUI's models/fewstep_magcache: the o
 NO_CALIBRATION = "none"
 
 
+# Tooltip text per method, so each node describes only the methods it offers.
+METHOD_TOOLTIPS = {
+    "first_block": "first_block: First-Block-Cache (no per-model fit).",
+    "teacache": "teacache: TeaCache (published polynomials for FLUX.1 and Wan 2.1 1.3B/14B only; none for FLUX.2 "
+    "or Z-Image).",
+    "magcache": "magcache: MagCache (needs calibrated ratios: flux.1-dev at 28 steps ships them; else calibrate "
+    "once, e.g. for FLUX.2 / Z-Image).",
+    "input_change": "input_change: the whole model's predicted output change (ComfyUI models).",
+}
+THRESHOLD_HINTS = {
+    "first_block": "first_block 0.08",
+    "teacache": "teacache 0.4 (FLUX) / 0.05-0.08 (Wan 1.3B)",
+    "magcache": "magcache 0.24",
+    "input_change": "input_change 0.1",
+}
+
+
 def _common_inputs(methods: tuple[str, ...], default_method: str, default_threshold: float) -> dict:
     return {
         "method": (
             list(methods),
             {
                 "default": default_method,
-                "tooltip": "first_block: First-Block-Cache (no per-model fit). teacache: TeaCache (published "
-                "polynomials for FLUX.1 and Wan 2.1 1.3B/14B only; none for FLUX.2 or Z-Image). magcache: MagCache "
-                "(needs calibrated ratios: flux.1-dev at 28 steps ships them; else calibrate once, e.g. for "
-                "FLUX.2 / Z-Image). input_change: the whole model's predicted output change (ComfyUI models). "
-                "Few-step schedules (FLUX.2 klein 4, Z-Image-Turbo 8-9 steps) are refused with the reason.",
+                "tooltip": " ".join(METHOD_TOOLTIPS[m] for m in methods)
+                + " Few-step schedules (FLUX.2 klein 4, Z-Image-Turbo 8-9 steps) are refused with the reason.",
             },
         ),
         "threshold": (
@@ -75,8 +89,7 @@ def _common_inputs(methods: tuple[str, ...], default_method: str, default_thresh
                 "max": 2.0,
                 "step": 0.01,
                 "tooltip": "Skip while the measured change stays below this. 0 never skips (exactly the uncached "
-                "run). Usual: first_block 0.08, teacache 0.4 (FLUX) / 0.05-0.08 (Wan 1.3B), magcache 0.24, "
-                "input_change 0.1.",
+                "run). Usual: " + ", ".join(THRESHOLD_HINTS[m] for m in methods) + ".",
             },
         ),
         "start": schedule_fraction_input(

@@ -58,6 +58,7 @@ def _fake_runs(monkeypatch, codes: dict[str, int]) -> list:
 
 def test_each_checkout_gets_its_own_run_and_line_and_any_failure_fails(monkeypatch, capsys):
     monkeypatch.setenv("COMFYUI_DIRS", "/old/ComfyUI /new/ComfyUI")
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)  # set when this very test runs under run_suites.py
     monkeypatch.setenv("FEWSTEP_E2E_NOT_SET_UP", "0.9.0")
     calls = _fake_runs(monkeypatch, {"/new/": 1})
     assert run_suites.main([]) == 1

@@ -178,10 +178,10 @@ def test_freeing_memory_stops_the_parallel_workers(server):
         time.sleep(0.5)
         polls += 1
         if polls % 4 == 0:
-            # ComfyUI's prompt worker can miss the wake-up of a POST /free (0.8.0, seen under load): /free sets a
-            # flag and notifies the queue, and a notify that comes while the worker is still busy after the last
-            # prompt (its gc), not yet waiting, is lost, so the flag waits for the next prompt. Posting again
-            # wakes the worker once it waits; the unload itself is what is under test.
+            # ComfyUI's prompt worker can miss the wake-up of a POST /free (0.3.64 and 0.8.0 alike; seen on 0.8.0
+            # under load): /free sets a flag and notifies the queue, and a notify that comes while the worker is
+            # still busy after the last prompt (its gc), not yet waiting, is lost, so the flag waits for the next
+            # prompt. Posting again wakes the worker once it waits; the unload itself is what is under test.
             _free(server)
     assert not workers & _descendants(server["pid"]), "worker processes left after POST /free"
 

@@ -4,7 +4,7 @@
 
 Runs pytest over every test but tests/e2e (unless ``--e2e-only``), then tests/e2e once per ComfyUI checkout, each
 on its own server (the ``server`` fixture in comfy_server.py starts it from ``COMFYUI_DIR``). After each run it
-prints one line such as ``== tests/e2e on ComfyUI 0.8.0 (618b803d): 71 passed, 0 skipped in 290 s``, and at the
+prints one line such as ``== tests/e2e on ComfyUI 0.8.0 (618b803d): 91 passed, 0 skipped in 437 s``, and at the
 end those lines again, together, so a CI log shows every version's result in one place. It exits non-zero when
 any run failed; every run happens either way, so one version's failure does not hide another's result.
 

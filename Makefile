@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:  `make demo` (the main job)  and  `make test` (the fast tests).
-# `make test-all` is what CI runs: every test, the slow ones and the end-to-end ones (with COMFYUI_DIR) included.
+# `make test-all` is what CI runs: every test, the slow ones and the end-to-end ones included (tests/e2e once per
+# ComfyUI checkout in COMFYUI_DIRS, or against COMFYUI_DIR).
 # Both create ./.venv first: `make demo` with the runtime and the images / video extras only, `make test` with the
 # test extra (pytest, ruff, triton...). TORCH_SPEC pins the torch build (on the project's CI machines
 # torch==2.13.0 resolves to a local CPU wheel; elsewhere set TORCH_SPEC to the build you want).
@@ -43,14 +44,17 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow --ignore=tests/e2e
 
-# Needs COMFYUI_DIR (a ComfyUI checkout); without it every test there is skipped with that reason.
+# tests/e2e against a real ComfyUI: once per checkout in COMFYUI_DIRS (space-separated), else against COMFYUI_DIR;
+# with neither, every test there is skipped with that reason. One summary line per ComfyUI version
+# (tests/e2e/run_suites.py), `== tests/e2e on ComfyUI 0.8.0 (618b803d): N passed, M skipped in S s`.
 test-e2e: venv
-	$(BIN)/python -m pytest -q tests/e2e
+	$(BIN)/python tests/e2e/run_suites.py --e2e-only
 
-# One pytest run over all of tests/ (so one summary line for CI), with StreamDiffusion's own code for the
-# stream-batch cross-check when it could be installed.
+# What CI runs: one pytest run of every test but tests/e2e (the slow ones included), with StreamDiffusion's own
+# code for the stream-batch cross-check when it could be installed, then tests/e2e as in test-e2e. Each run ends
+# with its summary line and all of them are repeated at the end; it fails if any run failed.
 test-all: venv streamdiffusion
-	FEWSTEP_STREAMDIFFUSION_DIR="$(FEWSTEP_STREAMDIFFUSION_DIR)" $(BIN)/python -m pytest -q
+	FEWSTEP_STREAMDIFFUSION_DIR="$(FEWSTEP_STREAMDIFFUSION_DIR)" $(BIN)/python tests/e2e/run_suites.py
 
 # StreamDiffusion 0.1.1 (PyPI) pins diffusers==0.24.0 while the test extra pins diffusers==0.42.1, so it cannot
 # be in the extra: pip refuses the pair. The cross-check only runs its pure-torch code (predict_x0_batch,

@@ -7,6 +7,9 @@ with a temporary base directory whose custom_nodes/ links this repository (and t
 ``../shared/comfyui/probe`` when present, which provides a tiny SD1.5-layout native model, and the test-only
 packs in packs/). A module that uses
 the ``server`` fixture imports it from here (one server per module) and marks itself ``requires_comfyui``.
+The fixture's dict names the ComfyUI it runs (``version`` such as ``"0.8.0"``, ``commit``, ``label`` such as
+``"ComfyUI 0.8.0 (618b803d)"``; also the module-level ``COMFYUI_VERSION``), so a test can say which version it
+checked or skip with a reason naming it.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from comfy_version import comfyui_commit, comfyui_version, describe
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 PROBE = ROOT.parent / "shared" / "comfyui" / "probe" / "probe_pack_v3"
 TEST_PACKS = Path(__file__).resolve().parent / "packs"  # test-only node packs (see each one's docstring)
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+COMFYUI_VERSION = comfyui_version(COMFYUI_DIR) if COMFYUI_DIR else None
 
 requires_comfyui = pytest.mark.skipif(
     not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").exists(),
@@ -70,7 +75,15 @@ def server(tmp_path_factory):
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            yield {"url": url, "info": _wait_ready(url, proc, base), "base": base, "pid": proc.pid}
+            yield {
+                "url": url,
+                "info": _wait_ready(url, proc, base),
+                "base": base,
+                "pid": proc.pid,
+                "version": comfyui_version(COMFYUI_DIR),
+                "commit": comfyui_commit(COMFYUI_DIR),
+                "label": describe(COMFYUI_DIR),
+            }
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:

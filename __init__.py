@@ -5,10 +5,41 @@ as the package ``fewstep`` (engine at ``fewstep.engine``, CLI ``python -m fewste
 node classes and changes nothing global.
 """
 
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
 from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
-# The version is pyproject.toml's (static: the Comfy Registry reads it there). ComfyUI imports this folder
-# without an installed distribution, so there is no metadata to ask: this line mirrors it, and
-# tests/test_registry_metadata.py fails the moment the two differ.
-__version__ = "0.1.0"
+DISTRIBUTION = "fewstep"
+_PROJECT_VERSION = re.compile(r'version\s*=\s*"([^"]+)"')
+
+
+def project_version(pyproject: Path) -> str | None:
+    """The ``version`` of the ``[project]`` table of a pyproject.toml, or None. A line scan rather than tomllib,
+    which Python 3.10 lacks: table headers start a line with ``[``, keys of a table follow its header."""
+    table = None
+    for line in pyproject.read_text(encoding="utf-8").splitlines():
+        if line.startswith("["):
+            table = line.strip()
+        elif table == "[project]" and (match := _PROJECT_VERSION.fullmatch(line.strip())):
+            return match.group(1)
+    return None
+
+
+def _version() -> str:
+    # The one version source is pyproject.toml (static: the Comfy Registry reads it there). ComfyUI imports this
+    # folder as cloned or unpacked by the Registry, pyproject.toml beside it and no installed metadata; a wheel
+    # ships no pyproject.toml but carries the version in its metadata.
+    pyproject = Path(__file__).with_name("pyproject.toml")
+    found = project_version(pyproject) if pyproject.is_file() else None
+    if found is not None:
+        return found
+    try:
+        return version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+__version__ = _version()
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "__version__"]

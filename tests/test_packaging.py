@@ -8,6 +8,7 @@ leaves out goes unnoticed until a user runs ``pip install .``; this test is the 
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,7 @@ names = [m.name for m in pkgutil.walk_packages(fewstep.__path__, "fewstep.")]
 for name in names:
     if name != "fewstep.__main__":  # runs the CLI; the command below covers it
         importlib.import_module(name)
-print(len(names))
+print(fewstep.__version__, len(names))
 """
 
 
@@ -101,7 +102,10 @@ def test_every_module_imports_from_the_wheel(installed):
     wheel, python, tmp = installed
     imported = run(str(python), "-c", IMPORT_ALL, cwd=tmp)
     modules = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
-    assert int(imported.stdout.split()[-1]) == len(modules) - 1  # every module but the package's own __init__
+    version, count = imported.stdout.split()[-2:]
+    assert int(count) == len(modules) - 1  # every module but the package's own __init__
+    # a wheel ships no pyproject.toml: the version comes from the wheel's metadata, still pyproject's
+    assert version == re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
 
 
 def test_cli_runs_from_the_wheel(installed):

@@ -5,7 +5,6 @@ silently drop (a classifier list it voids, an icon that is not there), fails her
 
 from __future__ import annotations
 
-import ast
 import re
 import struct
 import sys
@@ -39,25 +38,27 @@ ICON_TYPES = (".svg", ".png", ".jpg", ".jpeg", ".gif")
 ICON_MAX_SIZE = (800, 400)  # the documented maximum resolution, width x height
 
 
-def init_version() -> str:
-    """``__version__`` as __init__.py assigns it (read, not imported: importing registers the nodes)."""
-    tree = ast.parse((ROOT / "__init__.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            getattr(t, "id", None) == "__version__" for t in node.targets
-        ):
-            return ast.literal_eval(node.value)
-    raise AssertionError("__init__.py assigns no __version__")
-
-
 def test_version_is_static_semver():
     assert "version" not in PROJECT.get("dynamic", []), "the registry tooling reads an empty dynamic version"
     assert re.fullmatch(r"\d+\.\d+\.\d+", PROJECT["version"]), PROJECT["version"]
 
 
-def test_init_mirrors_the_pyproject_version():
-    # ComfyUI imports the folder without an installed distribution, so __init__.py cannot ask the metadata
-    assert init_version() == PROJECT["version"]
+def test_the_package_reads_its_version_from_pyproject(pack):
+    # one version source: the pack as ComfyUI imports it (no installed distribution) reports pyproject's version
+    assert pack.__version__ == PROJECT["version"]
+
+
+def test_the_version_scan_reads_only_the_project_table(tmp_path):
+    from fewstep import project_version
+
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(
+        '[build-system]\nversion = "9.9.9"\n\n[project]\nname = "x"\n# version = "8.8.8"\n'
+        'version = "1.2.3"\n\n[tool.x]\nversion = "7.7.7"\n'
+    )
+    assert project_version(pyproject) == "1.2.3"
+    pyproject.write_text('[project]\nname = "x"\n[tool.x]\nversion = "7.7.7"\n')
+    assert project_version(pyproject) is None
 
 
 def test_name_follows_the_registry_rules():

@@ -42,6 +42,7 @@ from ..preflight.budget import check_fits
 from ..preflight.ledger import LEDGER, session_bytes_on
 from ..run import Run, RunBlocks
 from ..sampling import sample_dmd, schedule_sigmas
+from ..vae.tiny import variants_for
 from .clean_context import clean_context_pass
 from .kv_cache import (
     KV_LAYOUTS,
@@ -533,11 +534,14 @@ def check_context(p, context: torch.Tensor, batch: int | None, where: str | None
 
 
 def check_tiny_vae(vae, p, where: str | None = None) -> None:
+    """The tiny AE must decode Wan 2.1's LATENT: the channel count alone would let HunyuanVideo's taehv (also 16
+    channels) decode Wan latents into wrong colours without a word."""
     v = vae.variant
-    if v.kind != "video" or v.channels != p.in_dim:
+    if v.kind != "video" or v.comfy_format != WAN21 or v.channels != p.in_dim:
+        fits = " or ".join(f.name for f in variants_for(WAN21, kind="video"))
         raise InputError(
             "tiny_vae",
-            f"{v.name} decodes {v.channels}-channel {v.kind} latents; this Wan model "
-            f"makes {p.in_dim}-channel video latents (use taew2_1)",
+            f"{v.name} ({v.models}) decodes {v.channels}-channel {v.kind} latents; this Wan 2.1 model "
+            f"makes {p.in_dim}-channel Wan 2.1 video latents (use {fits})",
             where,
         )

@@ -190,8 +190,17 @@ def test_bad_sizes_conditioning_and_vae(wan):
         InputError, match=r"input 'context': conditioning is \[1, 9, 768\]; Wan expects umT5 tokens"
     ):
         VideoSession(wan, torch.zeros(1, 9, 768), H, W)
-    with pytest.raises(InputError, match=r"input 'tiny_vae': taef1 decodes 16-channel image latents"):
+    with pytest.raises(
+        InputError,
+        match=r"input 'tiny_vae': taef1 \(FLUX.1, Z-Image, HiDream\) decodes 16-channel image latents",
+    ):
         VideoSession(wan, _ctx(), H, W, tiny_vae=load_tiny_vae("dummy:taef1"))
+    # taehv has 16 channels too, but HunyuanVideo's latent space: refused, not decoded into wrong colours
+    with pytest.raises(InputError, match=r"input 'tiny_vae': taehv \(HunyuanVideo\) decodes 16-channel video "
+                       r"latents; this Wan 2.1 model makes 16-channel Wan 2.1 video latents \(use taew2_1 or "
+                       r"lighttaew2_1\)"):  # fmt: skip
+        VideoSession(wan, _ctx(), H, W, tiny_vae=load_tiny_vae("dummy:taehv"))
+    VideoSession(wan, _ctx(), H, W, tiny_vae=load_tiny_vae("dummy:lighttaew2_1")).dispose()
 
 
 def test_disposed_and_evicted_sessions(wan):

@@ -7,23 +7,16 @@ list those names (0.3.64).
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from comfy_server import COMFYUI_DIR
+from comfy_server import _python as comfy_python
 from test_core_video_tae_names import _weights, _write, vae_approx  # noqa: F401 - ``vae_approx`` is a fixture
 
 # ruff: noqa: F811 - the test takes the imported ``vae_approx`` fixture as an argument
-
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
-
-
-def _comfy_python() -> str:
-    sibling = Path(COMFYUI_DIR).parent / "venv" / "bin" / "python"
-    return os.environ.get("COMFYUI_PYTHON") or (str(sibling) if sibling.exists() else sys.executable)
 
 
 def _comfy_lists_video_taes() -> bool:
@@ -60,7 +53,7 @@ def test_comfyuis_own_vae_decodes_the_same_files_equally(pack, vae_approx, file_
         f"torch.save(out.float().cpu(), {str(vae_approx / 'comfy_frames.pt')!r})\n"
     )
     run = subprocess.run(
-        [_comfy_python(), "-c", script], capture_output=True, text=True, timeout=300, cwd=COMFYUI_DIR
+        [comfy_python(), "-c", script], capture_output=True, text=True, timeout=300, cwd=COMFYUI_DIR
     )
     assert run.returncode == 0, run.stderr[-3000:]
     # ComfyUI's TAEHV leaves values outside [0, 1] (random weights make many); ours clamps to the IMAGE range

@@ -1,8 +1,11 @@
-"""Causal chunk-by-chunk video: the rolling KV cache, sessions, streaming output, the no-cache reference."""
+"""Causal chunk-by-chunk video: the rolling KV cache, sessions, a pool that batches many sessions per step, swap
+and snapshots, streaming output, the no-cache reference."""
 
 from .kv_cache import ROPE_MODES, CrossAttentionCache, KVCache, WindowSpec
-from .recipe import SessionRecipe, open_session
+from .recipe import SessionRecipe, open_session, open_session_pool
 from .session import CausalConfig, ChunkResult, VideoSession
+from .session_pool import PoolSession, SessionPool, TickReport
+from .session_state import SessionState, capture_state, restore_state
 from .store import SessionStore
 
 __all__ = [
@@ -11,9 +14,16 @@ __all__ = [
     "ChunkResult",
     "CrossAttentionCache",
     "KVCache",
+    "PoolSession",
+    "SessionPool",
+    "SessionState",
+    "TickReport",
     "SessionRecipe",
     "SessionStore",
     "VideoSession",
     "WindowSpec",
+    "capture_state",
     "open_session",
+    "open_session_pool",
+    "restore_state",
 ]

@@ -1,6 +1,6 @@
 """How a causal video session is opened from a run, and rebuilt to a position later.
 
-:func:`open_session` is the one opener of a video session: it opens the session's run (``engine.run.open_run``:
+:func:`open_session` is the one opener of a video session (:func:`open_session_pool` of a pool of them): it opens the session's run (``engine.run.open_run``:
 its backends, the handle's step cache and compiled forward, and on a rank of a worker pool the sharding) and the
 session from it, in this process and on every rank of a pool alike; or, when the run's options place it on a
 worker pool (``RunOptions.pool``), it hands the whole session to the pool (``engine.run.placement``).
@@ -19,6 +19,7 @@ import torch
 from ..errors import InputError
 from ..run import RunOptions, open_run, placement
 from .session import CausalConfig, ForwardHook, VideoSession
+from .session_pool import DEFAULT_BUCKETS, SessionPool
 
 
 def open_session(handle, context: torch.Tensor, height: int, width: int, config: CausalConfig, seed: int,
@@ -36,6 +37,22 @@ def open_session(handle, context: torch.Tensor, height: int, width: int, config:
     run = open_run(handle, options)
     session = VideoSession(run.model, context, height, width, config, seed, tiny_vae, where=where, run=run)
     return session, run.compiled
+
+
+def open_session_pool(handle, height: int, width: int, config: CausalConfig, max_sessions: int = 8,
+                      buckets: tuple[int, ...] = DEFAULT_BUCKETS, tiny_vae=None, max_bytes: int | None = None,
+                      where: str | None = None, options: RunOptions | None = None):  # fmt: skip
+    """(pool, compile run or None): a :class:`SessionPool` on the run :func:`engine.run.open_run` composes
+    (``options``: the run's own choices; a compile feature on the handle makes every batched step run the
+    compiled forward, one entry point per bucket and phase). A pool runs in this process, on one device: a run
+    placed on a worker pool is refused."""
+    if placement(options) is not None:
+        raise InputError("pool", "a session pool runs in this process on one device; it cannot be placed on a "
+                         "worker pool", where)  # fmt: skip
+    run = open_run(handle, options)
+    pool = SessionPool(run.model, height, width, config, max_sessions, buckets, tiny_vae, max_bytes, where=where,
+                       run=run)  # fmt: skip
+    return pool, run.compiled
 
 
 def _same_prompt(a: torch.Tensor, b: torch.Tensor) -> bool:

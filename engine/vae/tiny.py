@@ -336,6 +336,24 @@ class StreamDecoder:
     def reset(self) -> None:
         self.state.reset()
 
+    def get_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """What the decoder carries between chunks: each MemBlock's last input (tensors, by index) and the frame
+        count and latent shape (JSON). A swap or a snapshot of a video session saves it."""
+        st = self.state
+        memory = {} if st.memory is None else {str(i): m for i, m in enumerate(st.memory)}
+        shape = None if st._latent_shape is None else list(st._latent_shape)
+        return memory, {"frames_decoded": st.frames_decoded, "latent_shape": shape, "started": st.memory is not None}
+
+    def set_state(self, memory: dict[str, torch.Tensor], meta: dict) -> None:
+        """The inverse of :meth:`get_state` (tensors moved to the decoder's device and dtype)."""
+        st = self.state
+        st.memory = (
+            [memory[str(i)].to(self.vae.device, self.vae.dtype) for i in range(len(memory))]
+            if meta["started"] else None
+        )  # fmt: skip
+        st.frames_decoded = int(meta["frames_decoded"])
+        st._latent_shape = None if meta["latent_shape"] is None else tuple(meta["latent_shape"])
+
 
 # -- loading -----------------------------------------------------------------------------------------------------
 

@@ -68,6 +68,8 @@ Where each concern lives (each a small piece; :class:`KVCache` composes them and
   its slots by it, and the planner, a session's memory preflight and a pool session's size count with it;
 * ``layer.py``: ``LayerView``, one layer's write, read and attention during a forward;
 * ``cache.py``: :class:`KVCache` (the storage, the per-chunk tensors, ``begin`` / ``commit``);
+* ``slots.py``: :class:`KVSlotPool`, the storage of several streams allocated once (one slot each, a
+  :class:`KVCache` per slot over views of it), and :class:`BatchedKV`, one forward over several slots;
 * ``cross.py``: :class:`CrossAttentionCache`.
 """
 
@@ -80,16 +82,21 @@ from .bytes import (
     kv_bytes_per_token,
     kv_cache_bytes,
     kv_layout,
+    kv_pool_bytes,
 )
 from .cache import KVCache
 from .cross import CrossAttentionCache
 from .layer import LayerView
 from .quantized import KVStorage, QuantizedKV, check_kv_head_dim, check_kv_storage
 from .sinks import SinkKeys
+from .slots import BatchedKV, KVSlotPool
 from .window import ROPE_MODES, SlotRing, WindowSpec, check_window
 
 __all__ = [
     "KV_DTYPES",
+    "BatchedKV",
+    "KVSlotPool",
+    "kv_pool_bytes",
     "KV_LAYOUTS",
     "ROPE_MODES",
     "CrossAttentionCache",

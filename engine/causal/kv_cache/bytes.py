@@ -118,3 +118,19 @@ def kv_cache_bytes(
         full_frames=frames.full,
         quantized_frames=frames.quantized,
     )
+
+
+def kv_pool_bytes(
+    layers: int, slots: int, tokens_per_frame: int, heads: int, head_dim: int, window: WindowSpec,
+    dtype: torch.dtype = torch.bfloat16, kv_dtype: str = "bf16", keep_recent_chunks: int = 1, rope: str = "cache",
+) -> int:  # fmt: skip
+    """The bytes a :class:`~.slots.KVSlotPool` of ``slots`` streams allocates: ``slots`` caches of batch 1 (each
+    :func:`kv_cache_bytes`), plus one chunk of full-precision K and V per layer where a batch's padded rows write."""
+    one = kv_cache_bytes(layers, 1, tokens_per_frame, heads, head_dim, window, dtype, kv_dtype, keep_recent_chunks,
+                         rope)  # fmt: skip
+    padding = (
+        tokens_per_frame
+        * window.chunk_frames
+        * kv_bytes_per_token(layers, heads, head_dim, KV_LAYOUTS["bf16"], dtype.itemsize)
+    )
+    return slots * one.window + padding

@@ -38,12 +38,15 @@ class KVCache(nn.Module):
         device,
         rope: str = "cache",
         backends: Backends = DEFAULT_BACKENDS,
+        storage_of=None,
     ):
         """``storage``: the window and how it is stored (checked when it was built: not again here; the model's
         part, :func:`.quantized.check_kv_head_dim`, when a session opens). ``backends``: the run's
         (``Run.backends``), whose kernel mode and record of kernel fallbacks the quantization of frames that age
         out of the full-precision ring and the sinks' re-positioning use (in :meth:`begin`, outside any
-        forward)."""
+        forward). ``storage_of(name, shape, dtype)``: where each buffer lives when the cache does not allocate it
+        itself (a slot of a :class:`~.slots.KVSlotPool` hands out views of its shared storage); None: allocated
+        here, zeroed."""
         super().__init__()
         if rope not in ROPE_MODES:
             raise InputError("rope", f"unknown RoPE mode {rope!r}; expected one of {', '.join(ROPE_MODES)}")
@@ -60,7 +63,11 @@ class KVCache(nn.Module):
             name: str, frame_count: int, row: tuple[int, ...] = (heads, head_dim), kind=dtype
         ) -> None:
             shape = (batch, frame_count * tokens_per_frame, *row)
-            self.register_buffer(name, torch.zeros(shape, dtype=kind, device=device), persistent=False)
+            if storage_of is None:
+                tensor = torch.zeros(shape, dtype=kind, device=device)
+            else:
+                tensor = storage_of(name, shape, kind)
+            self.register_buffer(name, tensor, persistent=False)
 
         for i in range(layers):  # the sinks and the full-precision ring
             allocate(f"k{i}", frames.full)
@@ -199,6 +206,37 @@ class KVCache(nn.Module):
         rope = [] if q is None else [q.cos, q.sin]
         tensors = [*self.buffers(), self.write_index, self.key_visible, *rope]
         return (self.key_mask() is None, tuple(t.data_ptr() for t in tensors))
+
+    # -- the host state beside the buffers (swap and snapshots: engine.causal.session_state) -------------------------
+    def host_state(self) -> dict:
+        """What the cache knows besides its buffers, as plain integers (JSON): which frame each slot holds, the
+        frames committed and quantized, the sinks' copies and offset. With the buffers it is the whole cache."""
+        return {
+            "full": list(self.slots.full),
+            "quantized": list(self.slots.quantized),
+            "frames_committed": self.frames_committed,
+            "frames_quantized": self.frames_quantized,
+            "sinks_copied": 0 if self.sinks is None else self.sinks.copied,
+            "sinks_offset": 0 if self.sinks is None else self.sinks.offset,
+        }
+
+    def load_host_state(self, state: dict) -> None:
+        """The inverse of :meth:`host_state` (its buffers restored by the caller). The next ``begin`` rebuilds
+        the per-chunk tensors: for a chunk already begun (a deferred commit) it places the same slots again."""
+        if len(state["full"]) != len(self.slots.full) or len(state["quantized"]) != len(self.slots.quantized):
+            raise InputError("session", "the saved KV slots do not match this cache's window")
+        self.slots.full = list(state["full"])
+        self.slots.quantized = list(state["quantized"])
+        self.slots.visible_slots, self.slots.all_visible = [], False
+        self.frames_committed = int(state["frames_committed"])
+        self.frames_quantized = int(state["frames_quantized"])
+        if self.sinks is not None:
+            self.sinks.copied, self.sinks.offset = int(state["sinks_copied"]), int(state["sinks_offset"])
+        self._chunk = None
+
+    def named_storage(self) -> dict[str, torch.Tensor]:
+        """Every K/V buffer by its registered name (the storage a swap moves and a snapshot saves)."""
+        return dict(self.named_buffers())
 
     def commit(self) -> None:
         """The current chunk's clean K/V are written: the next chunk may begin."""

@@ -1,0 +1,627 @@
+"""Many realtime video streams of one model on one device: their chunks batched into one forward per denoising step.
+
+A :class:`SessionPool` serves one shape group (size, chunk frames, window, sinks, KV storage, RoPE mode, schedule
+and steps): up to ``slots`` streams (:class:`PoolSession`) whose KV windows live in one :class:`~.kv_cache.KVSlotPool`
+allocated once, and whose text keys / values live in per-slot rows of the pool beside them. Sessions join, switch
+prompts, leave, are suspended to host memory and resumed at chunk boundaries; each keeps its own seed, generator,
+prompt, position and stream decoder.
+
+A tick (:meth:`SessionPool.tick`) is vLLM's scheduling step brought to causal video: the batch is rebuilt from the
+sessions whose next chunk is due (active, the consumer has taken its last chunk, chunks still wanted), taken in
+round-robin order (the session served longest ago first) and cut into batches of at most the largest bucket. Each
+batch runs the deferred clean-context commit of the sessions that have one (one batched forward), then the
+chunk's denoising steps (one batched forward each), at the smallest bucket size that holds it (``buckets``: static
+shapes, so a compiled or CUDA-graph step is captured once per bucket; padded rows write nowhere anyone reads and
+are dropped). Every row attends only to its own slot (fill state, sinks, RoPE offset, quantized tier), reads its
+own prompt's rows and draws its noise from its own generator: a session's video equals its solo
+:class:`~.session.VideoSession` run with the same seed, prompt and config whatever shares the batch (within float
+rounding of the batched GEMMs; ``tests/engine/causal/test_session_pool.py``).
+
+Admission is by bytes: the pool's memory (every slot's KV window by the KV cache's one formula, the prompt rows,
+the activations of the largest bucket, the stream decoders) is checked by the memory preflight before anything is
+allocated, and ``slots`` is what fits the budget. A join finds a free slot or takes a suspended session's; when
+none is free it is refused (an :class:`InputError` with the bytes of a slot and the pool's) or, with
+``wait=True``, queued and admitted at a later tick when a slot frees. Nothing is allocated past the pool's
+storage: memory is flat over any run of joins and leaves.
+
+Swap: :meth:`SessionPool.suspend` moves a session's whole state (``session_state.SessionState``: every K/V buffer
+with its scales and sink copies, its prompt rows, the clean latents awaiting commit, the generator, the position
+and the stream decoder) to host memory and frees its slot; :meth:`SessionPool.resume` restores it into any free
+slot and the video continues exactly. :meth:`SessionPool.suspend_idle` is the simple policy: a session whose
+consumer has not taken its last chunk for ``timeout`` seconds is suspended.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backends import DEFAULT_BACKENDS
+from ..checks import check_seed
+from ..errors import InputError
+from ..latent_formats import WAN21
+from ..preflight.budget import check_fits, memory_budget
+from ..preflight.ledger import LEDGER, session_bytes_on
+from ..run import Run, RunBlocks
+from ..sampling import sample_dmd, schedule_sigmas
+from ..units import format_bytes
+from .kv_cache import BatchedKV, KVSlotPool, check_kv_head_dim
+from .session import (
+    RECENT_CHUNKS,
+    CausalConfig,
+    ChunkResult,
+    SessionStats,
+    check_context,
+    check_size,
+    check_tiny_vae,
+    session_bytes,
+)
+from .session_state import SessionState, capture_state, restore_state
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8)
+VIDEO_FPS = 16  # Wan 2.1's frame rate: a chunk of c latent frames is 4c video frames, due every 4c / 16 s
+# TickHook(step): before every batched forward of a tick (step None: the clean-context commit); a host's Cancel
+TickHook = Callable[["int | None"], None]
+
+
+@dataclass(frozen=True)
+class PoolTiming:
+    """What a pool session remembers of a chunk (no tensors): when it was due, how long it waited for its batch,
+    how long until it was done, the batch it ran in and whether it met its deadline."""
+
+    index: int
+    start_frame: int
+    tick: int
+    batch: int  # sessions in the batch (before padding)
+    bucket: int  # the batch's bucketed size
+    waited: float  # seconds from due to the start of its batch
+    latency: float  # seconds from due to done
+    deadline_met: bool
+
+
+@dataclass
+class PoolSessionStats(SessionStats):
+    deadlines_met: int = 0
+    pool_recent: deque[PoolTiming] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))
+
+
+class PoolSession:
+    """One stream of a :class:`SessionPool` (a handle: every operation goes through the pool)."""
+
+    def __init__(self, pool: SessionPool, key: str, seed: int, chunks: int | None):
+        self.pool, self.key, self.seed = pool, key, seed
+        self.state = "waiting"  # waiting (for a slot) | active | suspended | closed
+        self.why = ""  # why it was suspended or closed
+        self.slot: int | None = None
+        self.cache = None  # its slot's KVCache (views of the pool's storage) while it holds a slot
+        self.generator = torch.Generator(device=pool.device).manual_seed(seed)
+        self.pending: torch.Tensor | None = None  # the last chunk's clean latents, not yet committed
+        self.decoder = None if pool.tiny_vae is None else pool.tiny_vae.stream_decoder()
+        self.stats = PoolSessionStats()
+        self.chunks_left = chunks  # None: until it leaves
+        self.outbox: ChunkResult | None = None  # its newest chunk until the consumer takes it
+        self.due_since = time.perf_counter()  # when its next chunk became due
+        self._done_at = 0.0  # when its newest chunk was done
+        self.last_served = -1  # the tick that last gave it a chunk (round-robin order)
+        self.context: torch.Tensor | None = (
+            None  # the prompt as given (re-embedded on resume into a new slot)
+        )
+        self.next_context: torch.Tensor | None = None  # a prompt switch taking effect at the next chunk
+        self.saved: SessionState | None = None  # host copy while suspended
+        self.error: InputError | None = None  # why it stopped, when the pool stopped it
+
+    @property
+    def frames_generated(self) -> int:
+        if self.saved is not None:
+            return self.saved.frames_generated
+        committed = 0 if self.cache is None else self.cache.frames_committed
+        return committed + (0 if self.pending is None else self.pool.config.chunk_frames)
+
+    def take(self) -> ChunkResult | None:
+        """The consumer takes the session's newest chunk (its next chunk is due from now on)."""
+        chunk, self.outbox = self.outbox, None
+        if chunk is not None:
+            self.due_since = time.perf_counter()
+        return chunk
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "active" and self.outbox is None and self.chunks_left != 0
+
+    def __repr__(self) -> str:
+        return f"PoolSession({self.key}, {self.state}, slot {self.slot}, {self.frames_generated} frames)"
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """One tick: the chunks it produced (by session key), its batches' sizes and buckets, and its seconds."""
+
+    tick: int
+    chunks: dict[str, ChunkResult]
+    batches: tuple[int, ...]
+    buckets: tuple[int, ...]
+    seconds: float
+    failed: dict[str, str]  # sessions the tick stopped (non-finite output), with why
+
+
+class SessionPool:
+    """Several causal video streams of one model batched per denoising step (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        height: int,
+        width: int,
+        config: CausalConfig | None = None,
+        max_sessions: int = 8,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        tiny_vae=None,
+        max_bytes: int | None = None,
+        fps: float = VIDEO_FPS,
+        where: str | None = None,
+        run: Run | None = None,
+    ):
+        """``max_sessions``: the most slots wanted; fewer are allocated when the memory budget (``max_bytes``,
+        else the memory preflight's) holds fewer, and none past it. ``buckets``: the batch sizes a forward runs at
+        (sorted; sizes above the slot count are dropped). ``run``: as for :class:`~.session.VideoSession` (its
+        backends, weights keeper and cancel check); a sharded run (a worker pool's rank) is refused."""
+        p = model.params
+        self.where = where
+        if run is None:
+            self._ensure_weights, self.blocks, self.backends = (lambda: None), RunBlocks(), DEFAULT_BACKENDS
+            self.base_model = model
+        else:
+            self._ensure_weights, self.blocks, self.backends = run.weights_keeper, run.blocks, run.backends
+            self.base_model = run.base_model
+            if run.blocks.sharding is not None:
+                raise InputError("pool", "a session pool runs on one device; this run is sharded over a worker "
+                                 "pool (run it without sequence parallelism)", where)  # fmt: skip
+        config = config or CausalConfig()
+        self.model, self.config, self.fps = model, config, fps
+        check_kv_head_dim(config.kv_dtype, p.head_dim, where)
+        check_size(p, height, width, where)
+        if tiny_vae is not None:
+            check_tiny_vae(tiny_vae, p, where)
+        if not isinstance(max_sessions, int) or max_sessions < 1:
+            raise InputError("max_sessions", f"expected at least 1 session, got {max_sessions!r}", where)
+        if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
+            raise InputError("buckets", f"batch sizes must be positive integers, got {buckets!r}", where)
+        self.height, self.width = height, width
+        self.latent_hw = (height // 8, width // 8)
+        self.grid_hw = (self.latent_hw[0] // p.patch_size[1], self.latent_hw[1] // p.patch_size[2])
+        self.sigmas = schedule_sigmas(config.schedule, config.steps, input_name="schedule")
+        self.device = next(model.parameters()).device
+        self.dtype = model.patch_embedding.weight.dtype
+        self.tiny_vae = tiny_vae
+        tokens = self.grid_hw[0] * self.grid_hw[1]
+        self.tokens_per_frame = tokens
+        self.slot_bytes = self._slot_bytes()
+        slots = self._slots_that_fit(max_sessions, buckets, max_bytes)
+        self.buckets = tuple(sorted({b for b in buckets if b <= slots} | {min(max(buckets), slots)}))
+        self.max_batch = self.buckets[-1]
+        check_fits(self.bytes_needed(slots, self.max_batch), self.device, "max_sessions", where,
+                   hint="Use fewer max_sessions, a smaller window_frames or a smaller width / height")  # fmt: skip
+        self.kv = KVSlotPool(p.num_layers, slots, tokens, p.num_heads, p.head_dim, config.storage, self.dtype,
+                             self.device, config.rope)  # fmt: skip
+        # every slot's text keys / values, [slots, text_len, H, D] per layer (a row per session's prompt)
+        self.cross = [
+            tuple(torch.zeros(slots, p.text_len, p.num_heads, p.head_dim, dtype=self.dtype, device=self.device)
+                  for _ in range(2))
+            for _ in range(p.num_layers)
+        ]  # fmt: skip
+        self._batched = {b: BatchedKV(self.kv, b) for b in self.buckets}
+        self._free_slots = list(range(slots))
+        self.sessions: dict[str, PoolSession] = {}
+        self._waiting: deque[tuple[PoolSession, torch.Tensor]] = deque()
+        self._keys = itertools.count(1)
+        self.ticks = 0
+        self.tick_log: deque[tuple[int, tuple[int, ...], float]] = deque(maxlen=RECENT_CHUNKS)
+        self._lock = threading.RLock()
+        self.closed = False
+        LEDGER.hold(self, "session pool", session_bytes_on)
+
+    # -- bytes and admission -------------------------------------------------------------------------------------
+    def _slot_bytes(self) -> dict[str, int]:
+        """One session's share: its KV window (the one formula), its prompt rows, its stream decoder."""
+        p, c = self.model.params, self.config
+        parts = session_bytes(p, 1, self.height, self.width, c, self.dtype, self.tokens_per_frame, p.num_heads,
+                              self.tiny_vae)  # fmt: skip
+        elt = self.dtype.itemsize
+        return {
+            "KV window": parts["KV window"],
+            "prompt rows": 2 * p.num_layers * p.text_len * p.dim * elt,
+            "stream decoder": parts.get("stream decoder activations", 0) + parts.get("decoded frames", 0),
+        }
+
+    def bytes_needed(self, slots: int, batch: int) -> dict[str, int]:
+        """The pool's bytes for ``slots`` sessions run ``batch`` at a time, by part (the preflight's parts)."""
+        p = self.model.params
+        one = session_bytes(p, 1, self.height, self.width, self.config, self.dtype, self.tokens_per_frame,
+                            p.num_heads, None)  # fmt: skip
+        kv = KVSlotPool.bytes_for(p.num_layers, slots, self.tokens_per_frame, p.num_heads, p.head_dim,
+                                  self.config.storage, self.dtype, self.config.rope)  # fmt: skip
+        return {
+            "KV slots": kv,
+            "prompt rows": slots * self.slot_bytes["prompt rows"],
+            "batch activations": batch * (one["chunk activations"] + one["prompt padding"]),
+            "stream decoders": slots * self.slot_bytes["stream decoder"],
+        }
+
+    def _slots_that_fit(self, wanted: int, buckets, max_bytes: int | None) -> int:
+        budget = memory_budget(self.device).usable if max_bytes is None else int(max_bytes)
+        per = sum(self.slot_bytes.values())
+        slots = wanted
+        while slots > 0 and sum(self.bytes_needed(slots, min(max(buckets), slots)).values()) > budget:
+            slots -= 1
+        if slots == 0:
+            need = self.bytes_needed(1, 1)
+            raise InputError(
+                "max_sessions",
+                f"not one session fits: a session needs about {format_bytes(sum(need.values()))} ("
+                + ", ".join(f"{k} {format_bytes(v)}" for k, v in need.items() if v)
+                + f") and the budget is {format_bytes(budget)}; refused before allocating. Use a smaller "
+                "window_frames, kv_dtype int8 / int4, or a smaller width / height",
+                self.where,
+            )
+        if slots < wanted:
+            log.info("fewstep: session pool of %d slots (%d wanted; %s each, budget %s)", slots, wanted,
+                     format_bytes(per), format_bytes(budget))  # fmt: skip
+        return slots
+
+    @property
+    def slots(self) -> int:
+        return self.kv.slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds on its device: the KV slots and the prompt rows."""
+        if self.closed:
+            return 0
+        return self.kv.nbytes + sum(k.nbytes + v.nbytes for k, v in self.cross)
+
+    # -- joining and leaving -------------------------------------------------------------------------------------
+    def join(
+        self, context: torch.Tensor, seed: int = 0, chunks: int | None = None, wait: bool = False
+    ) -> PoolSession:
+        """A new session with prompt ``context [1, L, 4096]`` and ``seed``, for ``chunks`` chunks (None: until it
+        leaves). It takes a free slot, else a suspended session's (kept on the host); when every slot holds an
+        active session it is refused, or with ``wait`` queued until a slot frees (its state is then
+        ``"waiting"``)."""
+        with self._lock:
+            self._check_open()
+            check_context(self.model.params, context, 1, self.where)
+            try:
+                seed = check_seed(seed)
+            except InputError as err:
+                raise err.located(self.where) if self.where else err from None
+            if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+                raise InputError("chunks", f"expected at least 1 chunk (or None: until it leaves), got {chunks!r}",
+                                 self.where)  # fmt: skip
+            session = PoolSession(self, f"s{next(self._keys)}", seed, chunks)
+            session.context = context
+            if self._admit(session, context):
+                return session
+            if not wait:
+                raise self._full_error()
+            self._waiting.append((session, context))
+            self.sessions[session.key] = session
+            return session
+
+    def _full_error(self) -> InputError:
+        per = sum(self.slot_bytes.values())
+        return InputError(
+            "pool",
+            f"all {self.slots} slots hold active sessions; a session needs about {format_bytes(per)} ("
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.slot_bytes.items() if v)
+            + f") and the pool holds {format_bytes(self.nbytes)} for {self.slots}: join with wait=True to be "
+            "admitted when a slot frees, or suspend or close a session",
+            self.where,
+        )
+
+    def _admit(self, session: PoolSession, context: torch.Tensor | None) -> bool:
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        self.sessions[session.key] = session
+        session.slot, session.state = slot, "active"
+        session.cache = self.kv.slot_cache(slot, self.backends)
+        if session.saved is not None:  # a resumed session: its state goes back into this slot
+            restore_state(session.saved, session, self)
+            session.saved = None
+        else:
+            self._fill_prompt(session, context)
+        session.due_since = time.perf_counter()
+        return True
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop(0)
+        return None
+
+    def _release_slot(self, session: PoolSession) -> None:
+        if session.slot is not None:
+            self._free_slots.append(session.slot)
+            self._free_slots.sort()
+        session.slot, session.cache = None, None
+
+    def _fill_prompt(self, session: PoolSession, context: torch.Tensor) -> None:
+        self._ensure_weights()
+        with torch.inference_mode():
+            embedded = self.model.embed_context(context.to(self.device))
+            for block, (k_rows, v_rows) in zip(self.model.blocks, self.cross):
+                k, v = block.cross_attn.context_kv(embedded, self.backends)
+                k_rows[session.slot].copy_(k[0])
+                v_rows[session.slot].copy_(v[0])
+        session.context = context
+
+    def set_prompt(self, session: PoolSession, context: torch.Tensor) -> None:
+        """Switch ``session``'s prompt from its next chunk on (CausVid's switch: its KV window carries on)."""
+        with self._lock:
+            self._check_member(session)
+            check_context(self.model.params, context, 1, self.where)
+            session.next_context = context
+
+    def leave(self, session: PoolSession, why: str = "left") -> None:
+        """Close ``session`` and free its slot (or its place in the queue, or its host copy)."""
+        with self._lock:
+            if session.state == "closed":
+                return
+            self._waiting = deque((s, c) for s, c in self._waiting if s is not session)
+            self._release_slot(session)
+            session.state, session.why = "closed", why
+            session.saved = session.pending = session.decoder = session.outbox = None
+            self.sessions.pop(session.key, None)
+            self._admit_waiting()
+
+    # -- swap ------------------------------------------------------------------------------------------------
+    def suspend(self, session: PoolSession, why: str = "suspended") -> SessionState:
+        """Move ``session``'s whole state to host memory and free its slot (at a chunk boundary: between ticks).
+        Returns the host copy (kept by the session until :meth:`resume`)."""
+        with self._lock:
+            self._check_member(session)
+            if session.state != "active":
+                raise InputError("session", f"{session.key} is {session.state}, not active: it holds no slot",
+                                 self.where)  # fmt: skip
+            session.saved = capture_state(session, self, device="cpu")
+            self._release_slot(session)
+            session.pending = None
+            session.state, session.why = "suspended", why
+            self._admit_waiting()
+            return session.saved
+
+    def resume(self, session: PoolSession, wait: bool = False) -> bool:
+        """Restore a suspended session into a free slot; False (``wait``) when none is free yet (it is then
+        queued and resumed at a later tick), else an :class:`InputError` when none is free."""
+        with self._lock:
+            self._check_member(session)
+            if session.state != "suspended":
+                raise InputError("session", f"{session.key} is {session.state}, not suspended", self.where)
+            if self._admit(session, None):
+                return True
+            if not wait:
+                raise self._full_error()
+            session.state = "waiting"
+            self._waiting.append((session, None))
+            return False
+
+    def suspend_idle(self, timeout: float, now: float | None = None) -> list[PoolSession]:
+        """The simple policy: suspend every active session whose consumer has left its newest chunk untaken for
+        ``timeout`` seconds. Returns them."""
+        now = time.perf_counter() if now is None else now
+        idle = [s for s in self.sessions.values()
+                if s.state == "active" and s.outbox is not None and now - s._done_at >= timeout]  # fmt: skip
+        for s in idle:
+            self.suspend(s, f"its consumer took no chunk for {timeout:g} s")
+        return idle
+
+    def _admit_waiting(self) -> None:
+        """Admit queued joins and resumes while slots are free; a queued one takes a suspended session's slot
+        only when none is free (suspended sessions hold no slot: their slots are free already)."""
+        while self._waiting and self._free_slots:
+            session, context = self._waiting.popleft()
+            self._admit(session, context)
+
+    # -- ticks ---------------------------------------------------------------------------------------------------
+    def ready(self) -> list[PoolSession]:
+        """Sessions whose next chunk is due, the one served longest ago first (round-robin)."""
+        ready = [s for s in self.sessions.values() if s.ready]
+        return sorted(ready, key=lambda s: (s.last_served, s.key))
+
+    def tick(self, before_forward: TickHook | None = None) -> TickReport:
+        """One chunk for every session whose next chunk is due, in batches of at most the largest bucket. Each
+        chunk goes to its session's outbox (and the report); the consumer takes it with ``session.take()``."""
+        with self._lock:
+            self._check_open()
+            self._admit_waiting()
+            self._ensure_weights()
+            t0 = time.perf_counter()
+            ready = self.ready()
+            chunks, failed, sizes, buckets = {}, {}, [], []
+            for i in range(0, len(ready), self.max_batch):
+                batch = ready[i : i + self.max_batch]
+                bucket = next(b for b in self.buckets if b >= len(batch))
+                for s in batch:
+                    self._switch_prompt(s)
+                produced, stopped = self._run_batch(batch, bucket, before_forward)
+                chunks.update(produced)
+                failed.update(stopped)
+                sizes.append(len(batch))
+                buckets.append(bucket)
+            seconds = time.perf_counter() - t0
+            report = TickReport(self.ticks, chunks, tuple(sizes), tuple(buckets), seconds, failed)
+            self.tick_log.append((self.ticks, tuple(sizes), seconds))
+            self.ticks += 1
+            return report
+
+    def _switch_prompt(self, session: PoolSession) -> None:
+        if session.next_context is not None:
+            context, session.next_context = session.next_context, None
+            self._fill_prompt(session, context)
+
+    def _noise(self, session: PoolSession, shape) -> torch.Tensor:
+        g = session.generator
+        return torch.randn(shape, generator=g, device=g.device, dtype=torch.float32)
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[PoolSession], bucket: int, x: torch.Tensor, timestep) -> torch.Tensor:
+        """One batched forward over the chunks of ``batch`` (each session's cache has ``begin`` its chunk)."""
+        kv = self._batched[bucket]
+        kv.prepare([s.slot for s in batch], [s.cache for s in batch])
+        c = self.config.chunk_frames
+        rows = kv.row_slots
+        cross = _SlotCross(self.cross, rows)
+        t = torch.as_tensor(timestep, dtype=torch.float32, device=x.device).reshape(-1, 1).expand(bucket, c)
+        placeholder = torch.empty(bucket, 0, self.model.params.dim, dtype=self.dtype, device=x.device)
+        return self.model(x, t, context_embedded=placeholder, kv=kv, cross_kv=cross, block_runner=self.blocks(None),
+                          backends=self.backends)  # fmt: skip
+
+    def _begin(self, batch: list[PoolSession]) -> None:
+        c = self.config.chunk_frames
+        for s in batch:
+            s.cache.begin(s.cache.frames_committed, c, self.grid_hw, self.model.frame_rope)
+
+    def _padded(self, parts: list[torch.Tensor], bucket: int) -> torch.Tensor:
+        x = torch.cat(parts)
+        if bucket > len(parts):
+            x = torch.cat([x, x.new_zeros(bucket - len(parts), *x.shape[1:])])
+        return x
+
+    def _run_batch(self, batch: list[PoolSession], bucket: int, before_forward: TickHook | None):
+        c = self.config.chunk_frames
+        shape = (1, self.model.params.in_dim, c, *self.latent_hw)
+        started = time.perf_counter()
+        rng = [s.generator.get_state() for s in batch]
+        try:
+            committing = [s for s in batch if s.pending is not None]
+            if committing:  # the deferred clean-context passes, one batched forward
+                if before_forward is not None:
+                    before_forward(None)
+                self._begin(committing)
+                cbucket = next(b for b in self.buckets if b >= len(committing))
+                x = self._padded([s.pending for s in committing], cbucket)
+                self._forward(committing, cbucket, x, self.config.context_noise)
+                for s in committing:
+                    s.cache.commit()
+                    s.pending = None
+            commit_s = time.perf_counter() - started
+            self._begin(batch)
+            sigmas = self.sigmas.to(self.device)
+            n = len(batch)
+            finite_steps: list[torch.Tensor] = []
+
+            def noise(*_):
+                return self._padded([self._noise(s, shape) for s in batch], bucket)
+
+            def denoised(x, sigma, **_):
+                if before_forward is not None:
+                    before_forward(len(finite_steps))
+                out = x - sigma.view(-1, 1, 1, 1, 1) * self._forward(batch, bucket, x, sigma[0] * 1000.0)
+                finite_steps.append(torch.isfinite(out[:n]).flatten(1).all(1))
+                return out
+
+            with torch.inference_mode():
+                x = sigmas[0] * noise()
+                x0 = sample_dmd(denoised, x, sigmas, noise_sampler=noise, disable=True)
+        except BaseException:
+            for s, state in zip(batch, rng):  # as a solo session: the chunk can be run again
+                s.generator.set_state(state)
+            raise
+        latents_all = x0[:n].float().cpu()
+        finite = torch.stack(finite_steps).all(0).tolist()
+        done = time.perf_counter()
+        produced, stopped = {}, {}
+        for row, s in enumerate(batch):
+            start = s.cache.frames_committed
+            if not finite[row]:
+                err = InputError("model", f"{s.key}: chunk {s.stats.chunks_generated} (latent frames {start}-"
+                                 f"{start + c - 1}): the denoised latents hold NaN or infinite values; the session "
+                                 "was stopped", self.where)  # fmt: skip
+                s.error = err
+                stopped[s.key] = str(err)
+                self.leave(s, "non-finite output")
+                continue
+            s.pending = x0[row : row + 1]
+            frames = None
+            if s.decoder is not None:
+                raw = self.tiny_vae.raw_to_latent(WAN21.process_out(s.pending.float()))
+                frames = s.decoder.push(raw).float().cpu()
+            finished = time.perf_counter()
+            chunk = ChunkResult(
+                index=s.stats.chunks_generated, start_frame=start, latents=latents_all[row : row + 1],
+                frames=frames, seconds=finished - started, commit_seconds=commit_s, kv_bytes=s.cache.nbytes,
+                kv_bytes_used=s.cache.bytes_used(),
+            )  # fmt: skip
+            s.stats.record(chunk)
+            deadline = (4 * c - (3 if chunk.index == 0 else 0)) / self.fps
+            latency = finished - s.due_since
+            timing = PoolTiming(chunk.index, start, self.ticks, len(batch), bucket,
+                                max(0.0, started - s.due_since), latency, latency <= deadline)  # fmt: skip
+            s.stats.deadlines_met += timing.deadline_met
+            s.stats.pool_recent.append(timing)
+            s.outbox, s._done_at, s.last_served = chunk, finished, self.ticks
+            if s.chunks_left is not None:
+                s.chunks_left -= 1
+            produced[s.key] = chunk
+        del done
+        return produced, stopped
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InputError("pool", "this session pool was closed; open a new one", self.where)
+
+    def _check_member(self, session: PoolSession) -> None:
+        self._check_open()
+        if session.pool is not self or session.state == "closed":
+            raise InputError("session", f"{session.key} is not a live session of this pool", self.where)
+
+    def close(self) -> None:
+        """Close every session and free the pool's storage."""
+        with self._lock:
+            for s in list(self.sessions.values()):
+                self.leave(s, "pool closed")
+            self.closed = True
+            self.kv = None
+            self.cross = []
+            self._batched = {}
+
+    def report(self) -> dict:
+        """Per tick batch sizes and seconds (the recent ones), and per session its chunks and deadlines."""
+        return {
+            "slots": self.slots,
+            "buckets": list(self.buckets),
+            "ticks": [{"tick": t, "batches": list(b), "seconds": s} for t, b, s in self.tick_log],
+            "sessions": {
+                k: {
+                    "state": s.state,
+                    "chunks": s.stats.chunks_generated,
+                    "deadlines_met": s.stats.deadlines_met,
+                }
+                for k, s in self.sessions.items()
+            },
+        }
+
+
+class _SlotCross:
+    """The ``cross_kv`` of a batched forward: each row's prompt keys / values, gathered by slot."""
+
+    def __init__(self, rows_by_layer, row_slots: torch.Tensor):
+        self.rows_by_layer, self.row_slots = rows_by_layer, row_slots
+
+    def layer(self, index: int):
+        k, v = self.rows_by_layer[index]
+        return k.index_select(0, self.row_slots), v.index_select(0, self.row_slots)
+
+    def capture_state(self) -> tuple:
+        return tuple((k.data_ptr(), v.data_ptr()) for k, v in self.rows_by_layer) + (
+            self.row_slots.data_ptr(),
+        )

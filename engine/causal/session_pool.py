@@ -118,6 +118,9 @@ class PoolSession:
         self.next_context: torch.Tensor | None = None  # a prompt switch taking effect at the next chunk
         self.saved: SessionState | None = None  # host copy while suspended
         self.error: InputError | None = None  # why it stopped, when the pool stopped it
+        self.resume_when_taken = (
+            False  # suspended by the idle policy: queued to resume once its chunk is taken
+        )
 
     @property
     def frames_generated(self) -> int:
@@ -167,12 +170,15 @@ class SessionPool:
         tiny_vae=None,
         max_bytes: int | None = None,
         fps: float = VIDEO_FPS,
+        idle_timeout: float | None = None,
         where: str | None = None,
         run: Run | None = None,
     ):
         """``max_sessions``: the most slots wanted; fewer are allocated when the memory budget (``max_bytes``,
         else the memory preflight's) holds fewer, and none past it. ``buckets``: the batch sizes a forward runs at
-        (sorted; sizes above the slot count are dropped). ``run``: as for :class:`~.session.VideoSession` (its
+        (sorted; sizes above the slot count are dropped). ``idle_timeout``: the swap policy, applied at every tick
+        (:meth:`suspend_idle`; None: off): a session whose consumer leaves its chunk untaken that long is suspended,
+        and resumed (queued like a join) once the consumer takes it. ``run``: as for :class:`~.session.VideoSession` (its
         backends, weights keeper and cancel check); a sharded run (a worker pool's rank) is refused."""
         p = model.params
         self.where = where
@@ -186,7 +192,7 @@ class SessionPool:
                 raise InputError("pool", "a session pool runs on one device; this run is sharded over a worker "
                                  "pool (run it without sequence parallelism)", where)  # fmt: skip
         config = config or CausalConfig()
-        self.model, self.config, self.fps = model, config, fps
+        self.model, self.config, self.fps, self.idle_timeout = model, config, fps, idle_timeout
         check_kv_head_dim(config.kv_dtype, p.head_dim, where)
         check_size(p, height, width, where)
         if tiny_vae is not None:
@@ -421,6 +427,7 @@ class SessionPool:
                 if s.state == "active" and s.outbox is not None and now - s._done_at >= timeout]  # fmt: skip
         for s in idle:
             self.suspend(s, f"its consumer took no chunk for {timeout:g} s")
+            s.resume_when_taken = True
         return idle
 
     def _admit_waiting(self) -> None:
@@ -441,6 +448,12 @@ class SessionPool:
         chunk goes to its session's outbox (and the report); the consumer takes it with ``session.take()``."""
         with self._lock:
             self._check_open()
+            if self.idle_timeout is not None:
+                self.suspend_idle(self.idle_timeout)
+            for s in self.sessions.values():  # idle ones whose consumer came back: queued like a join
+                if s.state == "suspended" and s.resume_when_taken and s.outbox is None:
+                    s.state, s.resume_when_taken = "waiting", False
+                    self._waiting.append((s, None))
             self._admit_waiting()
             self._ensure_weights()
             t0 = time.perf_counter()

@@ -495,6 +495,10 @@ class SessionPool:
             x = torch.cat([x, x.new_zeros(bucket - len(parts), *x.shape[1:])])
         return x
 
+    # in inference mode throughout, as a solo session's chunk: the commit pass's input (the pending latents
+    # padded into a batch) is then an inference tensor like the steps' input, so a compiled step is not
+    # recompiled for the other dispatch key set each phase
+    @torch.inference_mode()
     def _run_batch(self, batch: list[PoolSession], bucket: int, before_forward: TickHook | None):
         c = self.config.chunk_frames
         shape = (1, self.model.params.in_dim, c, *self.latent_hw)

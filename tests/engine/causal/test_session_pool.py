@@ -17,15 +17,18 @@ import types
 
 import pytest
 import torch
+from compile_doubles import EMULATED
 
-from fewstep.engine import InputError, load_dit, load_tiny_vae
+from fewstep.engine import InputError, load_dit, load_tiny_vae, open_model
 from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal import session_pool as session_pool_module
-from fewstep.engine.causal.kv_cache import KVSlotPool, kv_cache_bytes
+from fewstep.engine.causal.kv_cache import BatchedKV, KVSlotPool, kv_cache_bytes
 from fewstep.engine.causal.kv_cache.bytes import kv_pool_bytes
+from fewstep.engine.causal.recipe import open_session_pool
 from fewstep.engine.causal.session import RECENT_CHUNKS
 from fewstep.engine.causal.session_pool import SessionPool
+from fewstep.engine.compile import attach_compile
 from fewstep.engine.run import RunBlocks
 from fewstep.engine.units import format_bytes
 
@@ -644,3 +647,159 @@ def test_pool_timing_waited_latency_and_deadlines(wan, monkeypatch):
     assert a.stats.deadlines_met == 2 and b.stats.deadlines_met == 0
     assert pool.report()["sessions"][a.key]["deadlines_met"] == 2
     assert all(t.waited <= t.latency for s in (a, b) for t in s.stats.pool_recent)
+
+
+# -- compile ----------------------------------------------------------------------------------------------------------
+def _compile_scenario(handle, config, record_keys=None):
+    """Joins at ticks 0 / 1 / 2 (batches of 1, 2, 3 rows), 5 ticks: the windows fill, then the steps unmask."""
+    pool, compiled = open_session_pool(handle, H, W, config, max_sessions=3, buckets=(1, 2, 4))
+    drive = Driver(pool)
+    for i in range(3):
+        pool.join(_ctx(i + 1), seed=i + 3)
+        drive.tick()
+    for _ in range(2):
+        drive.tick()
+    return drive, compiled
+
+
+@pytest.fixture
+def forward_keys(monkeypatch):
+    """(bucket, masked) of every batched forward: what a captured step is keyed by besides the addresses."""
+    keys = []
+    prepare = BatchedKV.prepare
+
+    def recording(self, slots, caches):
+        prepare(self, slots, caches)
+        keys.append((self.rows, self.key_mask() is not None))
+
+    monkeypatch.setattr(BatchedKV, "prepare", recording)
+    return keys
+
+
+def test_the_batched_step_replays_one_graph_per_bucket_and_phase(forward_keys):
+    """CUDA graphs (emulated on the CPU, tests/compile_doubles.py) through open_session_pool: one capture per
+    bucket size and phase (the masked step while a window fills, the unmasked one after), replayed for every
+    other forward, bit-exact with eager."""
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    config = CausalConfig(chunk_frames=2, window_frames=4, steps=2)
+    eager, _ = _compile_scenario(handle, config)
+    forward_keys.clear()
+    graphed, run = _compile_scenario(attach_compile(handle, "off", "whole", graph_segments=EMULATED), config)
+    telemetry = run.finish()
+    assert graphed.batches() == eager.batches() == [((1,), (1,)), ((2,), (2,)), ((3,), (3,)), ((3,), (3,)),
+                                                    ((3,), (3,))]  # fmt: skip
+    for key, chunks in eager.got.items():
+        assert all(torch.equal(a.latents, b.latents) for a, b in zip(graphed.got[key], chunks)), key
+    keys = set(forward_keys)
+    assert keys == {(1, True), (2, True), (3, True), (3, False)}
+    g = telemetry.graphs
+    # a warm-up and a capture per key, every other forward a replay
+    assert (g.captures, g.warmups, g.misses, g.hits) == (
+        len(keys),
+        len(keys),
+        0,
+        len(forward_keys) - 2 * len(keys),
+    )
+
+
+@pytest.mark.slow
+def test_the_batched_step_compiles_once_per_bucket_and_phase():
+    """compile full with static shapes through open_session_pool: one entry per bucket and phase, recompiled only
+    for a new bucket size (never between the commit pass and the steps), equal to eager."""
+    torch._dynamo.reset()
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    config = CausalConfig(chunk_frames=2, window_frames=4, steps=2)
+    eager, _ = _compile_scenario(handle, config)
+    compiled, run = _compile_scenario(attach_compile(handle, "full", backend="eager", dynamic=False), config)
+    telemetry = run.finish()
+    for key, chunks in eager.got.items():
+        assert (
+            max((a.latents - b.latents).abs().max().item() for a, b in zip(compiled.got[key], chunks)) <= TOL
+        )
+    assert [(f.name, f.recompile_reason) for f in telemetry.frames] == [
+        ("causal_step_filling", None),
+        ("causal_step_filling", "tensor 'args[0]' size mismatch at index 0. expected 1, actual 2"),
+        ("causal_step_filling", "tensor 'args[0]' size mismatch at index 0. expected 2, actual 3"),
+        ("causal_step_full", None),
+    ]
+    assert telemetry.graph_breaks == {}
+
+
+# -- cancel -----------------------------------------------------------------------------------------------------------
+class TickCancelledError(Exception):
+    pass
+
+
+def _cancel_at(tick_calls: list, when):
+    """A before_forward hook that raises at its call whose step is ``when`` (None: the commit pass), once."""
+
+    def hook(step):
+        tick_calls.append(step)
+        if step == when and tick_calls.count(when) == 1:
+            raise TickCancelledError
+
+    return hook
+
+
+@pytest.mark.parametrize("when", [None, 0, 1], ids=["commit", "step0", "step1"])
+def test_a_cancelled_tick_leaves_every_session_as_before_and_the_video_goes_on(wan, when):
+    config = CONFIGS["int8-sink2-cache"]
+
+    def scenario(cancel: bool):
+        pool = SessionPool(wan, H, W, config, max_sessions=3)
+        drive = Driver(pool)
+        sessions = [pool.join(_ctx(i + 1), seed=i + 3) for i in range(3)]
+        for _ in range(2):
+            drive.tick()
+        if cancel:
+            before = [
+                (s.generator.get_state(), s.frames_generated, s.stats.chunks_generated) for s in sessions
+            ]
+            calls = []
+            with pytest.raises(TickCancelledError):
+                pool.tick(before_forward=_cancel_at(calls, when))
+            assert calls[-1] == when and pool.ticks == 2
+            after = [
+                (s.generator.get_state(), s.frames_generated, s.stats.chunks_generated) for s in sessions
+            ]
+            assert all(torch.equal(a[0], b[0]) and a[1:] == b[1:] for a, b in zip(before, after))
+            assert all(s.outbox is None and s.ready for s in sessions)
+        for _ in range(3):
+            drive.tick()
+        return drive
+
+    cancelled, whole = scenario(True), scenario(False)
+    assert cancelled.batches() == whole.batches()
+    for key, chunks in whole.got.items():
+        assert all(torch.equal(a.latents, b.latents) for a, b in zip(cancelled.got[key], chunks)), key
+
+
+def test_a_tick_cancelled_in_its_second_batch_keeps_the_first_batchs_chunks(wan):
+    """buckets (1,): each session is its own batch; a cancel in the second batch leaves the first session's chunk
+    in its outbox (its consumer takes it), the others as before the tick; every video goes on unchanged."""
+    config = CONFIGS["bf16-sink1-absolute"]
+    pool = SessionPool(wan, H, W, config, max_sessions=3, buckets=(1,))
+    drive = Driver(pool)
+    sessions = [pool.join(_ctx(i + 1), seed=i + 3) for i in range(3)]
+    drive.tick()
+    states = [s.generator.get_state() for s in sessions]
+    calls = []
+
+    def hook(step):
+        calls.append(step)
+        if len(calls) == 5:  # the first batch ran its commit and 2 steps; the second its commit and 1 step
+            raise TickCancelledError
+
+    with pytest.raises(TickCancelledError):
+        pool.tick(before_forward=hook)
+    first, *rest = sessions
+    assert first.outbox is not None and first.outbox.index == 1
+    assert all(s.outbox is None and torch.equal(s.generator.get_state(), g) for s, g in zip(rest, states[1:]))
+    drive.got[first.key].append(first.take())
+    for _ in range(2):
+        drive.tick()
+    for i, s in enumerate(sessions):
+        got = drive.got[s.key]
+        reference = _solo(wan, config, i + 3, len(got), {0: i + 1})
+        assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, reference)), s.key
+    assert [len(drive.got[s.key]) for s in sessions] == [4, 3, 3]

@@ -29,7 +29,7 @@ from fewstep.engine.causal.recipe import open_session_pool
 from fewstep.engine.causal.session import RECENT_CHUNKS
 from fewstep.engine.causal.session_pool import SessionPool
 from fewstep.engine.compile import attach_compile
-from fewstep.engine.run import RunBlocks
+from fewstep.engine.run import RunBlocks, RunOptions
 from fewstep.engine.units import format_bytes
 
 H, W = 32, 48  # px: a 4x6 latent, 2x3 tokens per frame
@@ -499,6 +499,17 @@ def test_a_sharded_run_is_refused(wan):
     )
 
 
+def test_a_pool_placed_on_a_worker_pool_is_refused():
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    with pytest.raises(InputError) as refused:
+        open_session_pool(handle, H, W, CONFIGS["bf16-evicting"], where="test pool",
+                          options=RunOptions(pool=object()))  # fmt: skip
+    assert str(refused.value) == (
+        "test pool: input 'pool': a session pool runs in this process on one device; it cannot be placed on a "
+        "worker pool"
+    )
+
+
 def test_bad_joins_and_session_operations_are_refused_with_their_message(wan):
     pool = SessionPool(wan, H, W, CONFIGS["bf16-evicting"], max_sessions=2, where="test pool")
     nan = _ctx()
@@ -529,13 +540,22 @@ def test_bad_joins_and_session_operations_are_refused_with_their_message(wan):
             f"input 'session': {waiting.key} is waiting, not active: it holds no slot",
         ),
         (lambda: pool.resume(a), f"input 'session': {a.key} is active, not suspended"),
+        (lambda: pool.resume(waiting), f"input 'session': {waiting.key} is waiting, not suspended"),
     ]:
         with pytest.raises(InputError) as refused:
             call()
         assert str(refused.value) == f"test pool: {message}"
+    pool.suspend(a)  # frees a slot: the queued join takes it
+    assert waiting.state == "active"
+    with pytest.raises(InputError) as refused:
+        pool.suspend(a)
+    assert (
+        str(refused.value)
+        == f"test pool: input 'session': {a.key} is suspended, not active: it holds no slot"
+    )
     pool.leave(b)
     pool.leave(b)  # a second leave is no error
-    assert b.state == "closed" and waiting.state == "active"
+    assert b.state == "closed" and pool.resume(a) and a.state == "active"
     with pytest.raises(InputError) as refused:
         pool.suspend(b)
     assert str(refused.value) == f"test pool: input 'session': {b.key} is not a live session of this pool"

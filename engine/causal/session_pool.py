@@ -334,11 +334,22 @@ class SessionPool:
         self.sessions[session.key] = session
         session.slot, session.state = slot, "active"
         session.cache = self.kv.slot_cache(slot, self.backends)
-        if session.saved is not None:  # a resumed session: its state goes back into this slot
-            restore_state(session.saved, session, self)
-            session.saved = None
-        else:
-            self._fill_prompt(session, context)
+        try:
+            if session.saved is not None:  # a resumed session: its state goes back into this slot
+                restore_state(session.saved, session, self)
+                session.saved = None
+            else:
+                self._fill_prompt(session, context)
+        except BaseException:
+            # a half-restored slot must not run as an active session: the slot frees again, a resume stays
+            # suspended with its host copy (it can be resumed again), a join is no member
+            self._release_slot(session)
+            if session.saved is not None:
+                session.state = "suspended"
+            else:
+                session.state = "closed"
+                self.sessions.pop(session.key, None)
+            raise
         session.due_since = time.perf_counter()
         return True
 

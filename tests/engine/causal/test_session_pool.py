@@ -823,3 +823,26 @@ def test_a_tick_cancelled_in_its_second_batch_keeps_the_first_batchs_chunks(wan)
         reference = _solo(wan, config, i + 3, len(got), {0: i + 1})
         assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, reference)), s.key
     assert [len(drive.got[s.key]) for s in sessions] == [4, 3, 3]
+
+
+def test_a_resume_that_fails_to_restore_leaves_the_session_suspended_and_the_slot_free(wan, monkeypatch):
+    config = CONFIGS["bf16-sink1-absolute"]
+    pool = SessionPool(wan, H, W, config, max_sessions=2, where="test pool")
+    drive = Driver(pool)
+    a = pool.join(_ctx(1), seed=3)
+    drive.tick()
+    pool.suspend(a)
+
+    def failing(state, session, pool=None):
+        raise InputError("session", "the saved state does not fit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(session_pool_module, "restore_state", failing)
+        with pytest.raises(InputError, match="the saved state does not fit"):
+            pool.resume(a)
+    assert a.state == "suspended" and a.slot is None and a.saved is not None
+    assert pool._free_slots == [0, 1] and pool.ready() == []  # no half-restored session runs
+    assert pool.resume(a) and a.state == "active"
+    for _ in range(2):
+        drive.tick()
+    assert _max_diff(drive.got[a.key], _solo(wan, config, 3, 3, {0: 1})) <= TOL

@@ -428,11 +428,12 @@ class SessionPool:
         """The simple policy: suspend every active session whose consumer has left its newest chunk untaken for
         ``timeout`` seconds. Returns them."""
         now = time.perf_counter() if now is None else now
-        idle = [s for s in self.sessions.values()
-                if s.state == "active" and s.outbox is not None and now - s._done_at >= timeout]  # fmt: skip
-        for s in idle:
-            self.suspend(s, f"its consumer took no chunk for {timeout:g} s")
-        return idle
+        with self._lock:  # a join or leave of another thread must not change the sessions while they are read
+            idle = [s for s in self.sessions.values()
+                    if s.state == "active" and s.outbox is not None and now - s._done_at >= timeout]  # fmt: skip
+            for s in idle:
+                self.suspend(s, f"its consumer took no chunk for {timeout:g} s")
+            return idle
 
     def _admit_waiting(self) -> None:
         """Admit queued joins and resumes while slots are free; a queued one takes a suspended session's slot
@@ -444,7 +445,7 @@ class SessionPool:
     # -- ticks ---------------------------------------------------------------------------------------------------
     def ready(self) -> list[PoolSession]:
         """Sessions whose next chunk is due, the one served longest ago first (round-robin)."""
-        ready = [s for s in self.sessions.values() if s.ready]
+        ready = [s for s in list(self.sessions.values()) if s.ready]  # a copy: another thread may join
         return sorted(ready, key=lambda s: (s.last_served, s.key))
 
     def tick(self, before_forward: TickHook | None = None) -> TickReport:
@@ -614,14 +615,14 @@ class SessionPool:
         return {
             "slots": self.slots,
             "buckets": list(self.buckets),
-            "ticks": [{"tick": t, "batches": list(b), "seconds": s} for t, b, s in self.tick_log],
+            "ticks": [{"tick": t, "batches": list(b), "seconds": s} for t, b, s in list(self.tick_log)],
             "sessions": {
                 k: {
                     "state": s.state,
                     "chunks": s.stats.chunks_generated,
                     "deadlines_met": s.stats.deadlines_met,
                 }
-                for k, s in self.sessions.items()
+                for k, s in list(self.sessions.items())  # a copy: read while another thread joins or leaves
             },
         }
 

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import threading
 import time
 import types
 
@@ -846,3 +847,26 @@ def test_a_resume_that_fails_to_restore_leaves_the_session_suspended_and_the_slo
     for _ in range(2):
         drive.tick()
     assert _max_diff(drive.got[a.key], _solo(wan, config, 3, 3, {0: 1})) <= TOL
+
+
+def test_suspend_idle_waits_for_a_running_tick(wan):
+    """The idle policy run by another thread during a tick suspends nothing mid-tick: it runs once the tick is
+    done (the pool's lock), and then suspends the session whose chunk is left untaken."""
+    pool = SessionPool(wan, H, W, CONFIGS["bf16-evicting"], max_sessions=2)
+    s = pool.join(_ctx(1))
+    pool.tick()  # its chunk is left untaken; the next tick serves nobody but still runs
+    other = pool.join(_ctx(2))
+    suspended, watcher = [], []
+
+    def hook(step):
+        if not watcher:
+            watcher.append(
+                threading.Thread(target=lambda: suspended.extend(pool.suspend_idle(0.0, now=1e12)))
+            )
+            watcher[0].start()
+            watcher[0].join(0.2)
+            assert watcher[0].is_alive() and s.state == "active"  # held back by the running tick
+
+    pool.tick(before_forward=hook)
+    watcher[0].join()
+    assert suspended == [s, other] and s.state == other.state == "suspended"

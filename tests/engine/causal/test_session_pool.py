@@ -870,3 +870,23 @@ def test_suspend_idle_waits_for_a_running_tick(wan):
     pool.tick(before_forward=hook)
     watcher[0].join()
     assert suspended == [s, other] and s.state == other.state == "suspended"
+
+
+def test_a_prompt_switch_asked_before_a_suspend_takes_effect_after_the_resume(wan):
+    config = CONFIGS["int4-sink1-cache"]
+    pool = SessionPool(wan, H, W, config, max_sessions=2)
+    drive = Driver(pool)
+    s = pool.join(_ctx(1), seed=3)
+    for _ in range(2):
+        drive.tick()
+    pool.set_prompt(s, _ctx(5))
+    pool.join(_ctx(2), seed=4)
+    waiting = pool.join(_ctx(3), seed=6, wait=True)
+    pool.suspend(s)  # the queued join takes its slot
+    assert waiting.state == "active" and s.slot is None
+    drive.tick()
+    pool.leave(waiting)
+    assert pool.resume(s)
+    for _ in range(2):
+        drive.tick()
+    _assert_follows(drive.got[s.key], _solo_with_tiers(wan, config, 3, 4, {0: 1, 2: 5}))

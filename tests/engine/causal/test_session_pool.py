@@ -42,6 +42,16 @@ TOL = 1e-5  # a pool row against its solo session: float rounding of the batched
 QUANTIZED_TOL = 2e-3
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """wan-tiny's GEMMs are a few KiB: a second intra-op thread only spins, and on a loaded CI machine its spinning
+    made this file ten times slower (measured: 342 s against 25 s with one thread on 2 shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def wan():
     return load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)

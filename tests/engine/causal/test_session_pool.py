@@ -264,45 +264,59 @@ def test_a_prompt_switch_takes_effect_at_the_next_chunk_only(wan):
 
 
 # -- swap -----------------------------------------------------------------------------------------------------------
+SWAP_AFTER = (
+    4  # ticks before the swap: the windows below have evicted, quantized and copied their sinks by then
+)
+
+
 def _swap_scenario(model, config, vae, swap: bool):
-    """A, B, C join; after 2 ticks A is suspended, D joins (into A's slot) and A is resumed (into another slot);
-    without ``swap`` D joins the same way and A stays. Every tick is one batch of 4 rows in the same order."""
+    """A, B, C join; after SWAP_AFTER ticks A is suspended, D joins (into A's slot) and A is resumed (into another
+    slot); without ``swap`` D joins the same way and A stays. Every tick is one batch of 4 rows in the same
+    order."""
     pool = SessionPool(model, H, W, config, max_sessions=4, buckets=(4,), tiny_vae=vae)
     drive = Driver(pool)
     a, b, c = (pool.join(_ctx(i), seed=i + 2) for i in (1, 2, 3))
-    for _ in range(2):
+    for _ in range(SWAP_AFTER):
         drive.tick()
     saved, old_slot = None, a.slot
     if swap:
         saved = pool.suspend(a)
         assert a.state == "suspended" and a.slot is None and a.cache is None
-        assert a.frames_generated == 2 * config.chunk_frames  # the host copy holds its position
+        assert a.frames_generated == SWAP_AFTER * config.chunk_frames  # the host copy holds its position
     d = pool.join(_ctx(4), seed=6)
     if swap:
         assert d.slot == old_slot  # the freed slot is taken while A is suspended
         assert pool.resume(a) and a.state == "active" and a.slot not in (None, old_slot)
     for _ in range(3):
         drive.tick()
-    assert drive.batches() == [((3,), (4,))] * 2 + [((4,), (4,))] * 3
+    assert drive.batches() == [((3,), (4,))] * SWAP_AFTER + [((4,), (4,))] * 3
     return drive, (a, b, c, d), saved
 
 
-def test_a_suspended_and_resumed_session_continues_exactly(wan, taew):
-    config = CONFIGS["int8-sink2-cache"]
+@pytest.mark.parametrize("name", ["bf16-sink1-absolute", "int8-sink2-cache", "int4-sink1-cache"])
+def test_a_suspended_and_resumed_session_continues_exactly(wan, taew, name):
+    config = CONFIGS[name]
     swapped, (a, *_), saved = _swap_scenario(wan, config, taew, swap=True)
-    plain, (a_plain, *_), _ = _swap_scenario(wan, config, taew, swap=False)
+    plain, _, _ = _swap_scenario(wan, config, taew, swap=False)
     for key in swapped.got:
         assert len(swapped.got[key]) == len(plain.got[key])
         for x, y in zip(swapped.got[key], plain.got[key]):
             assert torch.equal(x.latents, y.latents) and torch.equal(x.frames, y.frames), key
-    _assert_follows(swapped.got[a.key], _solo_with_tiers(wan, config, 3, 5, {0: 1}, taew))
-    # the whole state went to the host: every K/V buffer (the quantized ring, scales, sinks' copies), the prompt
-    # rows, the clean latents awaiting commit, the generator and the stream decoder
+    _assert_follows(swapped.got[a.key], _solo_with_tiers(wan, config, 3, SWAP_AFTER + 3, {0: 1}, taew))
+    # the whole state went to the host: every K/V buffer (the quantized ring with its scales and zero points, the
+    # sinks' copies), the prompt rows, the clean latents awaiting commit, the generator and the stream decoder
     assert all(t.device.type == "cpu" for t in saved.tensors.values())
     names = set(saved.tensors)
-    assert {"pending", "generator", "cross.k0", "cross.v1", "kv.k0", "kv.sink_k0", "kv.kq0_scale"} <= names
+    assert {"pending", "generator", "cross.k0", "cross.v1", "kv.k0", "kv.v1"} <= names
     assert any(n.startswith("decoder.") for n in names)
-    assert saved.frames_generated == 2 * config.chunk_frames and saved.meta["chunks_generated"] == 2
+    kv = saved.meta["kv"]
+    assert kv["frames_committed"] == (SWAP_AFTER - 1) * config.chunk_frames
+    if config.kv_dtype != "bf16":
+        assert kv["frames_quantized"] > 0 and {"kv.kq0", "kv.kq0_scale", "kv.vq1_zero"} <= names
+    if config.rope == "cache" and config.sink_frames:
+        assert kv["sinks_copied"] > 0 and "kv.sink_k0" in names
+    assert saved.frames_generated == SWAP_AFTER * config.chunk_frames
+    assert saved.meta["chunks_generated"] == SWAP_AFTER
 
 
 def test_a_full_pool_gives_a_suspended_sessions_slot_and_a_queued_resume_the_next_free_one(wan):

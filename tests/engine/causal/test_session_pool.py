@@ -914,3 +914,30 @@ def test_a_prompt_switch_asked_before_a_suspend_takes_effect_after_the_resume(wa
     for _ in range(2):
         drive.tick()
     _assert_follows(drive.got[s.key], _solo_with_tiers(wan, config, 3, 4, {0: 1, 2: 5}))
+
+
+def test_padded_rows_and_other_sessions_write_nothing_into_an_idle_sessions_slot(wan):
+    """A tick of two sessions in the bucket of 4 (two padded rows reading the first row's slot) leaves every
+    buffer of a third session's slot, and its prompt rows, bit for bit as they were."""
+    config = CONFIGS["int8-sink2-cache"]
+    pool = SessionPool(wan, H, W, config, max_sessions=4, buckets=(4,))
+    idle, b, c = (pool.join(_ctx(i), seed=i) for i in (1, 2, 3))
+    for _ in range(4):
+        pool.tick()
+        b.take(), c.take(), idle.take()
+    pool.tick()  # idle's consumer does not take this one: idle is not served by the next ticks
+
+    def idle_rows():
+        rows = {name: pool.kv.slot_rows(name, idle.slot).clone() for name in pool.kv.tensors}
+        rows.update(
+            {f"cross{i}": torch.stack([k[idle.slot], v[idle.slot]]) for i, (k, v) in enumerate(pool.cross)}
+        )
+        return rows
+
+    before = idle_rows()
+    for _ in range(3):
+        b.take(), c.take()
+        report = pool.tick()
+        assert report.batches == (2,) and report.buckets == (4,)
+    after = idle_rows()
+    assert all(torch.equal(before[name], after[name]) for name in before)

@@ -129,13 +129,13 @@ CONFIGS = {
     "int8-sink2-cache": CausalConfig(chunk_frames=2, window_frames=8, sink_frames=2, kv_dtype="int8"),
     "int8-absolute": CausalConfig(
         chunk_frames=2, window_frames=6, kv_dtype="int8", keep_recent_chunks=0, rope="absolute", steps=2
-    ),  # fmt: skip
+    ),
     "int4-sink1-absolute": CausalConfig(
         chunk_frames=2, window_frames=6, sink_frames=1, kv_dtype="int4", rope="absolute", steps=2
-    ),  # fmt: skip
+    ),
     "int4-sink1-cache": CausalConfig(
         chunk_frames=1, window_frames=4, sink_frames=1, kv_dtype="int4", keep_recent_chunks=1, steps=2
-    ),  # fmt: skip
+    ),
 }
 # the batches of the scenario below per tick: (sizes, bucketed sizes)
 EXPECTED_BATCHES = {
@@ -157,7 +157,7 @@ EXPECTED_BATCHES = {
         ((2, 2), (2, 2)),
         ((2, 1), (2, 1)),
         ((2, 1), (2, 1)),
-    ],  # fmt: skip
+    ],
     # padded rows: 2 or 3 sessions run in the bucket of 4
     (1, 4): [
         ((1,), (1,)),

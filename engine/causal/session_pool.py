@@ -340,11 +340,22 @@ class SessionPool:
         self.sessions[session.key] = session
         session.slot, session.state = slot, "active"
         session.cache = self.kv.slot_cache(slot, self.backends)
-        if session.saved is not None:  # a resumed session: its state goes back into this slot
-            restore_state(session.saved, session, self)
-            session.saved = None
-        else:
-            self._fill_prompt(session, context)
+        try:
+            if session.saved is not None:  # a resumed session: its state goes back into this slot
+                restore_state(session.saved, session, self)
+                session.saved = None
+            else:
+                self._fill_prompt(session, context)
+        except BaseException:
+            # a half-restored slot must not run as an active session: the slot frees again, a resume stays
+            # suspended with its host copy (it can be resumed again), a join is no member
+            self._release_slot(session)
+            if session.saved is not None:
+                session.state = "suspended"
+            else:
+                session.state = "closed"
+                self.sessions.pop(session.key, None)
+            raise
         session.due_since = time.perf_counter()
         return True
 
@@ -423,12 +434,13 @@ class SessionPool:
         """The simple policy: suspend every active session whose consumer has left its newest chunk untaken for
         ``timeout`` seconds. Returns them."""
         now = time.perf_counter() if now is None else now
-        idle = [s for s in self.sessions.values()
-                if s.state == "active" and s.outbox is not None and now - s._done_at >= timeout]  # fmt: skip
-        for s in idle:
-            self.suspend(s, f"its consumer took no chunk for {timeout:g} s")
-            s.resume_when_taken = True
-        return idle
+        with self._lock:  # a join or leave of another thread must not change the sessions while they are read
+            idle = [s for s in self.sessions.values()
+                    if s.state == "active" and s.outbox is not None and now - s._done_at >= timeout]  # fmt: skip
+            for s in idle:
+                self.suspend(s, f"its consumer took no chunk for {timeout:g} s")
+                s.resume_when_taken = True
+            return idle
 
     def _admit_waiting(self) -> None:
         """Admit queued joins and resumes while slots are free; a queued one takes a suspended session's slot
@@ -440,7 +452,7 @@ class SessionPool:
     # -- ticks ---------------------------------------------------------------------------------------------------
     def ready(self) -> list[PoolSession]:
         """Sessions whose next chunk is due, the one served longest ago first (round-robin)."""
-        ready = [s for s in self.sessions.values() if s.ready]
+        ready = [s for s in list(self.sessions.values()) if s.ready]  # a copy: another thread may join
         return sorted(ready, key=lambda s: (s.last_served, s.key))
 
     def tick(self, before_forward: TickHook | None = None) -> TickReport:
@@ -508,6 +520,10 @@ class SessionPool:
             x = torch.cat([x, x.new_zeros(bucket - len(parts), *x.shape[1:])])
         return x
 
+    # in inference mode throughout, as a solo session's chunk: the commit pass's input (the pending latents
+    # padded into a batch) is then an inference tensor like the steps' input, so a compiled step is not
+    # recompiled for the other dispatch key set each phase
+    @torch.inference_mode()
     def _run_batch(self, batch: list[PoolSession], bucket: int, before_forward: TickHook | None):
         c = self.config.chunk_frames
         shape = (1, self.model.params.in_dim, c, *self.latent_hw)
@@ -612,14 +628,14 @@ class SessionPool:
         return {
             "slots": self.slots,
             "buckets": list(self.buckets),
-            "ticks": [{"tick": t, "batches": list(b), "seconds": s} for t, b, s in self.tick_log],
+            "ticks": [{"tick": t, "batches": list(b), "seconds": s} for t, b, s in list(self.tick_log)],
             "sessions": {
                 k: {
                     "state": s.state,
                     "chunks": s.stats.chunks_generated,
                     "deadlines_met": s.stats.deadlines_met,
                 }
-                for k, s in self.sessions.items()
+                for k, s in list(self.sessions.items())  # a copy: read while another thread joins or leaves
             },
         }
 

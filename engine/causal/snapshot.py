@@ -305,6 +305,15 @@ def _check_state_meta(meta, settings: SnapshotSettings, name: str, input_name: s
         raise bad("generator device")
 
 
+def read_snapshot_settings(path, where: str | None = None, input_name: str = "snapshot") -> SnapshotSettings:
+    """The settings a snapshot was saved with, from its header alone (its format and version checked; the model
+    and the tensors are checked by :func:`load_snapshot`). A command reads them before loading the model."""
+    path = os.fspath(path)
+    header = _read_header(path, input_name, where)[0]
+    _check_format(header, os.path.basename(path), input_name, where)
+    return _settings(header, os.path.basename(path), input_name, where)
+
+
 def load_snapshot(path, model, where: str | None = None, *, config: CausalConfig | None = None,
                   height: int | None = None, width: int | None = None, tiny_vae=None,
                   input_name: str = "snapshot") -> tuple[SessionState, SnapshotSettings]:  # fmt: skip

@@ -23,12 +23,12 @@ SAVED_SETTINGS = {
 PROMPT_FLAGS = {"cond": "--cond", "text_tokens": "--text-tokens"}
 
 
-class _Given(argparse.Action):
+class _Given(argparse._StoreAction):
     """A plain ``store`` that also records that the user gave the flag (``args.given``): with ``--resume``, a
     flag the user gave is checked against the snapshot, one left at its default takes the snapshot's value."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
+        super().__call__(parser, namespace, values, option_string)
         namespace.given = {*getattr(namespace, "given", ()), self.dest}
 
 
@@ -36,11 +36,12 @@ def add_snapshot_arguments(p: argparse.ArgumentParser) -> None:
     """``--save-session`` and ``--resume``; called after the settings flags are added (it tracks them)."""
     p.add_argument("--save-session", default=None, metavar="FILE",
                    help="after the last chunk, save the session (KV window, prompt rows, generator, position, "
-                   "stream decoder) to FILE, one safetensors file that --resume continues")  # fmt: skip
+                   "stream decoder) to FILE, one safetensors file that --resume continues (default: not saved)")  # fmt: skip
     p.add_argument("--resume", default=None, metavar="FILE",
                    help="continue the session saved in FILE (by --save-session) for --chunks more chunks, with the "
                    "same video as an uninterrupted stream; the size, seed and window settings come from FILE "
-                   "(a conflicting flag is refused), the model flags must give the model it was saved from")  # fmt: skip
+                   "(a conflicting flag is refused), the model flags must give the model it was saved from (default: a "
+                   "new stream)")  # fmt: skip
     tracked = set(SAVED_SETTINGS) | set(PROMPT_FLAGS)
     for action in p._actions:  # argparse has no public hook for "was this flag given"
         if action.dest in tracked and type(action) is argparse._StoreAction:

@@ -123,3 +123,20 @@ def test_bad_snapshot_paths_are_refused(tmp_path, capsys):
     assert _refused(capsys, "--model", "wan-tiny", "--chunks", "1", "--save-session", str(target)) == (
         f"error: fewstep stream: input '--save-session': {target}: expected a file path in an existing folder"
     )
+
+
+def test_a_lora_is_part_of_the_model_a_snapshot_was_saved_from(tmp_path, capsys):
+    """The digest is of the weights the session ran, its LoRA merged: resumed without it (or with it) it is refused
+    (or continues)."""
+    from fewstep.engine.lora.dummy import dummy_lora_tensors
+
+    model = fewstep.engine.load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu")
+    save_file(dummy_lora_tensors(model, scale=0.05), tmp_path / "style.safetensors")
+    lora = ["--lora", str(tmp_path / "style.safetensors")]
+    path = str(tmp_path / "s.safetensors")
+    assert main(["stream", *SETTINGS, *lora, "--chunks", "1", "--save-session", path, "--json"]) == 0
+    message = _refused(capsys, "--model", "wan-tiny", "--resume", path, "--chunks", "1")
+    assert message.startswith(
+        "error: fewstep stream: input '--resume': s.safetensors: saved from another model's weights"
+    )
+    assert main(["stream", "--model", "wan-tiny", *lora, "--resume", path, "--chunks", "1", "--json"]) == 0

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from ..errors import InputError
 from ..weights import model_digest
-from .kv_cache import KVCache
+from .kv_cache import KVCache, kv_cache_bytes
 from .session import CausalConfig, VideoSession, check_size
 from .session_state import SessionState, capture_state, restore_state
 
@@ -40,6 +40,7 @@ FORMAT = "fewstep-video-session"
 VERSION = 1
 HEADER_KEY = "fewstep.session"
 MAX_HEADER_BYTES = 16 * 2**20  # a session's header is a few KiB per layer; the bound is read before parsing
+MAX_STEPS = 1000  # a schedule's steps (the timestep scale): what a sane saved config can hold
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,9 @@ def _check_format(header: dict, name: str, input_name: str, where) -> None:
 
 
 def _check_model(header: dict, model, name: str, input_name: str, where) -> None:
-    saved, ours = header.get("model") or {}, _model_header(model)
-    saved_params = saved.get("params") or {}
+    saved, ours = header.get("model"), _model_header(model)
+    saved = saved if isinstance(saved, dict) else {}
+    saved_params = saved.get("params") if isinstance(saved.get("params"), dict) else {}
     differ = [f"{k} {saved_params.get(k)!r} there, {v!r} here" for k, v in ours["params"].items()
               if saved_params.get(k) != v]  # fmt: skip
     if differ:
@@ -252,8 +254,12 @@ def _settings(header: dict, name: str, input_name: str, where) -> SnapshotSettin
         )
     try:
         config = CausalConfig(**saved)
-    except (InputError, TypeError) as err:
+    except (TypeError, ValueError) as err:  # InputError is a ValueError
         raise _refuse(input_name, where, name, f"its saved config is invalid: {err}") from None
+    if config.steps is not None and (not isinstance(config.steps, int) or not 1 <= config.steps <= MAX_STEPS):
+        raise _refuse(
+            input_name, where, name, f"its saved steps {config.steps!r} is not a count in [1, {MAX_STEPS}]"
+        )
     values = {k: header.get(k) for k in ("height", "width", "seed")}
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values.values()):
         raise _refuse(input_name, where, name, f"its height / width / seed are not integers: {values}")
@@ -287,12 +293,15 @@ def _check_state_meta(meta, settings: SnapshotSettings, name: str, input_name: s
     for key in ("frames_committed", "frames_quantized", "sinks_copied", "sinks_offset"):
         if not isinstance(kv.get(key), int) or kv[key] < 0:
             raise bad(f"kv.{key} {kv.get(key)!r}")
+    horizon = kv["frames_committed"] + settings.config.chunk_frames  # no slot holds a frame past the chunk
     for key in ("full", "quantized"):
         slots = kv.get(key)
         if not isinstance(slots, list) or any(
-            s is not None and (not isinstance(s, int) or s < 0) for s in slots
+            s is not None and (not isinstance(s, int) or not 0 <= s < horizon) for s in slots
         ):
             raise bad(f"kv.{key} is not a list of frame indices")
+    if kv["frames_quantized"] > kv["frames_committed"]:
+        raise bad("more frames quantized than committed")
     if meta.get("chunk_frames") != settings.config.chunk_frames:
         raise bad(f"chunk_frames {meta.get('chunk_frames')!r}, the config's {settings.config.chunk_frames}")
     for key in ("chunks_generated", "frames_decoded"):
@@ -349,6 +358,13 @@ def load_snapshot(path, model, where: str | None = None, *, config: CausalConfig
             raise _refuse(input_name, where, name, f"its frames were decoded by {settings.tiny_vae}, not "
                           f"{variant} (resume it with {settings.tiny_vae})")  # fmt: skip
 
+    # the KV window's bytes by the one formula (arithmetic, nothing allocated) bound the settings by the file
+    # before the expected shapes are built: a saved window or size far past what the file holds is refused here
+    kv_bytes = _kv_window_bytes(model, settings)
+    if kv_bytes > size:
+        raise _refuse(input_name, where, name, f"its settings make a KV window of {kv_bytes} bytes; the file holds "
+                      f"{size} (a window or size that was not saved here)")  # fmt: skip
+
     # every tensor: the file's own table, the header's list and what the model and the settings imply, all equal
     expected = expected_tensors(model, settings.config, settings.height, settings.width, tiny_vae, started)
     listed = header.get("tensors")
@@ -387,6 +403,14 @@ def load_snapshot(path, model, where: str | None = None, *, config: CausalConfig
     if tiny_vae is None:
         meta = {**meta, "decoder": None}  # the decoder memory was not loaded: a session without a tiny VAE
     return SessionState(tensors, meta), settings
+
+
+def _kv_window_bytes(model, settings: SnapshotSettings) -> int:
+    p, config = model.params, settings.config
+    tokens = (settings.height // 8 // p.patch_size[1]) * (settings.width // 8 // p.patch_size[2])
+    dtype = model.patch_embedding.weight.dtype
+    return kv_cache_bytes(p.num_layers, 1, tokens, p.num_heads, p.head_dim, config.window, dtype, config.kv_dtype,
+                          config.keep_recent_chunks, config.rope).window  # fmt: skip
 
 
 _ST_DTYPES = {

@@ -310,6 +310,20 @@ def test_huge_shapes_are_refused_before_allocating(wan, good, tmp_path, no_tenso
         "input 'snapshot': wide.safetensors: tensor 'pending' is [1, 16, 2, 4, 12] F32; this model and the "
         "snapshot's settings make it [1, 16, 2, 4, 6] F32"
     )
+
+    def huge_window(header):  # settings whose expected shapes alone would be huge: bounded by the file first
+        header["config"]["window_frames"] = 10**9
+
+    message = _refusal(_rewrite(good, tmp_path / "window.safetensors", huge_window), wan)
+    assert message.startswith("input 'snapshot': window.safetensors: its settings make a KV window of ")
+    assert message.endswith(" (a window or size that was not saved here)")
+
+    def many_steps(header):
+        header["config"]["steps"] = 10**12
+
+    assert _refusal(_rewrite(good, tmp_path / "steps.safetensors", many_steps), wan) == (
+        "input 'snapshot': steps.safetensors: its saved steps 1000000000000 is not a count in [1, 1000]"
+    )
     # a safetensors table claiming a huge tensor over a few bytes: refused by the format's own check
     header = json.dumps(
         {"kv.k0": {"dtype": "F32", "shape": [2**40, 2, 32], "data_offsets": [0, 16]}}
@@ -376,6 +390,13 @@ def test_a_tampered_state_or_config_is_refused(wan, good, tmp_path, no_tensor_lo
 
     assert _refusal(_rewrite(good, tmp_path / "a.safetensors", slots), wan) == (
         "input 'snapshot': a.safetensors: its saved session state is invalid (kv.full is not a list of frame indices)"
+    )
+
+    def future(header):
+        header["state"]["kv"]["full"][0] = 10**6
+
+    assert _refusal(_rewrite(good, tmp_path / "f.safetensors", future), wan) == (
+        "input 'snapshot': f.safetensors: its saved session state is invalid (kv.full is not a list of frame indices)"
     )
 
     def window(header):

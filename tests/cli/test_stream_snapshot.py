@@ -30,12 +30,16 @@ def _cli(*args):
     return r
 
 
-def test_a_stream_saved_and_resumed_in_another_process_writes_the_uninterrupted_chunks(tmp_path):
+def test_a_stream_saved_and_resumed_in_another_process_writes_the_uninterrupted_chunks(tmp_path, capsys):
     vae = ["--tiny-vae", "dummy:taew2_1"]
-    _cli(*SETTINGS, *vae, "--chunks", "5", "--out", str(tmp_path / "whole"))
-    saved = _cli(*SETTINGS, *vae, "--chunks", "2", "--save-session", str(tmp_path / "s.safetensors"))
-    assert f"saved the session to {tmp_path / 's.safetensors'}" in saved.stdout
-    # the settings come from the snapshot: only the model flags, the tiny VAE and the chunks are given
+    assert main(["stream", *SETTINGS, *vae, "--chunks", "5", "--out", str(tmp_path / "whole"), "--json"]) == 0
+    capsys.readouterr()
+    assert (
+        main(["stream", *SETTINGS, *vae, "--chunks", "2", "--save-session", str(tmp_path / "s.safetensors")])
+        == 0
+    )
+    assert f"saved the session to {tmp_path / 's.safetensors'}" in capsys.readouterr().out
+    # another process; the settings come from the snapshot: only the model flags, the tiny VAE and the chunks
     r = _cli("--model", "wan-tiny", *vae, "--resume", str(tmp_path / "s.safetensors"), "--chunks", "3", "--json",
              "--out", str(tmp_path / "rest"))  # fmt: skip
     report = json.loads(r.stdout)

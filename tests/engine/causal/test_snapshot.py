@@ -59,42 +59,55 @@ def _saved(model, path, config=INT8_SINKS, chunks=2, tiny_vae=None, seed=3):
     return session
 
 
+# one process resumes every case's snapshot (one start-up of torch for the three)
 RESUME_IN_A_NEW_PROCESS = """
 import sys, torch
 from safetensors.torch import save_file
 from fewstep.engine import load_dit, load_tiny_vae
 from fewstep.engine.causal.snapshot import resume_session
 model = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
-vae = load_tiny_vae("dummy:taew2_1", device="cpu") if sys.argv[3] == "vae" else None
-session, _ = resume_session(model, sys.argv[1], tiny_vae=vae)
-chunks = session.run(3)
-out = {"latents": torch.cat([c.latents for c in chunks], 2), "index": torch.tensor([c.index for c in chunks])}
-if vae is not None:
-    out["frames"] = torch.cat([c.frames for c in chunks], 1)
-save_file(out, sys.argv[2])
+vae = load_tiny_vae("dummy:taew2_1", device="cpu")
+for snapshot, out_path, with_vae in zip(*[iter(sys.argv[1:])] * 3):
+    session, _ = resume_session(model, snapshot, tiny_vae=vae if with_vae == "vae" else None)
+    chunks = session.run(3)
+    out = {"latents": torch.cat([c.latents for c in chunks], 2), "index": torch.tensor([c.index for c in chunks])}
+    if with_vae == "vae":
+        out["frames"] = torch.cat([c.frames for c in chunks], 1)
+    save_file(out, out_path)
 """
+CASES = {
+    "int8-sinks": (INT8_SINKS, False),
+    "bf16-sinks": (BF16_SINKS, False),
+    "int8-sinks-tiny-vae": (INT8_SINKS, True),
+}
 
 
-@pytest.mark.parametrize(
-    "config, with_vae",
-    [(INT8_SINKS, False), (BF16_SINKS, False), (INT8_SINKS, True)],
-    ids=["int8-sinks", "bf16-sinks", "int8-sinks-tiny-vae"],
-)
-def test_a_snapshot_resumed_in_another_process_continues_bit_for_bit(wan, vae, tmp_path, config, with_vae):
-    tiny = vae if with_vae else None
-    whole = VideoSession(wan, _ctx(), H, W, config, 3, tiny).run(5)
-    saved = _saved(wan, tmp_path / "s.safetensors", config, 2, tiny)
-    if config.kv_dtype == "int8":  # the quantized tier holds frames in the saved state already
-        assert saved.cache.frames_quantized > 0
+@pytest.fixture(scope="module")
+def resumed_elsewhere(wan, vae, tmp_path_factory):
+    """case -> (the uninterrupted 5 chunks, the file of the 3 chunks another process resumed after chunk 2)."""
+    folder = tmp_path_factory.mktemp("snapshots")
+    whole, argv = {}, []
+    for case, (config, with_vae) in CASES.items():
+        tiny = vae if with_vae else None
+        whole[case] = VideoSession(wan, _ctx(), H, W, config, 3, tiny).run(5)
+        saved = _saved(wan, folder / f"{case}.safetensors", config, 2, tiny)
+        if config.kv_dtype == "int8":  # the quantized tier holds frames in the saved state already
+            assert saved.cache.frames_quantized > 0
+        argv += [str(folder / f"{case}.safetensors"), str(folder / f"{case}.out"), "vae" if with_vae else "-"]
     env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
-    r = subprocess.run([sys.executable, "-c", RESUME_IN_A_NEW_PROCESS, str(tmp_path / "s.safetensors"),
-                        str(tmp_path / "out.safetensors"), "vae" if with_vae else "-"],
-                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", RESUME_IN_A_NEW_PROCESS, *argv], capture_output=True, text=True,
+                       env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    with safe_open(tmp_path / "out.safetensors", framework="pt") as f:
+    return {case: (whole[case], folder / f"{case}.out") for case in CASES}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_snapshot_resumed_in_another_process_continues_bit_for_bit(resumed_elsewhere, case):
+    whole, out = resumed_elsewhere[case]
+    with safe_open(out, framework="pt") as f:
         assert f.get_tensor("index").tolist() == [2, 3, 4]
         assert torch.equal(f.get_tensor("latents"), torch.cat([c.latents for c in whole[2:]], 2))
-        if with_vae:
+        if CASES[case][1]:
             assert torch.equal(f.get_tensor("frames"), torch.cat([c.frames for c in whole[2:]], 1))
 
 

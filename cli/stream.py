@@ -39,6 +39,13 @@ from .common import (
     with_loras,
     write_json,
 )
+from .stream_snapshot import (
+    add_snapshot_arguments,
+    apply_snapshot_settings,
+    check_save_path,
+    open_resumed,
+    save_if_asked,
+)
 from .video import VIDEO_FPS, WEBP_MAX_BYTES, open_video, write_video
 
 HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
@@ -143,6 +150,7 @@ def add_arguments(p) -> None:
         action="store_true",
         help="print the report (with the compile telemetry) as JSON instead of a line per chunk",
     )
+    add_snapshot_arguments(p)
 
 
 def chunk_count(args) -> int:
@@ -157,6 +165,8 @@ def chunk_count(args) -> int:
 
 
 def run(args) -> int:
+    apply_snapshot_settings(args)  # --resume: the snapshot's settings (conflicting flags refused)
+    check_save_path(args)
     n_chunks = chunk_count(args)
     check_at_least(args, text_tokens=1, chunks=1)
     check_seed(args.seed)
@@ -186,9 +196,14 @@ def run(args) -> int:
     )
     handle = with_compile(handle, compiling)
     # the session's run (engine.run): the compiled forward stands for the model; finish() is its telemetry
-    session, compiled = open_session(
-        handle, context, args.height, args.width, config, args.seed, vae, "stream"
-    )
+    resumed = None
+    if args.resume:  # the model checked against the snapshot, the session continued where it was saved
+        session, compiled, resumed = open_resumed(args, handle, vae)
+    else:
+        session, compiled = open_session(
+            handle, context, args.height, args.width, config, args.seed, vae, "stream"
+        )
+    first_frame = 4 * session.frames_generated  # video frames before this run's (0 for a new stream)
     # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
     output = StreamOutput(args.out, session, p.in_dim, n_chunks, args.chunk_frames, vae is not None,
                           args.width, args.height) if args.out else None  # fmt: skip
@@ -224,6 +239,7 @@ def run(args) -> int:
                 del chunk
         if output is not None:
             output.finish()
+        snapshot = save_if_asked(args, session)
     finally:
         if output is not None:
             output.abandon()  # an interrupted run leaves no half-written file
@@ -240,9 +256,13 @@ def run(args) -> int:
         "tokens_per_frame": session.cache.tokens_per_frame,
         "kv_bytes_window": session.cache.nbytes,
         "latent_frames": n_chunks * args.chunk_frames,
-        "video_frames": 4 * n_chunks * args.chunk_frames - 3,
+        "video_frames": 4 * n_chunks * args.chunk_frames - (3 if first_frame == 0 else 0),
         "compile": compile_report(telemetry),
     }
+    if resumed is not None:
+        report["resumed"] = resumed
+    if snapshot is not None:
+        report["snapshot"] = snapshot
     if args.out:
         report["files"] = output.files
         write_json(os.path.join(args.out, "stream.json"), report)
@@ -252,6 +272,9 @@ def run(args) -> int:
         for line in output.summary():
             print(line)
         print(f"wrote {os.path.join(args.out, 'stream.json')}")
+    if snapshot is not None and not args.json:
+        print(f"saved the session to {snapshot['path']} ({format_bytes(snapshot['bytes'])}); continue it with "
+              f"--resume {snapshot['path']}")  # fmt: skip
     session.dispose()
     return 0
 
@@ -266,8 +289,9 @@ class StreamOutput:
                  width: int, height: int):  # fmt: skip
         latent_frames = n_chunks * chunk_frames
         tensors = {"latent": ((session.batch, channels, latent_frames, *session.latent_hw), 2)}
-        if frames:
-            tensors["frames"] = ((session.batch, 4 * latent_frames - 3, 3, height, width), 1)
+        if frames:  # the first chunk of a stream decodes 3 frames fewer (a resumed one is past it)
+            trimmed = 3 if session.frames_generated == 0 else 0
+            tensors["frames"] = ((session.batch, 4 * latent_frames - trimmed, 3, height, width), 1)
         self.out = out
         self.latents = ChunkedSafetensors(os.path.join(out, "latents.safetensors"), tensors)
         self.videos = []

@@ -9,6 +9,7 @@ as one state dict from all of its shards.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -281,3 +282,38 @@ def dummy_init_(model: nn.Module, seed: int = 0) -> None:
         else:
             values.normal_(0.0, 0.02, generator=gen)
         param.copy_(values)
+
+
+DIGEST_SAMPLES = 4096  # values read per tensor by model_digest
+
+
+@torch.no_grad()
+def model_digest(model: nn.Module, samples: int = DIGEST_SAMPLES) -> str:
+    """A fingerprint of ``model``'s weights (hex sha256), cheap for a large model: it covers every tensor of its
+    state dict (parameters and persistent buffers) by name, shape and dtype, and up to ``samples`` of its values,
+    evenly spaced over the flattened tensor (first and last included; every value of a smaller tensor), hashed
+    as their stored bytes. The samples are gathered where the weights live and copied to the CPU together.
+
+    What it does not cover: two models that differ only in values that are not sampled share a digest (a LoRA
+    changes whole matrices, so its merge changes the digest; a fine-tune of a few values might not). It is
+    computed anew on every call, never cached: a LoRA merge writes through ``.data``, which bumps no version
+    counter a cache could key on."""
+    digest = hashlib.sha256()
+    picked = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        tensor = tensor.detach()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\n".encode())
+        flat = tensor.reshape(-1)
+        if flat.numel() > samples:
+            index = torch.arange(samples, device=flat.device) * (flat.numel() - 1) // (samples - 1)
+            flat = flat.index_select(0, index)
+        picked.append(
+            flat.contiguous().view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+        )
+    if picked:
+        if len({p.device for p in picked}) == 1:  # the usual case: one copy to the host
+            values = torch.cat(picked).cpu()
+        else:  # weights split over devices (offloaded): in state-dict order all the same
+            values = torch.cat([p.cpu() for p in picked])
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()

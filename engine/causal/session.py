@@ -198,6 +198,7 @@ class VideoSession:
             seed = check_seed(seed)
         except InputError as err:
             raise (err.located(where) if where else err) from None
+        self.seed = seed  # what a snapshot records (engine.causal.snapshot)
         self.latent_hw = (height // 8, width // 8)
         self.grid_hw = (self.latent_hw[0] // p.patch_size[1], self.latent_hw[1] // p.patch_size[2])
         self.sigmas = schedule_sigmas(config.schedule, config.steps, input_name="schedule")

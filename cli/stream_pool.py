@@ -196,10 +196,10 @@ class PoolRun:
         """Every session whose join tick has come joins (queued while no slot is free)."""
         for s in self.streams:
             if s.session is None and s.join_tick <= self.pool.ticks:
+                if self.args.out:  # before joining: its chunk is due from the join on
+                    s.output = self.open_output(s)
                 s.session = self.pool.join(self.prompt_of(s.seed), s.seed, self.n_chunks, wait=True)
                 self.by_key[s.session.key] = s
-                if self.args.out:
-                    s.output = self.open_output(s)
 
     def open_output(self, s: PoolStream):
         from .stream import StreamOutput

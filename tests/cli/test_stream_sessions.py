@@ -227,3 +227,19 @@ def test_a_pool_that_does_not_fit_the_memory_is_refused_naming_max_sessions(tmp_
 def test_percentile_is_the_nearest_rank():
     values = [0.4, 0.1, 0.3, 0.2]
     assert [percentile(values, q) for q in (1, 50, 75, 99, 100)] == [0.1, 0.2, 0.3, 0.4, 0.4]
+
+
+@pytest.mark.slow
+def test_compile_applies_to_the_pool_and_keeps_the_latents(capsys, tmp_path):
+    """--compile runs every batched step compiled (open_session_pool on the compiled handle), same video."""
+    common = ("--chunks", "3", "--sessions", "2", "--join-every", "1")
+    _run(capsys, *common, "--out", str(tmp_path / "eager"))
+    report = _report(capsys, *common, "--compile", "regional", "--compile-backend", "aot_eager", "--out",
+                     str(tmp_path / "compiled"))  # fmt: skip
+    assert report["compile"]["frames_compiled"] > 0 and report["compile"]["failures"] == []
+    for i in range(2):
+        torch.testing.assert_close(
+            _latents(tmp_path / "compiled" / f"session_{i}")["latent"],
+            _latents(tmp_path / "eager" / f"session_{i}")["latent"],
+            rtol=0, atol=TOLERANCE,
+        )  # fmt: skip

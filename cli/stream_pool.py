@@ -179,9 +179,8 @@ class PoolRun:
             for key in report.failed:
                 s = self.by_key[key]
                 err = s.session.error
-                raise InputError(
-                    err.input_name, f"session {s.index} (seed {s.seed}): {err.problem}"
-                ) from None
+                problem = err.problem.removeprefix(f"{key}: ")  # the pool's key; the CLI names its own index
+                raise InputError(err.input_name, f"session {s.index} (seed {s.seed}): {problem}") from None
             served = sorted((self.by_key[key] for key in report.chunks), key=lambda s: s.index)
             self.ticks.append({"tick": report.tick, "sessions": [s.index for s in served],
                                "batches": list(report.batches), "buckets": list(report.buckets),

@@ -243,3 +243,20 @@ def test_compile_applies_to_the_pool_and_keeps_the_latents(capsys, tmp_path):
             _latents(tmp_path / "eager" / f"session_{i}")["latent"],
             rtol=0, atol=TOLERANCE,
         )  # fmt: skip
+
+
+def test_a_session_whose_output_is_not_finite_stops_the_run_naming_it(capsys, tmp_path, monkeypatch):
+    from fewstep.engine.causal.session_pool import SessionPool
+
+    forward = SessionPool._forward
+
+    def nan_forward(self, batch, bucket, x, timestep):
+        return forward(self, batch, bucket, x, timestep) * float("nan")
+
+    monkeypatch.setattr(SessionPool, "_forward", nan_forward)
+    err = _error(capsys, "--chunks", "2", "--sessions", "2", "--seed", "4", "--out", str(tmp_path))
+    assert err.startswith(
+        "error: fewstep stream: input '--model': session 0 (seed 4): chunk 0 (latent frames 0-1): the denoised "
+        "latents hold NaN or infinite values; the session was stopped"
+    ), err
+    assert not os.path.exists(tmp_path / "session_0" / "latents.safetensors")  # no half-written file

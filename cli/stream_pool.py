@@ -46,20 +46,24 @@ SINGLE_SESSION_FLAGS = {"save_session": "--save-session", "resume": "--resume"}
 def add_arguments(p) -> None:
     p.add_argument(
         "--sessions",
+        metavar="N",
         type=int,
         default=1,
         help="streams run together in one session pool, their chunks batched into one forward per denoising "
         "step; session i has seed --seed + i and (without --cond) the synthetic prompt of that seed, so it "
-        "writes what a single stream of that seed writes",
+        "writes what a single stream of that seed writes; with --out each session writes "
+        "DIR/session_<i>/latents.safetensors (and its video with --tiny-vae), DIR/stream.json the whole report",
     )
     p.add_argument(
         "--join-every",
+        metavar="K",
         type=int,
         default=0,
         help="ticks between joins: session i joins the pool at tick i * K (0: every session joins at tick 0)",
     )
     p.add_argument(
         "--swap-every",
+        metavar="K",
         type=int,
         default=0,
         help="suspend every session to host memory after each K-th chunk of its own and resume it before the "
@@ -67,6 +71,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--max-sessions",
+        metavar="N",
         type=int,
         default=None,
         help="slots of the session pool, each a KV window allocated once; sessions past it wait for a free slot "
@@ -74,6 +79,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--buckets",
+        metavar="SIZES",
         default=BUCKETS_FLAG_DEFAULT,
         help="batch sizes a pooled forward runs at, comma-separated (static shapes for compile and CUDA graphs; "
         "a batch is padded up to the next one)",

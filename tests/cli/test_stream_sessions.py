@@ -122,11 +122,18 @@ def test_a_tick_is_cut_into_batches_of_the_largest_bucket(capsys):
     assert report["buckets"] == [1, 2]
 
 
-def test_sessions_past_the_slots_wait_for_one(capsys):
-    report = _report(capsys, "--chunks", "2", "--sessions", "3", "--max-sessions", "2")
+def test_sessions_past_the_slots_wait_for_one(capsys, tmp_path):
+    report = _report(capsys, "--latent-frames", "4", "--sessions", "3", "--max-sessions", "2", "--out",
+                     str(tmp_path / "pool"))  # fmt: skip
     assert report["slots"] == 2
     # sessions 0 and 1 hold both slots for their 2 chunks; session 2 takes a slot when they leave
     assert [t["sessions"] for t in report["ticks"]] == [[0, 1], [0, 1], [2], [2]]
+    # in the slot session 0 left: nothing of session 0's window reaches its video
+    _run(capsys, "--chunks", "2", "--seed", "2", "--out", str(tmp_path / "single"))
+    torch.testing.assert_close(
+        _latents(tmp_path / "pool" / "session_2")["latent"], _latents(tmp_path / "single")["latent"],
+        rtol=0, atol=TOLERANCE,
+    )  # fmt: skip
     out = _run(capsys, "--chunks", "1", "--sessions", "2", "--max-sessions", "1")
     assert "the pool holds 1 slots for 2 sessions: the others wait for a free slot" in out
 

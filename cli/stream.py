@@ -19,6 +19,7 @@ from ..engine.models.registry import FAMILIES, all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.units import format_bytes
 from ..engine.vae import load_tiny_vae
+from . import stream_pool
 from .common import (
     RenamedUnit,
     add_compile_arguments,
@@ -151,6 +152,7 @@ def add_arguments(p) -> None:
         help="print the report (with the compile telemetry) as JSON instead of a line per chunk",
     )
     add_snapshot_arguments(p)
+    stream_pool.add_arguments(p)
 
 
 def chunk_count(args) -> int:
@@ -164,7 +166,14 @@ def chunk_count(args) -> int:
     return 4 if args.chunks is None else args.chunks
 
 
+def synthetic_prompt(seed: int, text_tokens: int, text_dim: int) -> torch.Tensor:
+    """The seeded synthetic umT5 prompt a stream of ``seed`` uses without --cond."""
+    return torch.randn(1, text_tokens, text_dim, generator=torch.Generator().manual_seed((seed + 1) % 2**64))
+
+
 def run(args) -> int:
+    if stream_pool.requested(args):  # --sessions N, --join-every, --swap-every...: many streams in one pool
+        return stream_pool.run(args)
     apply_snapshot_settings(args)  # --resume: the snapshot's settings (conflicting flags refused)
     check_save_path(args)
     n_chunks = chunk_count(args)
@@ -183,9 +192,7 @@ def run(args) -> int:
     if args.cond:
         context = load_condition(args.cond, None).context
     else:
-        context = torch.randn(
-            1, args.text_tokens, p.text_dim, generator=torch.Generator().manual_seed((args.seed + 1) % 2**64)
-        )
+        context = synthetic_prompt(args.seed, args.text_tokens, p.text_dim)
     config = CausalConfig(
         chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
         schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,

@@ -1,0 +1,402 @@
+"""``python -m fewstep stream --sessions N``: N causal video streams of one model in one session pool, their chunks
+batched into one forward per denoising step (``engine.causal.SessionPool``).
+
+Session ``i`` has seed ``--seed + i`` and, without ``--cond``, the synthetic prompt a single ``stream --seed
+<that seed>`` draws, so its latents are the ones that single run writes. ``--join-every K`` admits session ``i`` at
+tick ``i * K``; ``--swap-every K`` suspends every session to host memory after each K-th chunk of its own and
+resumes it before the next tick (the video goes on unchanged). The run ends when every session has its chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from types import SimpleNamespace
+
+from ..engine.causal import CausalConfig, open_session_pool
+from ..engine.causal.session_pool import DEFAULT_BUCKETS, VIDEO_FPS
+from ..engine.checks import check_seed
+from ..engine.errors import InputError
+from ..engine.handle import open_model
+from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from ..engine.units import format_bytes
+from ..engine.vae import load_tiny_vae
+from .common import (
+    check_at_least,
+    check_lora_files,
+    compile_config,
+    compile_report,
+    load_condition,
+    prepare_out,
+    progress_bar,
+    say,
+    source_of,
+    with_compile,
+    with_loras,
+    write_json,
+)
+
+BUCKETS_FLAG_DEFAULT = ",".join(str(b) for b in DEFAULT_BUCKETS)
+# snapshot flags of a single stream (added beside these in cli/stream.py): a pool run has no single session to save
+SINGLE_SESSION_FLAGS = {"save_session": "--save-session", "resume": "--resume"}
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--sessions",
+        metavar="N",
+        type=int,
+        default=1,
+        help="streams run together in one session pool, their chunks batched into one forward per denoising "
+        "step; session i has seed --seed + i and (without --cond) the synthetic prompt of that seed, so it "
+        "writes what a single stream of that seed writes; with --out each session writes "
+        "DIR/session_<i>/latents.safetensors (and its video with --tiny-vae), DIR/stream.json the whole report",
+    )
+    p.add_argument(
+        "--join-every",
+        metavar="K",
+        type=int,
+        default=0,
+        help="ticks between joins: session i joins the pool at tick i * K (0: every session joins at tick 0)",
+    )
+    p.add_argument(
+        "--swap-every",
+        metavar="K",
+        type=int,
+        default=0,
+        help="suspend every session to host memory after each K-th chunk of its own and resume it before the "
+        "next tick, reporting the bytes moved and the seconds of each swap (0: never)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        metavar="N",
+        type=int,
+        default=None,
+        help="slots of the session pool, each a KV window allocated once; sessions past it wait for a free slot "
+        "(default: --sessions; fewer when the memory budget holds fewer)",
+    )
+    p.add_argument(
+        "--buckets",
+        metavar="SIZES",
+        default=BUCKETS_FLAG_DEFAULT,
+        help="batch sizes a pooled forward runs at, comma-separated (static shapes for compile and CUDA graphs; "
+        "a batch is padded up to the next one)",
+    )
+
+
+def requested(args) -> bool:
+    """Whether the stream is a session pool run: a pool flag differs from its default."""
+    return (
+        args.sessions != 1
+        or args.join_every != 0
+        or args.swap_every != 0
+        or args.max_sessions is not None
+        or args.buckets != BUCKETS_FLAG_DEFAULT
+    )
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    try:
+        buckets = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        buckets = ()
+    if not buckets or any(b < 1 for b in buckets):
+        raise InputError(
+            "--buckets", f"expected positive batch sizes separated by commas (1,2,4,8), got {text!r}"
+        )
+    return tuple(sorted(set(buckets)))
+
+
+def check_pool_flags(args) -> tuple[int, ...]:
+    """The pool flags' own checks, before anything is loaded; the buckets."""
+    check_at_least(args, sessions=1, max_sessions=1)
+    check_at_least(args, join_every=0, swap_every=0)
+    for dest, flag in SINGLE_SESSION_FLAGS.items():
+        if getattr(args, dest, None):
+            raise InputError(flag, "saves or continues one stream; it cannot be combined with a session pool "
+                             "(--sessions, --join-every, --swap-every, --max-sessions, --buckets)")  # fmt: skip
+    check_seed(args.seed, "--seed")
+    last = args.seed + args.sessions - 1
+    if last != args.seed:
+        try:
+            check_seed(last)
+        except InputError:
+            raise InputError("--seed", f"session {args.sessions - 1}'s seed {args.seed} + {args.sessions - 1} = "
+                             f"{last} is past 2^64 - 1; use a smaller --seed or fewer --sessions") from None  # fmt: skip
+    return parse_buckets(args.buckets)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (a value that occurred: no interpolation over few chunks)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+class PoolStream:
+    """One session of the run as the CLI sees it: its index, seed, pool handle, chunk rows, swaps and output."""
+
+    def __init__(self, index: int, seed: int, join_tick: int):
+        self.index, self.seed, self.join_tick = index, seed, join_tick
+        self.session = None  # the PoolSession once it joined
+        self.rows: list[dict] = []
+        self.swaps: list[dict] = []
+        self.output = None  # StreamOutput with --out
+
+    @property
+    def done(self) -> bool:
+        return self.session is not None and self.session.state == "closed"
+
+    def summary(self) -> dict:
+        latencies = [r["latency"] for r in self.rows]
+        return {
+            "session": self.index,
+            "seed": self.seed,
+            "join_tick": self.join_tick,
+            "chunks": self.rows,
+            "first_chunk_latency": latencies[0] if latencies else None,
+            "latency_mean": sum(latencies) / len(latencies) if latencies else None,
+            "latency_p50": percentile(latencies, 50) if latencies else None,
+            "latency_p99": percentile(latencies, 99) if latencies else None,
+            "waited_mean": sum(r["waited"] for r in self.rows) / len(self.rows) if self.rows else None,
+            "deadlines_met": sum(r["deadline_met"] for r in self.rows),
+            "swaps": self.swaps,
+        }
+
+
+class PoolRun:
+    """The loop of a pool run: joins at their ticks, resumes, one pool tick, then each chunk taken (written with
+    --out), finished sessions closed and --swap-every's suspends."""
+
+    def __init__(self, args, pool, n_chunks: int, prompt_of, streams: list[PoolStream]):
+        self.args, self.pool, self.n_chunks, self.prompt_of = args, pool, n_chunks, prompt_of
+        self.streams = streams
+        self.by_key: dict[str, PoolStream] = {}
+        self.ticks: list[dict] = []
+
+    def run(self, before_forward, chunk_done) -> None:
+        while not all(s.done for s in self.streams):
+            self.join_due()
+            for s in self.streams:
+                if s.session is not None and s.session.state == "suspended":
+                    self.resume(s)
+            report = self.pool.tick(before_forward)
+            for key in report.failed:
+                s = self.by_key[key]
+                err = s.session.error
+                problem = err.problem.removeprefix(f"{key}: ")  # the pool's key; the CLI names its own index
+                raise InputError(err.input_name, f"session {s.index} (seed {s.seed}): {problem}") from None
+            served = sorted((self.by_key[key] for key in report.chunks), key=lambda s: s.index)
+            self.ticks.append({"tick": report.tick, "sessions": [s.index for s in served],
+                               "batches": list(report.batches), "buckets": list(report.buckets),
+                               "seconds": report.seconds})  # fmt: skip
+            if not self.args.json:
+                say(_tick_line(self.ticks[-1]))
+            for s in served:
+                self.take(s, report.chunks[s.session.key])
+                chunk_done()
+
+    def join_due(self) -> None:
+        """Every session whose join tick has come joins (queued while no slot is free)."""
+        for s in self.streams:
+            if s.session is None and s.join_tick <= self.pool.ticks:
+                if self.args.out:  # before joining: its chunk is due from the join on
+                    s.output = self.open_output(s)
+                s.session = self.pool.join(self.prompt_of(s.seed), s.seed, self.n_chunks, wait=True)
+                self.by_key[s.session.key] = s
+
+    def open_output(self, s: PoolStream):
+        from .stream import StreamOutput
+
+        a = self.args
+        out = os.path.join(a.out, f"session_{s.index}")
+        os.makedirs(out, exist_ok=True)
+        one = SimpleNamespace(batch=1, latent_hw=self.pool.latent_hw)  # what StreamOutput reads of a session
+        channels = self.pool.model.params.in_dim
+        return StreamOutput(out, one, channels, self.n_chunks, a.chunk_frames, self.pool.tiny_vae is not None,
+                            a.width, a.height)  # fmt: skip
+
+    def take(self, s: PoolStream, chunk) -> None:
+        """The consumer's side of a chunk: take it, record it, write it; close or suspend its session."""
+        s.session.take()
+        s.rows.append(_chunk_row(s.session.stats.pool_recent[-1], chunk, self.args.chunk_frames))
+        written = s.output.append(chunk) if s.output is not None else []
+        if written and not self.args.json:
+            say(f"session {s.index}: " + "; ".join(f"wrote {path}" for path in written))
+        if s.session.chunks_left == 0:
+            self.pool.leave(s.session, "done")
+        elif self.args.swap_every and s.session.stats.chunks_generated % self.args.swap_every == 0:
+            self.suspend(s)
+
+    def suspend(self, s: PoolStream) -> None:
+        after = s.session.stats.chunks_generated - 1
+        started = time.perf_counter()
+        state = self.pool.suspend(s.session, f"--swap-every {self.args.swap_every}: after chunk {after}")
+        seconds = time.perf_counter() - started
+        s.swaps.append({"after_chunk": after, "bytes": state.nbytes, "suspend_seconds": seconds,
+                        "resume_seconds": None})  # fmt: skip
+        if not self.args.json:
+            say(f"session {s.index}: suspended after chunk {after}, {format_bytes(state.nbytes)} to host memory "
+                f"in {seconds:.4f} s")  # fmt: skip
+
+    def resume(self, s: PoolStream) -> None:
+        started = time.perf_counter()
+        resumed = self.pool.resume(s.session, wait=True)  # no free slot: queued, admitted when one frees
+        s.swaps[-1]["resume_seconds"] = seconds = time.perf_counter() - started
+        if not self.args.json:
+            how = f"into slot {s.session.slot}" if resumed else "queued for a free slot"
+            say(f"session {s.index}: resumed {how} in {seconds:.4f} s")
+
+
+def run(args) -> int:
+    from .stream import chunk_count, synthetic_prompt
+
+    n_chunks = chunk_count(args)
+    check_at_least(args, text_tokens=1, chunks=1)
+    buckets = check_pool_flags(args)
+    compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading
+    check_lora_files(args.lora)
+    if args.out:
+        prepare_out(args.out)
+    handle = open_model(source_of(args), weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
+                        device=args.device, input_name="--weights")  # fmt: skip
+    if handle.family.name != "wan":
+        raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")
+    handle = with_loras(handle, args.lora)
+    text_dim = handle.params.text_dim
+    shared = load_condition(args.cond, None).context if args.cond else None
+
+    def prompt_of(
+        seed: int,
+    ):  # --cond for every session, else the synthetic prompt a single stream of seed uses
+        return shared if shared is not None else synthetic_prompt(seed, args.text_tokens, text_dim)
+
+    config = CausalConfig(
+        chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
+        schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,
+        kv_dtype=args.kv_dtype, keep_recent_chunks=args.keep_recent_chunks,
+    )  # fmt: skip
+    vae = (
+        load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
+    )
+    handle = with_compile(handle, compiling)
+    wanted_slots = args.sessions if args.max_sessions is None else args.max_sessions
+    pool, compiled = open_session_pool(handle, args.height, args.width, config, wanted_slots, buckets, vae,
+                                       where="stream")  # fmt: skip
+    if not args.json and pool.slots < args.sessions:
+        say(
+            f"the pool holds {pool.slots} slots for {args.sessions} sessions: the others wait for a free slot"
+        )
+    streams = [PoolStream(i, args.seed + i, i * args.join_every) for i in range(args.sessions)]
+    loop = PoolRun(args, pool, n_chunks, prompt_of, streams)
+    steps_per_chunk = len(pool.sigmas) - 1
+    try:
+        with (
+            progress_bar("chunks", args.sessions * n_chunks) as chunk_bar,
+            progress_bar("steps", steps_per_chunk, position=1) as step_bar,
+        ):
+
+            def before_forward(step):  # before every batched forward; step None: the commit pass
+                if step == 0:
+                    step_bar.reset(total=steps_per_chunk)
+                elif step is not None:
+                    step_bar.update(step - step_bar.n)
+
+            loop.run(before_forward, chunk_bar.update)
+        for s in streams:
+            if s.output is not None:
+                s.output.finish()
+    finally:
+        for s in streams:
+            if s.output is not None:
+                s.output.abandon()  # an interrupted run leaves no half-written file
+        telemetry = compiled.finish() if compiled is not None else None
+        slots, pool_buckets, pool_bytes, slot_bytes = (
+            pool.slots,
+            list(pool.buckets),
+            pool.nbytes,
+            pool.slot_bytes,
+        )
+        pool.close()
+    sessions = [s.summary() for s in streams]
+    swaps = [swap for s in streams for swap in s.swaps]
+    report = {
+        "model": handle.describe(),
+        "sessions": sessions,
+        "ticks": loop.ticks,
+        "slots": slots,
+        "buckets": pool_buckets,
+        "pool_bytes": pool_bytes,
+        "slot_bytes": slot_bytes,
+        "swaps": {
+            "count": len(swaps),
+            "bytes": sum(w["bytes"] for w in swaps),
+            "suspend_seconds": sum(w["suspend_seconds"] for w in swaps),
+            "resume_seconds": sum(w["resume_seconds"] for w in swaps),
+        },
+        "kv_dtype": args.kv_dtype,
+        "chunks_per_session": n_chunks,
+        "latent_frames": n_chunks * args.chunk_frames,
+        "video_frames": 4 * n_chunks * args.chunk_frames - 3,
+        "fps": VIDEO_FPS,
+        "compile": compile_report(telemetry),
+    }
+    if args.out:
+        for s, summary in zip(streams, sessions):
+            summary["files"] = s.output.files
+        write_json(os.path.join(args.out, "stream.json"), report)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for summary in sessions:
+        print(_session_line(summary))
+    if swaps:
+        print(f"{len(swaps)} swaps: {format_bytes(report['swaps']['bytes'] // len(swaps))} moved each way per swap, "
+              f"{report['swaps']['suspend_seconds'] / len(swaps):.4f} s out and "
+              f"{report['swaps']['resume_seconds'] / len(swaps):.4f} s in on average")  # fmt: skip
+    print(f"pool: {slots} slots, buckets {','.join(map(str, pool_buckets))}, {format_bytes(pool_bytes)}")
+    if args.out:
+        for s in streams:
+            print(f"session {s.index}: wrote {s.output.latents.path}" + "".join(
+                f", {video}" for video in s.output.files["video"]))  # fmt: skip
+        if vae is None:
+            print(
+                "no video: decoding frames needs --tiny-vae (taew2_1.pth; dummy:taew2_1 with dummy weights)"
+            )
+        print(f"wrote {os.path.join(args.out, 'stream.json')}")
+    return 0
+
+
+def _chunk_row(timing, chunk, chunk_frames: int) -> dict:
+    """A chunk of a pool session as --json reports it (the pool's timing and the chunk's own figures)."""
+    return {
+        "index": chunk.index, "start_frame": chunk.start_frame, "tick": timing.tick, "batch": timing.batch,
+        "bucket": timing.bucket, "waited": timing.waited, "latency": timing.latency,
+        "deadline": (4 * chunk_frames - (3 if chunk.index == 0 else 0)) / VIDEO_FPS,
+        "deadline_met": timing.deadline_met, "seconds": chunk.seconds, "commit_seconds": chunk.commit_seconds,
+        "kv_bytes": chunk.kv_bytes, "kv_bytes_used": chunk.kv_bytes_used,
+    }  # fmt: skip
+
+
+def _tick_line(tick: dict) -> str:
+    if not tick["batches"]:
+        return f"tick {tick['tick']}: no session due, {tick['seconds']:.3f} s"
+    batches = " + ".join(f"{b} (bucket {k})" for b, k in zip(tick["batches"], tick["buckets"]))
+    return (
+        f"tick {tick['tick']}: sessions {', '.join(map(str, tick['sessions']))}, "
+        f"batch{'es' if len(tick['batches']) > 1 else ''} {batches}, {tick['seconds']:.3f} s"
+    )
+
+
+def _session_line(summary: dict) -> str:
+    rows = summary["chunks"]
+    if not rows:
+        return f"session {summary['session']} (seed {summary['seed']}): no chunk"
+    return (
+        f"session {summary['session']} (seed {summary['seed']}): {len(rows)} chunks, first chunk "
+        f"{summary['first_chunk_latency']:.3f} s, latency mean {summary['latency_mean']:.3f} / p50 "
+        f"{summary['latency_p50']:.3f} / p99 {summary['latency_p99']:.3f} s, waited mean "
+        f"{summary['waited_mean']:.3f} s, deadlines met {summary['deadlines_met']} of {len(rows)} "
+        f"(chunk video frames at {VIDEO_FPS} fps)"
+    )

@@ -50,7 +50,7 @@ from fewstep.engine.plan.sessions import plan_session_tick, wan_gemms
 
 STEPS = 4
 QUICK = {
-    "cases": "wan-tiny@128x128,wan-mid@144x80",
+    "cases": "wan-tiny@128x128,wan-mid@112x64",
     "sessions": "1,2,4",
     "rounds": 1,
     "warmup": 0,

@@ -1,10 +1,11 @@
 """Session pool on CPU: N sessions' chunks batched into one forward per step against N solo chunks; swap and snapshots.
 
-    python bench/session_pool.py                    # wan-tiny 128x128 and wan-mid 144x80, N = 1, 2, 4, 8 (~5 min)
+    python bench/session_pool.py                    # wan-tiny 128x128 and wan-mid 208x112, N = 1, 2, 4, 8
+    python bench/session_pool.py --threads 1        # the same on a machine others share (~2 min on 2 cores)
     python bench/session_pool.py --quick            # N = 1, 2, 4, one round, wan-mid at 112x64 (< 2 min)
     python bench/session_pool.py --cases wan-mid@832x480 --sessions 1,2 --rounds 1 --window 3   # a 480p chunk
 
-Per case (``preset@WxH``: dummy weights, fp32; chunk 3 latent frames, window 6, 4 steps, bf16-free fp32 KV) and
+Per case (``preset@WxH``: dummy weights, fp32 weights and KV; chunk 3 latent frames, window 6, 4 steps) and
 per N: a :class:`SessionPool` of N sessions (seeds 0..N-1, one prompt) and N solo :class:`VideoSession`\\ s with
 the same seeds and config, both advanced past their first chunk (so every chunk carries its predecessor's
 clean-context pass: the steady state). A round times, for every N, one pool tick (one batched commit pass and 4
@@ -271,7 +272,7 @@ def summary(cases: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="wan-tiny@128x128,wan-mid@144x80", help="preset@WxH, comma-separated")
+    ap.add_argument("--cases", default="wan-tiny@128x128,wan-mid@208x112", help="preset@WxH, comma-separated")
     ap.add_argument("--sessions", default="1,2,4,8", help="session counts N, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (each: every N, both sides)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the first chunk")

@@ -17,6 +17,8 @@ chunk starts, so the last chunk's never runs: ``chunks x steps + chunks - 1`` fo
 ``k`` attends to the whole ``window`` of latent frames of keys: the static-shape KV cache reads every slot at
 every chunk (empty slots are masked while it fills), so a forward costs the same before and after the window
 fills; and to the prompt's 512 padded tokens; the text embedding and cross-attention K/V are computed once per prompt.
+With ``sessions=N`` the bill adds a session pool's steady tick of N such streams batched into one forward per step
+(``sessions.py``: its FLOPs, GEMM sizes and predicted seconds against N solo chunks).
 """
 
 from __future__ import annotations

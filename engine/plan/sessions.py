@@ -15,7 +15,8 @@ on top of it is the GEMM's size, from two facts of the GPU preset (``hardware.py
   efficiency is the useful share of those waves, ``M n / (waves x SMs x 128^2)``. Batching raises ``M``, which
   fills the last wave better and cuts the padding of partial tiles; once a GEMM runs many waves it no longer
   matters. A batched forward's linear seconds are the solo prediction scaled, GEMM by GEMM, by
-  ``efficiency(M_solo) / efficiency(M_batched)``: at N = 1 the prediction is the planner's own, unchanged.
+  ``efficiency(M_solo) / efficiency(M_batched)``: at N = 1 the prediction is the planner's own, unchanged
+  (wherever the chunk is compute-bound, i.e. above the weight-read floor below).
 * **weight reads**: a forward reads every weight once whatever its batch; its linear layers take at least
   ``weight bytes / memory bandwidth``. Below ``peak x MFU / bandwidth`` FLOPs a weight byte (the ridge: a bf16
   GEMM of that many rows) the GPU waits on memory, and batching is then nearly free.

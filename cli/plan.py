@@ -88,6 +88,13 @@ def add_arguments(p) -> None:
         help="Wan, int8/int4: completed chunks kept unquantized besides the current one (default: 1)",
     )
     p.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="Wan: also predict a session-pool tick of this many sessions' chunks batched into one forward per "
+        "step, against solo chunks (default: off)",
+    )
+    p.add_argument(
         "--weight-dtype",
         default="bf16",
         help=f"weight storage for the memory check: {'/'.join(WEIGHT_DTYPE_BYTES)} (fp8: linear weights)",
@@ -122,6 +129,7 @@ def run(args) -> int:
         "sink_frames": args.sink_frames,
         "kv_dtype": args.kv_dtype,
         "keep_recent_chunks": args.keep_recent_chunks,
+        "sessions": args.sessions,
         "weight_dtype": args.weight_dtype,
         "gpu": args.gpu,
         "mfu": args.mfu,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .runner import Context, Failed, Setup, Skip, clock, sync
+from .runner import Context, Failed, Setup, Skip, clock, free_memory, sync
 
 NO_GPU = "need a CUDA GPU (smoke mode runs on the CPU)"
 SCHNELL_GOAL_S = 0.5  # 4 steps of the FLUX.1-schnell DiT at 1024x1024, H200
@@ -518,6 +518,100 @@ def wan_fps(ctx: Context) -> dict:
     return results
 
 
+SESSION_COUNTS = {"device": (1, 2, 4, 8), "smoke": (1, 2, 4)}
+SESSION_CHUNKS = 3  # timed chunks per session after the first (the first has no clean pass to carry)
+# batched rows against solo chunks: fp32 on the CPU differs only by the GEMMs' summation order (the pool tests hold
+# 1.5e-6); bf16 on a GPU rounds every layer's output, and cuBLAS may pick another kernel for a larger M. A row that
+# read another session's window or prompt would differ by O(1) relative to the latents
+SESSION_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+
+
+def wan_sessions(ctx: Context) -> dict:
+    """N sessions batched in one pool (one forward per step for all) against the same N sessions run solo, one
+    chunk each after the other: per-tick seconds, session-chunks per second, the planner's predicted gain, and
+    the batched rows' latents against the solo ones (same seeds and prompt)."""
+    from fewstep.engine.causal import CausalConfig
+    from fewstep.engine.causal.recipe import open_session, open_session_pool
+    from fewstep.engine.plan import wan_tokens_per_frame
+    from fewstep.engine.plan.sessions import plan_session_tick
+
+    s = ctx.setup
+    handle = ctx.models.get(s.wan_preset)
+    h, w = s.video_hw
+    config = CausalConfig(chunk_frames=s.chunk_frames, window_frames=s.window_frames, steps=STEPS)
+    prompt = wan_context(handle, s)
+    tpf = wan_tokens_per_frame(handle.params, h, w)
+    results: dict = {"preset": s.wan_preset, "size": f"{w}x{h}", "window_frames": s.window_frames,
+                     "chunk_frames": s.chunk_frames, "timed_chunks": SESSION_CHUNKS, "runs": {}}  # fmt: skip
+    summary, bad = [], []
+    tol = SESSION_TOL[s.dtype]
+    for n in SESSION_COUNTS["smoke" if s.smoke else "device"]:
+        if ctx.time_left() <= 0:
+            results["runs"][str(n)] = {"not run": "the time budget is spent"}
+            continue
+        try:
+            solo_latents, solo_s = [], []  # solo: the N sessions one after the other, a chunk each per round
+            sessions = [
+                open_session(handle, prompt, h, w, config, i, None, "device_check")[0] for i in range(n)
+            ]
+            try:
+                iters = [x.chunks(1 + SESSION_CHUNKS) for x in sessions]
+                for _ in range(1 + SESSION_CHUNKS):
+                    t, chunks = clock(s, lambda iters=iters: [next(it) for it in iters])
+                    solo_latents.append([c.latents for c in chunks])
+                    solo_s.append(t)
+            finally:
+                for x in sessions:
+                    x.dispose()
+            pool, _ = open_session_pool(handle, h, w, config, max_sessions=n, where="device_check")
+            pooled_latents, tick_s, batches = [], [], []
+            try:
+                if pool.slots < n:
+                    raise MemoryError(f"the memory budget holds {pool.slots} slots")
+                members = [pool.join(prompt, seed=i) for i in range(n)]
+                for _ in range(1 + SESSION_CHUNKS):
+                    t, report = clock(s, pool.tick)
+                    pooled_latents.append([m.take().latents for m in members])
+                    tick_s.append(t)
+                    batches.append(list(report.batches))
+            finally:
+                pool.close()
+        except (torch.cuda.OutOfMemoryError, MemoryError) as err:  # 8 sessions may not fit a smaller GPU
+            why = f"out of memory: {(str(err).splitlines() or [''])[0]}"
+            results["runs"][str(n)] = {"not run": why}
+            summary.append(row(f"{s.wan_preset} {w}x{h}, {n} sessions batched vs solo", f"not run ({why})"))
+            free_memory(s)
+            continue
+        errs = [rel_err(a, b) for pa, sa in zip(pooled_latents, solo_latents) for a, b in zip(pa, sa)]
+        diff = max((a.float() - b.float()).abs().max().item()
+                   for pa, sa in zip(pooled_latents, solo_latents) for a, b in zip(pa, sa))  # fmt: skip
+        tick = statistics.median(tick_s[1:])
+        solo = statistics.median(solo_s[1:])
+        predicted = plan_session_tick(handle.params, n, tpf, s.chunk_frames, s.window_frames, STEPS, "h200")
+        results["runs"][str(n)] = {
+            "tick_s": tick_s, "solo_n_chunks_s": solo_s, "batches": batches,
+            "tick_median_s": tick, "solo_n_chunks_median_s": solo,
+            "session_chunks_per_s_batched": n / tick, "session_chunks_per_s_solo": n / solo,
+            "batched_over_solo": tick / solo, "planner_gain_h200": predicted.gain,
+            "max_abs_diff": diff, "max_rel_err": max(errs), "tol": tol,
+        }  # fmt: skip
+        if not max(errs) <= tol:
+            bad.append(
+                f"{n} sessions: batched rows differ from solo by {max(errs):.2e} relative (> {tol:.0e})"
+            )
+        summary.append(row(
+            f"{s.wan_preset} {w}x{h}, {n} session{'s' if n > 1 else ''} batched vs solo: per-tick s, "
+            "session-chunks/s batched / solo (planner gain, H200)",
+            f"{tick:.3f} s vs {solo:.3f} s; {n / tick:.2f} / {n / solo:.2f} ({predicted.gain:.3f}x)"))  # fmt: skip
+        summary.append(row(f"{s.wan_preset} {w}x{h}, {n} sessions: batched rows vs solo, max abs diff "
+                           "(max relative)", f"{diff:.1e} ({max(errs):.1e})", f"<= {tol:.0e} relative",
+                           max(errs) <= tol if s.on_gpu else None))  # fmt: skip
+    results["summary"] = summary
+    if bad:
+        raise Failed("; ".join(bad), results)
+    return results
+
+
 CHECKS = [
     Check("matmul_rate", "bf16 matmul rate of the device (the MFU denominator)", matmul_rate),
     Check("triton_kernels", "each Triton kernel equals its reference, compiled for the GPU", triton_kernels,
@@ -532,7 +626,8 @@ CHECKS = [
           last_of_group=True),
     Check("wan_graph_equals_eager", "CUDA-graph replay equals eager: Wan causal chunk steps",
           wan_graph_equals_eager, gpu_only="CUDA graphs " + NO_GPU),
-    Check("wan_fps", "Wan causal frames per second after the window fills, bf16 and int8 KV", wan_fps,
-          last_of_group=True),
+    Check("wan_fps", "Wan causal frames per second after the window fills, bf16 and int8 KV", wan_fps),
+    Check("wan_sessions", "Wan sessions batched in one pool vs solo: per-tick seconds, session-chunks/s, "
+          "exactness", wan_sessions, last_of_group=True),
 ]  # fmt: skip
 NAMES = [c.name for c in CHECKS]

@@ -5,7 +5,9 @@
     print(plan.table()); plan.fields["kv_bytes_window"]
     plan_preset("flux.2-klein-4b", height=1024, width=1024)["predicted_total_seconds"]
 
-Families: FLUX.1, FLUX.2 (dev, klein) and Z-Image images, Wan causal video.
+Families: FLUX.1, FLUX.2 (dev, klein) and Z-Image images, Wan causal video; ``plan_session_tick`` /
+``session_scan`` (``sessions.py``) predict a session pool's batched tick against solo chunks
+(``plan_preset("wan2.1-1.3b", sessions=8)`` adds it to the bill).
 
 See ``flops.py`` for the FLOP convention, ``hardware.py`` for the GPU presets and their sources, ``engine.models.sizes``
 for weight and activation bytes, ``engine.causal.kv_cache.bytes`` for the KV cache's.
@@ -26,6 +28,7 @@ from .flops import (
 )
 from .hardware import DEFAULT_MFU, GPUS, GpuSpec, gpu_spec
 from .planner import CostPlan, image_defaults, known_models, plan_cost, plan_preset
+from .sessions import SessionTick, plan_session_tick, session_scan
 
 __all__ = [
     "DEFAULT_MFU",
@@ -36,6 +39,7 @@ __all__ = [
     "ForwardFlops",
     "GpuSpec",
     "MeasuredFlops",
+    "SessionTick",
     "count_parameters",
     "flux2_forward_flops",
     "flux_forward_flops",
@@ -47,6 +51,8 @@ __all__ = [
     "measure_flops",
     "plan_cost",
     "plan_preset",
+    "plan_session_tick",
+    "session_scan",
     "wan_forward_flops",
     "wan_prompt_flops",
     "wan_tokens_per_frame",

@@ -16,6 +16,11 @@ diffusion transformer's GEMMs can reach, is half of it:
 
 A forward never runs at the peak: predicted seconds = FLOPs / (peak x MFU), where the model FLOP utilisation
 ``mfu`` is a knob (default 0.5: large bf16 DiT forwards on Hopper typically reach 0.4-0.6 with flash attention).
+
+For the batched session-pool tick (``sessions.py``) the presets also carry the streaming multiprocessor count
+and the memory bandwidth: H100 SXM5 132 SMs, 3.35 TB/s HBM3; H200 SXM the same 132-SM GH100, 4.8 TB/s HBM3e;
+A100 SXM4 80 GB 108 SMs, 2.039 TB/s HBM2e; RTX 4090 128 SMs (16,384 CUDA cores, 128 a SM), 1.008 TB/s GDDR6X
+(the same datasheets).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class GpuSpec:
     dense_bf16_tflops: float
     memory_gb: float  # 10^9 bytes, as the datasheets count
     source: str
+    sms: int  # streaming multiprocessors: how many GEMM output tiles run at once
+    memory_tb_s: float  # memory bandwidth, 10^12 bytes per second
 
     @property
     def peak_flops(self) -> float:
@@ -42,18 +49,40 @@ GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec(
-            "h100", "NVIDIA H100 SXM5 80GB", 989.4, 80, "NVIDIA H100 datasheet: 1,979 TFLOPS bf16 sparse / 2"
+            "h100",
+            "NVIDIA H100 SXM5 80GB",
+            989.4,
+            80,
+            "NVIDIA H100 datasheet: 1,979 TFLOPS bf16 sparse / 2",
+            132,
+            3.35,
         ),
         GpuSpec(
-            "h200", "NVIDIA H200 SXM 141GB", 989.4, 141, "NVIDIA H200 datasheet: 1,979 TFLOPS bf16 sparse / 2"
+            "h200",
+            "NVIDIA H200 SXM 141GB",
+            989.4,
+            141,
+            "NVIDIA H200 datasheet: 1,979 TFLOPS bf16 sparse / 2",
+            132,
+            4.8,
         ),
-        GpuSpec("a100", "NVIDIA A100 SXM4 80GB", 312.0, 80, "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense"),
+        GpuSpec(
+            "a100",
+            "NVIDIA A100 SXM4 80GB",
+            312.0,
+            80,
+            "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense",
+            108,
+            2.039,
+        ),
         GpuSpec(
             "rtx4090",
             "NVIDIA GeForce RTX 4090 24GB",
             165.2,
             24,
             "NVIDIA Ada architecture whitepaper: 165.2 TFLOPS bf16 dense, fp32 accumulate",
+            128,
+            1.008,
         ),
     )
 }

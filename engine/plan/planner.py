@@ -17,6 +17,8 @@ chunk starts, so the last chunk's never runs: ``chunks x steps + chunks - 1`` fo
 ``k`` attends to the whole ``window`` of latent frames of keys: the static-shape KV cache reads every slot at
 every chunk (empty slots are masked while it fills), so a forward costs the same before and after the window
 fills; and to the prompt's 512 padded tokens; the text embedding and cross-attention K/V are computed once per prompt.
+With ``sessions=N`` the bill adds a session pool's steady tick of N such streams batched into one forward per step
+(``sessions.py``: its FLOPs, GEMM sizes and predicted seconds against N solo chunks).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .flops import (
     zimage_forward_flops,
 )
 from .hardware import DEFAULT_MFU, GpuSpec, check_mfu, gpu_spec
+from .sessions import SCAN_SESSIONS, plan_session_tick, session_scan
 from .vae import flux2_ae_decode_flops, flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
 
 WAN_FPS = 16  # Wan 2.1 (and its causal students) make 16 frames per second of video
@@ -55,6 +58,7 @@ VIDEO_ONLY = (
     "sink_frames",
     "kv_dtype",
     "keep_recent_chunks",
+    "sessions",
 )
 
 
@@ -218,6 +222,7 @@ def plan_cost(
     sink_frames: int | None = None,
     kv_dtype: str | None = None,
     keep_recent_chunks: int | None = None,
+    sessions: int | None = None,
     weight_dtype: str = "bf16",
     gpu: str = "h100",
     mfu: float = DEFAULT_MFU,
@@ -228,7 +233,9 @@ def plan_cost(
     """The bill of one job on ``params`` (the params of a FLUX.1, FLUX.2, Z-Image or Wan model); see the module
     docstring.
 
-    ``None`` settings take the family's defaults. ``loaded_weight_bytes``: the bytes a loaded model actually
+    ``sessions`` (Wan): also the bill of a session-pool tick of that many sessions' chunks batched into one
+    forward per step (``sessions.py``: FLOPs, GEMM rows, predicted seconds against solo chunks, the session
+    counts past which batching stops paying). ``None`` settings take the family's defaults. ``loaded_weight_bytes``: the bytes a loaded model actually
     holds, reported beside the by-dtype table. Bad input raises :class:`InputError` naming the setting.
     """
     try:
@@ -250,7 +257,7 @@ def plan_cost(
             )
         if family.is_image:
             video = {k: v for k, v in zip(VIDEO_ONLY, (frames, latent_frames, chunk_frames, window_frames,
-                                                       sink_frames, kv_dtype, keep_recent_chunks)) if v is not None}  # fmt: skip
+                                                       sink_frames, kv_dtype, keep_recent_chunks, sessions)) if v is not None}  # fmt: skip
             if video:
                 raise InputError(
                     next(iter(video)),
@@ -259,7 +266,7 @@ def plan_cost(
                 )
             return _plan_image(family, params, height, width, steps, cfg, text_tokens, **common)
         return _plan_wan(params, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
-                         window_frames, sink_frames, kv_dtype, keep_recent_chunks, **common)  # fmt: skip
+                         window_frames, sink_frames, kv_dtype, keep_recent_chunks, sessions, **common)  # fmt: skip
     except InputError as err:
         if where:
             err.located(where)
@@ -357,8 +364,8 @@ def _plan_image(family: Family, p, height, width, steps, cfg, text_tokens, *, na
 
 # -- Wan (causal) --------------------------------------------------------------------------------------------------
 def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
-              window_frames, sink_frames, kv_dtype, keep_recent_chunks, *, name, batch, gpu: GpuSpec, mfu,
-              weight_dtype, vae, loaded_weight_bytes) -> CostPlan:  # fmt: skip
+              window_frames, sink_frames, kv_dtype, keep_recent_chunks, sessions, *, name, batch, gpu: GpuSpec,
+              mfu, weight_dtype, vae, loaded_weight_bytes) -> CostPlan:  # fmt: skip
     height, width = height or 480, width or 832
     steps = 4 if steps is None else steps
     chunk = 3 if chunk_frames is None else chunk_frames
@@ -376,6 +383,11 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
         )
     if text_tokens is not None and not 1 <= text_tokens <= p.text_len:
         raise InputError("text_tokens", f"{text_tokens}: Wan reads 1 to {p.text_len} prompt tokens")
+    if sessions is not None:
+        _positive(sessions, "sessions")
+        if batch != 1:
+            raise InputError("sessions", f"a pool's sessions are streams of batch 1 each; got batch {batch} with "
+                             f"{sessions} sessions (use one of them)")  # fmt: skip
     spec = WindowSpec(chunk, window, sinks)
     check_kv_storage(layout.name, keep_recent, spec, p.head_dim)
     latent = _latent_frames(frames, latent_frames, chunk)
@@ -454,6 +466,11 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
     fields["realtime_factor"] = fields["predicted_video_fps"] / WAN_FPS
     fields |= _memory(fields["weight_bytes"], chosen.window + cross_kv, gpu)
 
+    pool_rows = []
+    if sessions is not None:
+        fields |= _session_fields(p, sessions, tpf, chunk, window, steps, gpu, mfu, chosen.window + cross_kv,
+                                  fields["weight_bytes"])  # fmt: skip
+        pool_rows = _session_rows(fields, gpu)
     title = (
         f"Cost plan: {name or 'Wan model'} (Wan 2.1 DiT, {_params(count.total)} parameters), causal, "
         f"{width}x{height} px, {video_frames} frames = {latent} latent frames = {n_chunks} chunks of {chunk}, "
@@ -486,8 +503,49 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
         ("cross-attention K/V (bf16)", _bytes(cross_kv)),
         *_weight_rows(fields),
         ("GPU memory", _memory_row(fields, gpu)),
+        *pool_rows,
     ]  # fmt: skip
     return CostPlan(fields, rows, title)
+
+
+def _session_fields(p: WanParams, sessions: int, tpf: int, chunk: int, window: int, steps: int, gpu: GpuSpec,
+                    mfu: float, per_session_bytes: int, weight_bytes: int) -> dict:  # fmt: skip
+    tick = plan_session_tick(p, sessions, tpf, chunk, window, steps, gpu, mfu)
+    counts = tuple(sorted({*SCAN_SESSIONS, sessions}))
+    scan = session_scan(p, tpf, chunk, window, steps, gpu, mfu, counts)
+    pool_bytes = weight_bytes + sessions * per_session_bytes
+    return {
+        "sessions": sessions,
+        "session_tick": tick.as_dict(),
+        "session_scan": scan,
+        "pool_memory_bytes": pool_bytes,
+        "pool_fits_gpu_memory": pool_bytes <= gpu.memory_gb * 1e9,
+    }
+
+
+def _session_rows(fields: dict, gpu: GpuSpec) -> list[tuple[str, str]]:
+    tick, scan, n = fields["session_tick"], fields["session_scan"], fields["sessions"]
+    by_n = ", ".join(f"{t['sessions']}: {t['gain']:.3f}x" for t in scan["ticks"])
+    widths = ", ".join(f"{r} rows at width {w}" for w, r in scan["fill_rows_by_width"].items())
+    verdict = "fits" if fields["pool_fits_gpu_memory"] else "does NOT fit"
+    return [
+        (f"pool tick, {n} session{'s' if n > 1 else ''}",
+         f"{tick['forwards']} x (steps + clean pass) batched forwards of {' + '.join(map(str, tick['batches']))} "
+         f"rows (buckets {'/'.join(map(str, scan['buckets']))}; padded rows computed and dropped), GEMM M up to "
+         f"{tick['gemm_rows']} = {max(tick['batches'])} x {tick['tokens_per_chunk']} tokens; "
+         f"{_flops(tick['flops'])} = {tick['computed_rows']} x {_flops(tick['flops_per_row'])}"),
+        ("predicted tick",
+         f"{_secs(tick['seconds'])}, {_secs(tick['seconds_per_session_chunk'])} per session-chunk against "
+         f"{_secs(tick['solo_seconds_per_chunk'])} solo: {tick['gain']:.3f}x (linear GEMMs at "
+         f"{tick['linear_efficiency']:.0%} of the SMs' waves)"),
+        ("GEMM size that fills the GPU",
+         f"{widths} ({scan['sms']} SMs x {scan['tile']}x{scan['tile']} tiles, one wave); compute-bound past "
+         f"{scan['ridge_rows']} rows ({gpu.memory_tb_s:g} TB/s); a chunk is {scan['tokens_per_chunk']} rows"),
+        ("batched / solo gain by sessions", f"{by_n}; batching stops paying (within 1 % of the best) at "
+         f"{scan['pays_until']}"),
+        ("pool memory", f"{_bytes(fields['pool_memory_bytes'])} (weights + {n} x (KV window + cross K/V)) {verdict} "
+         f"in {gpu.memory_gb:g} GB"),
+    ]  # fmt: skip
 
 
 def _latent_frames(frames: int | None, latent_frames: int | None, chunk: int) -> int:

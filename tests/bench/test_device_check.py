@@ -15,7 +15,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH / "device_check"
 ORDER = ["matmul_rate", "triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "schnell_speed",
-         "schnell_mfu", "wan_graph_equals_eager", "wan_fps"]  # fmt: skip
+         "schnell_mfu", "wan_graph_equals_eager", "wan_fps", "wan_sessions"]  # fmt: skip
 GPU_ONLY = {"triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "wan_graph_equals_eager"}
 CHECK_KEYS = {"name", "title", "status", "seconds", "reason", "error", "traceback", "peak_memory_gib", "results",
               "summary"}  # fmt: skip
@@ -75,6 +75,14 @@ def test_smoke_measurements_are_plausible(smoke):
         assert run["video_fps"] == pytest.approx(4 * run["latent_fps"]) and run["video_fps"] > 0
     assert fps["runs"]["bf16 eager"]["compile"] is None
     assert fps["runs"]["bf16 compiled"]["compile"]["frames_compiled"] >= 1
+    pool = checks["wan_sessions"]
+    assert set(pool["runs"]) == {"1", "2", "4"} and pool["timed_chunks"] == 3
+    for n, run in pool["runs"].items():
+        assert len(run["tick_s"]) == len(run["solo_n_chunks_s"]) == 1 + pool["timed_chunks"]
+        assert run["batches"] == [[int(n)]] * 4  # one batch of all N sessions per tick
+        assert run["session_chunks_per_s_batched"] > 0 and run["session_chunks_per_s_solo"] > 0
+        assert run["max_rel_err"] <= run["tol"] == 1e-5  # fp32: the batched rows are the solo chunks
+    assert pool["runs"]["1"]["planner_gain_h200"] == pytest.approx(1.0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")

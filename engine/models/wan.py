@@ -179,8 +179,18 @@ class Wan(StagedModel):
         frames = grid[0]
         # [B, C, F*T] -> [B, F*T, C] stored token-major: a transposed view kept channel-major layout through every
         # residual add of the stack (each a strided read mixed with contiguous operands, plus a copy per norm)
-        tokens = self.patch_embedding(x.to(dtype)).flatten(2).transpose(1, 2).float().contiguous()
-        e, e0 = self.time_embed(timestep.to(x.device), frames)
+        # Each batch row is embedded on its own: a row's result must not depend on what shares its batch (for a
+        # batch of several rows the convolution and the small time-embedding GEMMs pick other blockings, which
+        # round differently). A session pool batches video streams whose chunks must equal their solo runs; for
+        # batch 1 this is the one call it always was.
+        patches = torch.cat([self.patch_embedding(row) for row in x.to(dtype).split(1)])
+        tokens = patches.flatten(2).transpose(1, 2).float().contiguous()
+        timestep = timestep.to(x.device)
+        if timestep.ndim == 0 or timestep.shape[0] == 1 or x.shape[0] == 1:
+            e, e0 = self.time_embed(timestep, frames)
+        else:
+            rows = [self.time_embed(t, frames) for t in timestep.split(1)]
+            e, e0 = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
         ctx = context_embedded if context_embedded is not None else self.embed_context(context)
         if freqs is None:
             freqs = self.rope(grid, start_frame, x.device) if kv is None else kv.query_rope()

@@ -342,7 +342,11 @@ class StreamDecoder:
         st = self.state
         memory = {} if st.memory is None else {str(i): m for i, m in enumerate(st.memory)}
         shape = None if st._latent_shape is None else list(st._latent_shape)
-        return memory, {"frames_decoded": st.frames_decoded, "latent_shape": shape, "started": st.memory is not None}
+        return memory, {
+            "frames_decoded": st.frames_decoded,
+            "latent_shape": shape,
+            "started": st.memory is not None,
+        }
 
     def set_state(self, memory: dict[str, torch.Tensor], meta: dict) -> None:
         """The inverse of :meth:`get_state` (tensors moved to the decoder's device and dtype)."""

@@ -136,6 +136,10 @@ class BatchedKV:
         self.key_visible = torch.zeros(rows, slot_tokens, dtype=torch.bool, device=device)
         self._freqs: RopeFreqs | None = None
         self._masked = True
+        # while some rows' windows are full and others still fill: the rows of each kind (see `split`)
+        self.split: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._splits: dict[tuple[bool, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pattern: tuple[bool, ...] = ()
         self.bits = pool.storage.bits
 
     def prepare(self, slots: list[int], caches: list[KVCache]) -> None:
@@ -162,7 +166,20 @@ class BatchedKV:
         else:
             self._freqs.cos.copy_(cos)
             self._freqs.sin.copy_(sin)
-        self._masked = not all(c.slots.all_visible for c in caches)
+        full = tuple(c.slots.all_visible for c in caches) + (caches[0].slots.all_visible,) * pad
+        self._masked = not all(full)
+        self._pattern = full
+        # A row whose window is full attends unmasked, as its solo stream does: the masked kernel rounds otherwise,
+        # and a session's video must not depend on the fill state of the rows beside it. Mixed batches attend in
+        # two calls, each row with its own kind (row lists kept per pattern: fixed tensors for a captured step).
+        self.split = None
+        if self._masked and any(full):
+            if full not in self._splits:
+                rows = [[r for r, f in enumerate(full) if f], [r for r, f in enumerate(full) if not f]]
+                self._splits[full] = tuple(
+                    torch.tensor(r, dtype=torch.long, device=pool.device) for r in rows
+                )
+            self.split = self._splits[full]
 
     # -- what a forward reads (the interface of KVCache) ---------------------------------------------------------
     def query_rope(self) -> RopeFreqs:
@@ -180,7 +197,9 @@ class BatchedKV:
         tensors = [*self.pool.tensors.values(), self.row_slots, self.write_rows, self.key_visible]
         if self._freqs is not None:
             tensors += [self._freqs.cos, self._freqs.sin]
-        return (self.rows, self.key_mask() is None, tuple(t.data_ptr() for t in tensors))
+        if self.split is not None:
+            tensors += list(self.split)
+        return (self.rows, self.key_mask() is None, self._pattern, tuple(t.data_ptr() for t in tensors))
 
 
 class BatchedLayerView:
@@ -222,4 +241,13 @@ class BatchedLayerView:
             kq, vq = quant
             k_read = torch.cat((k_read, backends.dequantize_kv(*kq.parts(), kv.bits, k_read.dtype)), dim=1)
             v_read = torch.cat((v_read, backends.dequantize_kv(*vq.parts(), kv.bits, v_read.dtype)), dim=1)
-        return backends.attention(q, k_read.to(q.dtype), v_read, mask=mask)
+        k_read = k_read.to(q.dtype)
+        if mask is not None and self.kv.split is not None:  # full rows unmasked, filling rows masked
+            full, filling = self.kv.split
+            out = torch.empty_like(q)
+            out[full] = backends.attention(q[full], k_read[full], v_read[full])
+            out[filling] = backends.attention(
+                q[filling], k_read[filling], v_read[filling], mask=mask[filling]
+            )
+            return out
+        return backends.attention(q, k_read, v_read, mask=mask)

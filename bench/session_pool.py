@@ -26,26 +26,24 @@ Predictions beside the measured ratio:
   (Python, op dispatch, small elementwise ops), which batching shares.
 
 Swap: ``pool.suspend`` / ``pool.resume`` of one session (bytes moved = its ``SessionState``), median seconds.
-Snapshot: the ``SessionState`` tensors written with safetensors (JSON meta in the header) and read back.
-TODO: switch to ``engine/causal/snapshot.py``'s save / load functions when they are on main (they add the format
-header, the model digest and the checks; the tensors are the same).
+Snapshot: ``engine.causal.snapshot``'s ``save_pool_session`` (one safetensors file with its checked JSON header
+and the model's weights digest) and ``load_snapshot`` (every check of an untrusted file, then the tensors).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 from _common import header, median, parse_args, parse_px, save, setup_threads, summary_row
-from safetensors.torch import load_file, save_file
 
 from fewstep.engine import load_dit
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal.session_pool import SessionPool
+from fewstep.engine.causal.snapshot import load_snapshot, save_pool_session
 from fewstep.engine.plan import wan_tokens_per_frame
 from fewstep.engine.plan.sessions import plan_session_tick, wan_gemms
 
@@ -177,7 +175,7 @@ def run_case(preset: str, size: str, args) -> dict:
 
 
 def swap_and_snapshot(side: Side, repeats: int) -> dict:
-    """Suspend / resume one session of the pool ``repeats`` times; save / load its state with safetensors."""
+    """Suspend / resume one session of the pool ``repeats`` times; save / load a snapshot of it."""
     pool, session = side.pool, side.members[0]
     suspend_s, resume_s = [], []
     state = None
@@ -195,14 +193,18 @@ def swap_and_snapshot(side: Side, repeats: int) -> dict:
         save_s, load_s = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            save_file(state.tensors, str(path), metadata={"meta": json.dumps(state.meta)})
+            save_pool_session(pool, session, path)
             t1 = time.perf_counter()
-            loaded = load_file(str(path))
+            loaded, _ = load_snapshot(path, pool.model)
             t2 = time.perf_counter()
             save_s.append(t1 - t0)
             load_s.append(t2 - t1)
         file_bytes = path.stat().st_size
-    same = all(torch.equal(loaded[k], t) for k, t in state.tensors.items())
+    saved = pool.suspend(session)  # the state the snapshot holds (the session has not moved since)
+    pool.resume(session)
+    same = loaded.tensors.keys() == saved.tensors.keys() and all(
+        torch.equal(loaded.tensors[k], t) for k, t in saved.tensors.items()
+    )
     return {
         "state_bytes": state.nbytes,
         "kv_bytes": kv_bytes,
@@ -215,7 +217,7 @@ def swap_and_snapshot(side: Side, repeats: int) -> dict:
         "snapshot_save_s": median(save_s),
         "snapshot_load_s": median(load_s),
         "snapshot_round_trip_equal": same,
-        "snapshot_api": "safetensors save_file / load_file of SessionState (TODO: engine/causal/snapshot.py)",
+        "snapshot_api": "engine.causal.snapshot save_pool_session / load_snapshot",
     }
 
 

@@ -171,6 +171,25 @@ def synthetic_prompt(seed: int, text_tokens: int, text_dim: int) -> torch.Tensor
     return torch.randn(1, text_tokens, text_dim, generator=torch.Generator().manual_seed((seed + 1) % 2**64))
 
 
+def open_stream_parts(args, compiling):
+    """(handle with its LoRAs and compile feature, CausalConfig, tiny VAE or None) of a stream's flags: what a
+    single stream and a pool of them open alike."""
+    handle = open_model(source_of(args), weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
+                        device=args.device, input_name="--weights")  # fmt: skip
+    if handle.family.name != "wan":
+        raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")
+    handle = with_loras(handle, args.lora)
+    config = CausalConfig(
+        chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
+        schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,
+        kv_dtype=args.kv_dtype, keep_recent_chunks=args.keep_recent_chunks,
+    )  # fmt: skip
+    vae = (
+        load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
+    )
+    return with_compile(handle, compiling), config, vae
+
+
 def run(args) -> int:
     if stream_pool.requested(args):  # --sessions N, --join-every, --swap-every...: many streams in one pool
         return stream_pool.run(args)
@@ -183,25 +202,12 @@ def run(args) -> int:
     check_lora_files(args.lora)
     if args.out:
         prepare_out(args.out)
-    handle = open_model(source_of(args), weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
-                        device=args.device, input_name="--weights")  # fmt: skip
-    if handle.family.name != "wan":
-        raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")
-    handle = with_loras(handle, args.lora)
+    handle, config, vae = open_stream_parts(args, compiling)
     p = handle.params
     if args.cond:
         context = load_condition(args.cond, None).context
     else:
         context = synthetic_prompt(args.seed, args.text_tokens, p.text_dim)
-    config = CausalConfig(
-        chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
-        schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,
-        kv_dtype=args.kv_dtype, keep_recent_chunks=args.keep_recent_chunks,
-    )  # fmt: skip
-    vae = (
-        load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
-    )
-    handle = with_compile(handle, compiling)
     # the session's run (engine.run): the compiled forward stands for the model; finish() is its telemetry
     resumed = None
     if args.resume:  # the model checked against the snapshot, the session continued where it was saved

@@ -15,14 +15,11 @@ import os
 import time
 from types import SimpleNamespace
 
-from ..engine.causal import CausalConfig, open_session_pool
+from ..engine.causal import open_session_pool
 from ..engine.causal.session_pool import DEFAULT_BUCKETS, VIDEO_FPS
 from ..engine.checks import check_seed
 from ..engine.errors import InputError
-from ..engine.handle import open_model
-from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.units import format_bytes
-from ..engine.vae import load_tiny_vae
 from .common import (
     check_at_least,
     check_lora_files,
@@ -32,9 +29,6 @@ from .common import (
     prepare_out,
     progress_bar,
     say,
-    source_of,
-    with_compile,
-    with_loras,
     write_json,
 )
 
@@ -212,7 +206,8 @@ class PoolRun:
         a = self.args
         out = os.path.join(a.out, f"session_{s.index}")
         os.makedirs(out, exist_ok=True)
-        one = SimpleNamespace(batch=1, latent_hw=self.pool.latent_hw)  # what StreamOutput reads of a session
+        # what StreamOutput reads of a session (a pool session starts a new stream: no frame before its first)
+        one = SimpleNamespace(batch=1, latent_hw=self.pool.latent_hw, frames_generated=0)
         channels = self.pool.model.params.in_dim
         return StreamOutput(out, one, channels, self.n_chunks, a.chunk_frames, self.pool.tiny_vae is not None,
                             a.width, a.height)  # fmt: skip
@@ -250,7 +245,7 @@ class PoolRun:
 
 
 def run(args) -> int:
-    from .stream import chunk_count, synthetic_prompt
+    from .stream import chunk_count, open_stream_parts, synthetic_prompt
 
     n_chunks = chunk_count(args)
     check_at_least(args, text_tokens=1, chunks=1)
@@ -259,11 +254,7 @@ def run(args) -> int:
     check_lora_files(args.lora)
     if args.out:
         prepare_out(args.out)
-    handle = open_model(source_of(args), weight_dtype=WEIGHT_DTYPES[args.weight_dtype], dtype=COMPUTE_DTYPES[args.dtype],
-                        device=args.device, input_name="--weights")  # fmt: skip
-    if handle.family.name != "wan":
-        raise InputError("--weights", f"stream runs Wan-family models; this is a {handle.family.name} model")
-    handle = with_loras(handle, args.lora)
+    handle, config, vae = open_stream_parts(args, compiling)
     text_dim = handle.params.text_dim
     shared = load_condition(args.cond, None).context if args.cond else None
 
@@ -272,15 +263,6 @@ def run(args) -> int:
     ):  # --cond for every session, else the synthetic prompt a single stream of seed uses
         return shared if shared is not None else synthetic_prompt(seed, args.text_tokens, text_dim)
 
-    config = CausalConfig(
-        chunk_frames=args.chunk_frames, window_frames=args.window_frames, sink_frames=args.sink_frames,
-        schedule=args.schedule, steps=args.steps, context_noise=args.context_noise, rope=args.rope,
-        kv_dtype=args.kv_dtype, keep_recent_chunks=args.keep_recent_chunks,
-    )  # fmt: skip
-    vae = (
-        load_tiny_vae(args.tiny_vae, device=handle.device, input_name="--tiny-vae") if args.tiny_vae else None
-    )
-    handle = with_compile(handle, compiling)
     wanted_slots = args.sessions if args.max_sessions is None else args.max_sessions
     pool, compiled = open_session_pool(handle, args.height, args.width, config, wanted_slots, buckets, vae,
                                        where="stream")  # fmt: skip

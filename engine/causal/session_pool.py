@@ -171,6 +171,8 @@ class SessionPool:
         max_bytes: int | None = None,
         fps: float = VIDEO_FPS,
         idle_timeout: float | None = None,
+        max_suspended: int | None = None,
+        max_waiting: int = 64,
         where: str | None = None,
         run: Run | None = None,
     ):
@@ -178,7 +180,9 @@ class SessionPool:
         else the memory preflight's) holds fewer, and none past it. ``buckets``: the batch sizes a forward runs at
         (sorted; sizes above the slot count are dropped). ``idle_timeout``: the swap policy, applied at every tick
         (:meth:`suspend_idle`; None: off): a session whose consumer leaves its chunk untaken that long is suspended,
-        and resumed (queued like a join) once the consumer takes it. ``run``: as for :class:`~.session.VideoSession` (its
+        and resumed (queued like a join) once the consumer takes it. ``max_suspended`` (default: the slot count)
+        bounds the sessions holding a host copy (suspended, or queued to resume) and ``max_waiting`` the joins
+        queued for a slot, so the host memory of a pool is bounded too. ``run``: as for :class:`~.session.VideoSession` (its
         backends, weights keeper and cancel check); a sharded run (a worker pool's rank) is refused."""
         p = model.params
         self.where = where
@@ -193,6 +197,9 @@ class SessionPool:
                                  "pool (run it without sequence parallelism)", where)  # fmt: skip
         config = config or CausalConfig()
         self.model, self.config, self.fps, self.idle_timeout = model, config, fps, idle_timeout
+        for name, value in (("max_suspended", max_suspended), ("max_waiting", max_waiting)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise InputError(name, f"expected a count >= 0, got {value!r}", where)
         check_kv_head_dim(config.kv_dtype, p.head_dim, where)
         check_size(p, height, width, where)
         if tiny_vae is not None:
@@ -226,6 +233,8 @@ class SessionPool:
         ]  # fmt: skip
         self._batched = {b: BatchedKV(self.kv, b) for b in self.buckets}
         self._free_slots = list(range(slots))
+        self.max_suspended = slots if max_suspended is None else max_suspended
+        self.max_waiting = max_waiting
         self.sessions: dict[str, PoolSession] = {}
         self._waiting: deque[tuple[PoolSession, torch.Tensor]] = deque()
         self._keys = itertools.count(1)
@@ -284,6 +293,11 @@ class SessionPool:
         return slots
 
     @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies of suspended sessions (bounded by ``max_suspended``)."""
+        return sum(s.saved.nbytes for s in list(self.sessions.values()) if s.saved is not None)
+
+    @property
     def slots(self) -> int:
         return self.kv.slots
 
@@ -318,6 +332,9 @@ class SessionPool:
                 return session
             if not wait:
                 raise self._full_error()
+            if sum(s.saved is None for s, _ in self._waiting) >= self.max_waiting:
+                raise InputError("pool", f"all {self.slots} slots hold active sessions and {self.max_waiting} joins "
+                                 "already wait for one (max_waiting); try again later", self.where)  # fmt: skip
             self._waiting.append((session, context))
             self.sessions[session.key] = session
             return session
@@ -408,6 +425,14 @@ class SessionPool:
             if session.state != "active":
                 raise InputError("session", f"{session.key} is {session.state}, not active: it holds no slot",
                                  self.where)  # fmt: skip
+            held = [s for s in self.sessions.values() if s.saved is not None]
+            if len(held) >= self.max_suspended:
+                raise InputError(
+                    "session",
+                    f"{len(held)} sessions already wait in host memory ({format_bytes(self.host_bytes)}); the pool "
+                    f"keeps at most {self.max_suspended} (max_suspended): resume or close one first",
+                    self.where,
+                )
             session.saved = capture_state(session, self, device="cpu")
             self._release_slot(session)
             session.pending = None
@@ -437,6 +462,8 @@ class SessionPool:
         with self._lock:  # a join or leave of another thread must not change the sessions while they are read
             idle = [s for s in self.sessions.values()
                     if s.state == "active" and s.outbox is not None and now - s._done_at >= timeout]  # fmt: skip
+            held = sum(s.saved is not None for s in self.sessions.values())
+            idle = idle[: max(0, self.max_suspended - held)]  # the host copies stay bounded (max_suspended)
             for s in idle:
                 self.suspend(s, f"its consumer took no chunk for {timeout:g} s")
                 s.resume_when_taken = True

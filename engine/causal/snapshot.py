@@ -31,9 +31,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import InputError
+from ..lora.merge import ensure_patches
+from ..run import placement
+from ..vae.taehv import MemBlock
 from ..weights import model_digest
 from .kv_cache import KVCache, kv_cache_bytes
+from .recipe import open_session
 from .session import CausalConfig, VideoSession, check_size
+from .session_pool import PoolSession
 from .session_state import SessionState, capture_state, restore_state
 
 FORMAT = "fewstep-video-session"
@@ -163,8 +168,6 @@ def expected_tensors(model, config: CausalConfig, height: int, width: int, tiny_
 
 def _decoder_memory(tiny_vae, latent_hw) -> dict:
     """The stream decoder's memory: each MemBlock's input at the last frame, [1, channels, h, w] at its scale."""
-    from ..vae.taehv import MemBlock
-
     out, scale = {}, 1
     for block in tiny_vae.video.decoder:
         if isinstance(block, MemBlock):
@@ -468,15 +471,10 @@ def resume_session(handle, path, tiny_vae=None, where: str | None = None, option
     ``ModelHandle`` (opened as :func:`.recipe.open_session` opens a session: its LoRA merged, its compile
     feature, ``options``) or a bare Wan model. ``config`` / ``height`` / ``width``: refused when the snapshot's
     differ (None: the snapshot's)."""
-    from ..run import placement
-    from .recipe import open_session
-
     if not isinstance(handle, torch.nn.Module):
         if placement(options) is not None:
             raise InputError(input_name, "a snapshot resumes in this process; it cannot be placed on a worker "
                              "pool", where)  # fmt: skip
-        from ..lora.merge import ensure_patches
-
         ensure_patches(handle.model, handle.loras)  # the digest is of the weights the session will run
         model = handle.model
     else:
@@ -505,8 +503,6 @@ def join_from_snapshot(
     """A :class:`~.session_pool.PoolSession` of ``pool`` continuing the snapshot at ``path`` (of a pool or solo
     session of the pool's model and shape group: anything else is refused). It takes a free slot; when none is
     free it is refused, or with ``wait`` queued as a resume."""
-    from .session_pool import PoolSession
-
     with pool._lock:
         pool._check_open()
         pool._ensure_weights()

@@ -73,6 +73,7 @@ SHARED_MEANINGS = {
     "--height": "px",
     "--width": "px",
     "--batch": "rows per job",
+    "--sessions": "video streams in one session pool",
     "--steps": "denoising steps",
     "--schedule": "sigma schedule",
     "--cfg": "CFG scale",

@@ -943,3 +943,34 @@ def test_padded_rows_and_other_sessions_write_nothing_into_an_idle_sessions_slot
         assert report.batches == (2,) and report.buckets == (4,)
     after = idle_rows()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_host_copies_and_queued_joins_are_bounded(wan):
+    """Suspended sessions hold host memory and queued joins hold their prompts: both are bounded (max_suspended,
+    max_waiting), so a pool's host memory stays bounded however clients behave; the idle policy stops at the bound."""
+    config = CausalConfig(chunk_frames=2, window_frames=4, steps=2)
+    pool = SessionPool(wan, H, W, config, max_sessions=2, max_suspended=1, max_waiting=1)
+    a, b = pool.join(_ctx(1), seed=1), pool.join(_ctx(2), seed=2)
+    pool.tick()
+    state = pool.suspend(a)
+    assert pool.host_bytes == state.nbytes > 0
+    with pytest.raises(InputError) as err:
+        pool.suspend(b)
+    assert str(err.value) == (
+        f"input 'session': 1 sessions already wait in host memory ({format_bytes(state.nbytes)}); the pool keeps at most 1 "
+        "(max_suspended): resume or close one first"
+    )
+    c = pool.join(_ctx(3), seed=3)  # a's freed slot
+    assert c.state == "active"
+    waiting = pool.join(_ctx(4), seed=4, wait=True)
+    assert waiting.state == "waiting"
+    with pytest.raises(InputError) as err:
+        pool.join(_ctx(5), seed=5, wait=True)
+    assert str(err.value) == (
+        "input 'pool': all 2 slots hold active sessions and 1 joins already wait for one (max_waiting); try again later"
+    )
+    pool.tick()  # nobody takes: b and c are idle; one host copy is held already, so the policy suspends none
+    assert pool.suspend_idle(0.0) == [] and b.state == c.state == "active"
+    for name, value in (("max_suspended", -1), ("max_waiting", 1.5)):
+        with pytest.raises(InputError, match=f"input '{name}': expected a count >= 0, got {value}"):
+            SessionPool(wan, H, W, config, max_sessions=1, **{name: value})

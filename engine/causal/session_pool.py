@@ -339,6 +339,50 @@ class SessionPool:
             self.sessions[session.key] = session
             return session
 
+    def join_saved(
+        self, state: SessionState, seed: int, chunks: int | None = None, wait: bool = False
+    ) -> PoolSession:
+        """A new session continuing a saved state (a snapshot's, ``engine.causal.snapshot.join_from_snapshot``,
+        checked against this pool's model and shape group by its reader): it joins as a resume does, into a free
+        slot, or refused / queued (``wait``) when none is free."""
+        with self._lock:
+            self._check_open()
+            session = PoolSession(self, f"s{next(self._keys)}", seed, chunks)
+            session.saved, session.state = state, "suspended"
+            self.sessions[session.key] = session
+            try:
+                self.resume(session, wait=wait)
+            except BaseException:
+                self.sessions.pop(session.key, None)
+                session.state, session.saved = "closed", None
+                raise
+            return session
+
+    def state_of(self, session: PoolSession) -> SessionState:
+        """``session``'s whole state between ticks (a copy on the host; a suspended session's host copy itself),
+        for a snapshot (``engine.causal.snapshot.save_pool_session``)."""
+        with self._lock:
+            self._check_member(session)
+            if session.next_context is not None:
+                raise InputError("session", f"{session.key} has a prompt switch waiting for its next chunk; save "
+                                 "it after that chunk", self.where)  # fmt: skip
+            if session.state == "suspended":
+                return session.saved
+            if session.state != "active":
+                raise InputError(
+                    "session", f"{session.key} is {session.state}: it has no state to save", self.where
+                )
+            self._ensure_weights()
+            return capture_state(session, self)
+
+    def check_open(self) -> None:
+        """An :class:`InputError` once the pool is closed."""
+        self._check_open()
+
+    def ensure_weights(self) -> None:
+        """The pool's weights as its run computes with them (a handle's LoRA merged back if another run unmerged it)."""
+        self._ensure_weights()
+
     def _full_error(self) -> InputError:
         per = sum(self.slot_bytes.values())
         return InputError(
@@ -480,7 +524,8 @@ class SessionPool:
     def ready(self) -> list[PoolSession]:
         """Sessions whose next chunk is due, the one served longest ago first (round-robin)."""
         ready = [s for s in list(self.sessions.values()) if s.ready]  # a copy: another thread may join
-        return sorted(ready, key=lambda s: (s.last_served, s.key))
+        # ties (never served, or served at the same tick) in the order the sessions joined: "s10" joined after "s2"
+        return sorted(ready, key=lambda s: (s.last_served, int(s.key[1:])))
 
     def tick(self, before_forward: TickHook | None = None) -> TickReport:
         """One chunk for every session whose next chunk is due, in batches of at most the largest bucket. Each

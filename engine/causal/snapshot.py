@@ -38,7 +38,6 @@ from ..weights import model_digest
 from .kv_cache import KVCache, kv_cache_bytes
 from .recipe import open_session
 from .session import CausalConfig, VideoSession, check_size
-from .session_pool import PoolSession
 from .session_state import SessionState, capture_state, restore_state
 
 FORMAT = "fewstep-video-session"
@@ -122,24 +121,11 @@ def save_session(session: VideoSession, path) -> int:
 def save_pool_session(pool, session, path) -> int:
     """Snapshot a :class:`~.session_pool.PoolSession` (active between ticks, or suspended) to ``path``; it
     resumes solo (:func:`resume_session`) or in any pool of its shape group (:func:`join_from_snapshot`)."""
-    with pool._lock:
-        pool._check_member(session)
-        if session.next_context is not None:
-            raise InputError("session", f"{session.key} has a prompt switch waiting for its next chunk; save it "
-                             "after that chunk", pool.where)  # fmt: skip
-        if session.state == "suspended":
-            state = session.saved
-        elif session.state == "active":
-            pool._ensure_weights()
-            state = capture_state(session, pool)
-        else:
-            raise InputError(
-                "session", f"{session.key} is {session.state}: it has no state to save", pool.where
-            )
-        vae = None if pool.tiny_vae is None else pool.tiny_vae.variant.name
-        return save_snapshot(
-            path, state, pool.base_model, pool.config, pool.height, pool.width, session.seed, vae
-        )
+    state = pool.state_of(session)
+    vae = None if pool.tiny_vae is None else pool.tiny_vae.variant.name
+    return save_snapshot(
+        path, state, pool.base_model, pool.config, pool.height, pool.width, session.seed, vae
+    )
 
 
 # -- reading -----------------------------------------------------------------------------------------------------------
@@ -503,18 +489,8 @@ def join_from_snapshot(
     """A :class:`~.session_pool.PoolSession` of ``pool`` continuing the snapshot at ``path`` (of a pool or solo
     session of the pool's model and shape group: anything else is refused). It takes a free slot; when none is
     free it is refused, or with ``wait`` queued as a resume."""
-    with pool._lock:
-        pool._check_open()
-        pool._ensure_weights()
-        state, settings = load_snapshot(path, pool.base_model, pool.where, config=pool.config, height=pool.height,
-                                        width=pool.width, tiny_vae=pool.tiny_vae, input_name=input_name)  # fmt: skip
-        session = PoolSession(pool, f"s{next(pool._keys)}", settings.seed, chunks)
-        session.saved, session.state = state, "suspended"
-        pool.sessions[session.key] = session
-        try:
-            pool.resume(session, wait=wait)
-        except BaseException:
-            pool.sessions.pop(session.key, None)
-            session.state = "closed"
-            raise
-        return session
+    pool.check_open()
+    pool.ensure_weights()  # the digest is of the weights the pool runs (its LoRA merged)
+    state, settings = load_snapshot(path, pool.base_model, pool.where, config=pool.config, height=pool.height,
+                                    width=pool.width, tiny_vae=pool.tiny_vae, input_name=input_name)  # fmt: skip
+    return pool.join_saved(state, settings.seed, chunks, wait)

@@ -6,6 +6,7 @@ from .recipe import SessionRecipe, open_session, open_session_pool
 from .session import CausalConfig, ChunkResult, VideoSession
 from .session_pool import PoolSession, SessionPool, TickReport
 from .session_state import SessionState, capture_state, restore_state
+from .snapshot import join_from_snapshot, load_snapshot, resume_session, save_pool_session, save_session
 from .store import SessionStore
 
 __all__ = [
@@ -23,7 +24,12 @@ __all__ = [
     "VideoSession",
     "WindowSpec",
     "capture_state",
+    "join_from_snapshot",
+    "load_snapshot",
     "open_session",
     "open_session_pool",
     "restore_state",
+    "resume_session",
+    "save_pool_session",
+    "save_session",
 ]

@@ -14,8 +14,9 @@ chunk's denoising steps (one batched forward each), at the smallest bucket size 
 shapes, so a compiled or CUDA-graph step is captured once per bucket; padded rows write nowhere anyone reads and
 are dropped). Every row attends only to its own slot (fill state, sinks, RoPE offset, quantized tier), reads its
 own prompt's rows and draws its noise from its own generator: a session's video equals its solo
-:class:`~.session.VideoSession` run with the same seed, prompt and config whatever shares the batch (within float
-rounding of the batched GEMMs; ``tests/engine/causal/test_session_pool.py``).
+:class:`~.session.VideoSession` run with the same seed, prompt and config whatever shares the batch: bit for bit on
+the CPU, because nothing a row computes depends on the other rows (Wan embeds each row on its own; a row whose window
+is full attends unmasked beside filling rows, ``BatchedKV``); ``tests/engine/causal/test_session_pool.py``.
 
 Admission is by bytes: the pool's memory (every slot's KV window by the KV cache's one formula, the prompt rows,
 the activations of the largest bucket, the stream decoders) is checked by the memory preflight before anything is
@@ -638,7 +639,6 @@ class SessionPool:
             raise
         latents_all = x0[:n].float().cpu()
         finite = torch.stack(finite_steps).all(0).tolist()
-        done = time.perf_counter()
         produced, stopped = {}, {}
         for row, s in enumerate(batch):
             start = s.cache.frames_committed
@@ -672,7 +672,6 @@ class SessionPool:
             if s.chunks_left is not None:
                 s.chunks_left -= 1
             produced[s.key] = chunk
-        del done
         return produced, stopped
 
     # -- lifecycle -------------------------------------------------------------------------------------------

@@ -264,8 +264,10 @@ def run(args) -> int:
         return shared if shared is not None else synthetic_prompt(seed, args.text_tokens, text_dim)
 
     wanted_slots = args.sessions if args.max_sessions is None else args.max_sessions
+    # every session past the slots waits in the queue from tick 0 (the command's own sessions: no bound needed
+    # beyond --sessions itself)
     pool, compiled = open_session_pool(handle, args.height, args.width, config, wanted_slots, buckets, vae,
-                                       where="stream")  # fmt: skip
+                                       where="stream", max_waiting=args.sessions)  # fmt: skip
     if not args.json and pool.slots < args.sessions:
         say(
             f"the pool holds {pool.slots} slots for {args.sessions} sessions: the others wait for a free slot"

@@ -41,17 +41,18 @@ def open_session(handle, context: torch.Tensor, height: int, width: int, config:
 
 def open_session_pool(handle, height: int, width: int, config: CausalConfig, max_sessions: int = 8,
                       buckets: tuple[int, ...] = DEFAULT_BUCKETS, tiny_vae=None, max_bytes: int | None = None,
-                      where: str | None = None, options: RunOptions | None = None):  # fmt: skip
+                      where: str | None = None, options: RunOptions | None = None, **pool_options):  # fmt: skip
     """(pool, compile run or None): a :class:`SessionPool` on the run :func:`engine.run.open_run` composes
     (``options``: the run's own choices; a compile feature on the handle makes every batched step run the
     compiled forward, one entry point per bucket and phase). A pool runs in this process, on one device: a run
-    placed on a worker pool is refused."""
+    placed on a worker pool is refused. ``pool_options``: the pool's own (``idle_timeout``, ``max_suspended``,
+    ``max_waiting``, ``fps``)."""
     if placement(options) is not None:
         raise InputError("pool", "a session pool runs in this process on one device; it cannot be placed on a "
                          "worker pool", where)  # fmt: skip
     run = open_run(handle, options)
     pool = SessionPool(run.model, height, width, config, max_sessions, buckets, tiny_vae, max_bytes, where=where,
-                       run=run)  # fmt: skip
+                       run=run, **pool_options)  # fmt: skip
     return pool, run.compiled
 
 

@@ -327,15 +327,18 @@ class SessionPool:
             if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
                 raise InputError("chunks", f"expected at least 1 chunk (or None: until it leaves), got {chunks!r}",
                                  self.where)  # fmt: skip
+            if not self._free_slots:  # refused before it takes a key: keys count sessions
+                if not wait:
+                    raise self._full_error()
+                if sum(s.saved is None for s, _ in self._waiting) >= self.max_waiting:
+                    raise InputError("pool", f"all {self.slots} slots hold active sessions and {self.max_waiting} "
+                                     "joins already wait for one (max_waiting); try again later", self.where)  # fmt: skip
             session = PoolSession(self, f"s{next(self._keys)}", seed, chunks)
             session.context = context
             if self._admit(session, context):
                 return session
             if not wait:
                 raise self._full_error()
-            if sum(s.saved is None for s, _ in self._waiting) >= self.max_waiting:
-                raise InputError("pool", f"all {self.slots} slots hold active sessions and {self.max_waiting} joins "
-                                 "already wait for one (max_waiting); try again later", self.where)  # fmt: skip
             self._waiting.append((session, context))
             self.sessions[session.key] = session
             return session

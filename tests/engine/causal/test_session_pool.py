@@ -974,3 +974,17 @@ def test_host_copies_and_queued_joins_are_bounded(wan):
     for name, value in (("max_suspended", -1), ("max_waiting", 1.5)):
         with pytest.raises(InputError, match=f"input '{name}': expected a count >= 0, got {value}"):
             SessionPool(wan, H, W, config, max_sessions=1, **{name: value})
+
+
+def test_a_refused_join_takes_no_key_and_pool_options_pass_through_open_session_pool():
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    config = CausalConfig(chunk_frames=2, window_frames=4, steps=2)
+    pool, _ = open_session_pool(handle, H, W, config, max_sessions=1, max_waiting=0, max_suspended=0)
+    assert (pool.max_waiting, pool.max_suspended) == (0, 0)
+    first = pool.join(_ctx(1), seed=1)
+    with pytest.raises(InputError, match="all 1 slots hold active sessions"):
+        pool.join(_ctx(2), seed=2)
+    with pytest.raises(InputError, match="0 joins already wait for one"):
+        pool.join(_ctx(2), seed=2, wait=True)
+    pool.leave(first)
+    assert pool.join(_ctx(3), seed=3).key == "s2"  # the refused joins used no key

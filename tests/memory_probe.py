@@ -12,10 +12,26 @@ caches, the allocator's arenas) are paid once per process, not per job.
 
 from __future__ import annotations
 
+import ctypes.util
+import gc
 import json
+import os
 import sys
 
 import torch
+
+
+def settled_rss_mib() -> float:
+    """Resident memory after handing freed heap memory back to the OS: live memory, whatever earlier tests in this
+    process freed (glibc keeps freed pages otherwise, and would hide growth by reusing them)."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _status(field: str) -> int:

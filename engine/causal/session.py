@@ -181,12 +181,7 @@ class VideoSession:
         handle (see ``Run.weights_keeper``). None: ``model`` runs plain, eager, in one process, with the default
         backends."""
         p = model.params
-        if run is None:
-            self._ensure_weights, self.blocks, self.backends = (lambda: None), RunBlocks(), DEFAULT_BACKENDS
-            self.base_model = model
-        else:
-            self._ensure_weights, self.blocks, self.backends = run.weights_keeper, run.blocks, run.backends
-            self.base_model = run.base_model
+        self._ensure_weights, self.blocks, self.backends, self.base_model = run_parts(model, run)
         config = config or CausalConfig()
         self.model, self.config, self.where = model, config, where
         check_kv_head_dim(config.kv_dtype, p.head_dim, where)  # the config checked the rest when it was built
@@ -443,6 +438,14 @@ class VideoSession:
                 callback(chunk)
             out.append(chunk)
         return out
+
+
+def run_parts(model, run: Run | None):
+    """(weights keeper, block runner, backends, base model) a session takes from its run; without one, ``model``
+    runs plain, eager, in one process, with the default backends."""
+    if run is None:
+        return (lambda: None), RunBlocks(), DEFAULT_BACKENDS, model
+    return run.weights_keeper, run.blocks, run.backends, run.base_model
 
 
 def session_bytes(

@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends import DEFAULT_BACKENDS
 from ..checks import check_seed
 from ..errors import InputError
 from ..latent_formats import WAN21
 from ..preflight.budget import check_fits, memory_budget
 from ..preflight.ledger import LEDGER, session_bytes_on
-from ..run import Run, RunBlocks
+from ..run import Run
 from ..sampling import sample_dmd, schedule_sigmas
 from ..units import format_bytes
 from .kv_cache import BatchedKV, KVSlotPool, check_kv_head_dim
@@ -62,6 +61,7 @@ from .session import (
     check_context,
     check_size,
     check_tiny_vae,
+    run_parts,
     session_bytes,
 )
 from .session_state import SessionState, capture_state, restore_state
@@ -187,15 +187,10 @@ class SessionPool:
         backends, weights keeper and cancel check); a sharded run (a worker pool's rank) is refused."""
         p = model.params
         self.where = where
-        if run is None:
-            self._ensure_weights, self.blocks, self.backends = (lambda: None), RunBlocks(), DEFAULT_BACKENDS
-            self.base_model = model
-        else:
-            self._ensure_weights, self.blocks, self.backends = run.weights_keeper, run.blocks, run.backends
-            self.base_model = run.base_model
-            if run.blocks.sharding is not None:
-                raise InputError("pool", "a session pool runs on one device; this run is sharded over a worker "
-                                 "pool (run it without sequence parallelism)", where)  # fmt: skip
+        self._ensure_weights, self.blocks, self.backends, self.base_model = run_parts(model, run)
+        if self.blocks.sharding is not None:
+            raise InputError("pool", "a session pool runs on one device; this run is sharded over a worker "
+                             "pool (run it without sequence parallelism)", where)  # fmt: skip
         config = config or CausalConfig()
         self.model, self.config, self.fps, self.idle_timeout = model, config, fps, idle_timeout
         for name, value in (("max_suspended", max_suspended), ("max_waiting", max_waiting)):

@@ -4,32 +4,15 @@ hold about 20 MiB more at the end than after the window filled."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
-import os
-
 import pytest
 import torch
+from memory_probe import settled_rss_mib
 
 from fewstep.engine import load_dit, load_tiny_vae
 from fewstep.engine.causal import CausalConfig, VideoSession
 
 CHUNKS = 200
 MARGIN_MIB = 8  # allocator noise stays well below this; 180 chunks of kept frames are ~20 MiB
-
-
-def _rss_mib() -> float:
-    """Resident memory after handing freed heap memory back to the OS: live memory, whatever earlier tests in this
-    process freed (glibc keeps freed pages otherwise, and would hide growth by reusing them)."""
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 @pytest.mark.slow
@@ -43,8 +26,8 @@ def test_a_200_chunk_stream_keeps_rss_flat_after_the_window_fills():
     for i, chunk in enumerate(session.chunks(CHUNKS)):
         frames_seen += chunk.frames.shape[1]  # the consumer looks at each chunk, then drops it
         if i == 20:  # the window has long been full, every buffer allocated
-            settled = _rss_mib()
-    grown = _rss_mib() - settled
+            settled = settled_rss_mib()
+    grown = settled_rss_mib() - settled
     assert frames_seen == 4 * CHUNKS - 3
     assert session.stats.chunks_generated == CHUNKS
     assert grown < MARGIN_MIB, f"resident memory grew {grown:.1f} MiB over {CHUNKS - 21} chunks"

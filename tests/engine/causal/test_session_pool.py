@@ -9,10 +9,7 @@ round-robin fair, a cancelled tick leaves the sessions as they were."""
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import gc
-import os
 import threading
 import time
 import types
@@ -20,6 +17,7 @@ import types
 import pytest
 import torch
 from compile_doubles import EMULATED
+from memory_probe import settled_rss_mib
 
 from fewstep.engine import InputError, load_dit, load_tiny_vae, open_model
 from fewstep.engine.backends import DEFAULT_BACKENDS
@@ -417,18 +415,6 @@ def test_a_budget_that_holds_no_session_is_refused_before_allocating(wan, monkey
     assert list(need) == ["KV slots", "prompt rows", "batch activations", "stream decoders"]
 
 
-def _rss_mib() -> float:
-    """Resident memory after handing freed heap memory back to the OS (as test_long_stream.py)."""
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def _live_tensor_bytes() -> int:
     gc.collect()
     seen, total = set(), 0
@@ -472,7 +458,7 @@ def test_memory_stays_flat_over_a_long_run_of_joins_and_leaves(wan):
                 pool.leave(s)
                 live.remove(s)
         if tick == 40:
-            settled_rss, settled_tensors = _rss_mib(), _live_tensor_bytes()
+            settled_rss, settled_tensors = settled_rss_mib(), _live_tensor_bytes()
     assert chunks > 140 and pool.ticks == 150
     assert {name: t.data_ptr() for name, t in pool.kv.tensors.items()} == storage
     assert pool.nbytes == nbytes
@@ -480,7 +466,7 @@ def test_memory_stays_flat_over_a_long_run_of_joins_and_leaves(wan):
     assert len(pool.sessions) <= 4 + 1 and len(pool._waiting) <= 1
     assert all(len(s.stats.pool_recent) <= RECENT_CHUNKS for s in pool.sessions.values())
     assert _live_tensor_bytes() <= settled_tensors
-    grown = _rss_mib() - settled_rss
+    grown = settled_rss_mib() - settled_rss
     assert grown < 8, f"resident memory grew {grown:.1f} MiB"
 
 

@@ -231,7 +231,8 @@ class _IdentityVAE:
 
 
 def reference_pipeline(sf: SelfForcing, ours: nn.Module, context: torch.Tensor, chunk_frames: int,
-                       window_frames: int, tokens_per_frame: int, sink_frames: int = 0, context_noise: float = 0.0):  # fmt: skip
+                       window_frames: int, tokens_per_frame: int, sink_frames: int = 0, context_noise: float = 0.0,
+                       independent_first_frame: bool = False):  # fmt: skip
     """Their ``CausalInferencePipeline`` on our weights and prompt, sized for our model (see the docstring)."""
     p = ours.params
     base = sf.causal_inference.CausalInferencePipeline
@@ -263,7 +264,7 @@ def reference_pipeline(sf: SelfForcing, ours: nn.Module, context: torch.Tensor, 
 
     args = types.SimpleNamespace(
         denoising_step_list=list(DENOISING_STEP_LIST), warp_denoising_step=True, num_frame_per_block=chunk_frames,
-        independent_first_frame=False, context_noise=context_noise, model_kwargs={"timestep_shift": TIMESTEP_SHIFT},
+        independent_first_frame=independent_first_frame, context_noise=context_noise, model_kwargs={"timestep_shift": TIMESTEP_SHIFT},
     )  # fmt: skip
     wrapper = reference_wrapper(sf, reference_model(sf, ours, window_frames, sink_frames))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -340,8 +341,12 @@ def _bytes(caches) -> int:
     return sum(c["k"].nbytes + c["v"].nbytes for c in caches)
 
 
-def run_reference(sf: SelfForcing, pipe, noise: StreamNoise, steps: int) -> ReferenceRun:
-    """One stream of their ``inference`` loop on ``noise``; per-chunk seconds from hooks on the wrapper."""
+def run_reference(
+    sf: SelfForcing, pipe, noise: StreamNoise, steps: int, initial_latent: torch.Tensor | None = None
+) -> ReferenceRun:
+    """One stream of their ``inference`` loop on ``noise``; per-chunk seconds from hooks on the wrapper.
+    ``initial_latent [B, C, F, h, w]`` (our layout): their prefill (image to video, video extension); the
+    latents returned are then the generated frames only (theirs start with the given ones, checked equal)."""
     ends: list[tuple[float, float]] = []  # (wall, process CPU) at the end of each forward
     begin: list[tuple[float, float]] = []
 
@@ -354,8 +359,9 @@ def run_reference(sf: SelfForcing, pipe, noise: StreamNoise, steps: int) -> Refe
     module = sf.causal_inference
     try:
         module.torch = _TorchWithNoise(noise.draws())
+        start = None if initial_latent is None else initial_latent.permute(0, 2, 1, 3, 4).contiguous()
         with torch.inference_mode(), contextlib.redirect_stdout(io.StringIO()):
-            _, out = pipe.inference(noise.video(), text_prompts=[""], return_latents=True)
+            _, out = pipe.inference(noise.video(), text_prompts=[""], initial_latent=start, return_latents=True)
         left = len(module.torch._draws)
     finally:
         module.torch = torch
@@ -363,10 +369,19 @@ def run_reference(sf: SelfForcing, pipe, noise: StreamNoise, steps: int) -> Refe
         post.remove()
     if left:
         raise RuntimeError(f"their loop drew {left} re-noising draws fewer than our session does")
+    prefill = 0
+    if initial_latent is not None:
+        given = out[:, : initial_latent.shape[2]].permute(0, 2, 1, 3, 4)
+        if not torch.equal(given.float().cpu(), initial_latent.float().cpu()):
+            raise RuntimeError("their output does not start with the initial latent")
+        out = out[:, initial_latent.shape[2] :]
+        f, c = initial_latent.shape[2], pipe.num_frame_per_block
+        prefill = f // c + (f % c == 1 and c > 1)  # their blocks: a lone first frame, then whole blocks
     per_chunk = steps + 1  # denoising forwards, then the clean-context pass
     n = len(noise.start)
-    if len(ends) != n * per_chunk:
-        raise RuntimeError(f"expected {n * per_chunk} forwards of their generator, counted {len(ends)}")
+    if len(ends) != prefill + n * per_chunk:
+        raise RuntimeError(f"expected {prefill + n * per_chunk} forwards of their generator, counted {len(ends)}")
+    ends = ends[prefill:]
     denoised = [begin[0]] + [ends[k * per_chunk + steps - 1] for k in range(n)]
     pairs = list(zip(denoised, denoised[1:]))
     return ReferenceRun(

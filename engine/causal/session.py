@@ -44,16 +44,22 @@ from ..run import Run, RunBlocks
 from ..sampling import sample_dmd, schedule_sigmas
 from ..vae.tiny import variants_for
 from .clean_context import clean_context_pass
+from .controls import AppliedControl, ControlQueue
 from .kv_cache import (
     KV_LAYOUTS,
+    CleanFrames,
     CrossAttentionCache,
     KVCache,
     KVStorage,
     WindowSpec,
     check_kv_head_dim,
+    clean_frames_bytes,
     kv_bytes_per_token,
     kv_cache_bytes,
 )
+from .prefill import PrefillResult, prefill_blocks
+from .prompt_switch import RecacheReport, recache_window
+from .video_to_video import InputFrames, check_strength, noised_input, v2v_sigmas
 
 # ``before_forward(chunk index, denoising step or None for the clean-context pass)``, called before every forward
 ForwardHook = Callable[[int, "int | None"], None]
@@ -109,6 +115,10 @@ class ChunkResult:
     kv_bytes: int  # allocated by the self-attention cache (quantized storage with its scales included)
     kv_bytes_used: int  # occupied slots
     step_cache: object = None  # step-cache telemetry of the chunk, when a gate was forced on
+    mode: str = "t2v"  # "v2v": restyled from an input chunk (engine.causal.video_to_video)
+    strength: float | None = None  # v2v: the sigma the input chunk was noised to
+    controls: tuple[AppliedControl, ...] = ()  # controls that took effect at this chunk's start
+    recache: RecacheReport | None = None  # a prompt switch's re-cache run at this chunk's start (or before it)
 
     @property
     def raw(self) -> torch.Tensor:
@@ -213,6 +223,13 @@ class VideoSession:
             rope=config.rope, backends=self.backends,
         )  # fmt: skip
         self.cross = CrossAttentionCache()
+        # the clean latents of the frames the cache holds: a prompt switch's re-cache recomputes their K/V
+        self.clean = CleanFrames(config.window, self.batch, p.in_dim, self.latent_hw, device)
+        self.inputs = InputFrames(self.batch, p.in_dim, self.latent_hw, config.chunk_frames)  # video to video
+        self.strength: float | None = None  # None: text to video; else each chunk restyles an input chunk
+        self.controls = ControlQueue()
+        self._unreported: list[AppliedControl] = []  # applied before a chunk that has not completed yet
+        self._recache: RecacheReport | None = None  # the last re-cache, reported with the next chunk
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.tiny_vae, self.decoder = tiny_vae, None if tiny_vae is None else tiny_vae.stream_decoder()
         # the run's step cache for chunks (engine.run.ChunkStepCache; normally refused: DMD re-noises every step)
@@ -243,10 +260,15 @@ class VideoSession:
     def nbytes(self) -> int:
         if self.cache is None:
             return 0
-        return self.cache.nbytes + self.cross.nbytes + (0 if self._context is None else self._context.nbytes)
+        context = 0 if self._context is None else self._context.nbytes
+        return self.cache.nbytes + self.cross.nbytes + context + self.clean.nbytes + self.inputs.nbytes
 
-    def set_prompt(self, context: torch.Tensor) -> None:
-        """Use ``context [B, L, 4096]`` from the next chunk on (the self-attention cache is kept)."""
+    def set_prompt(self, context: torch.Tensor, recache: bool = False) -> RecacheReport | None:
+        """Use ``context [B, L, 4096]`` from the next chunk on, now (between chunks; a live client queues it
+        with :meth:`control` instead). Without ``recache`` only the cross-attention cache changes (CausVid): the
+        self-attention cache carries the video on. With ``recache`` the pending chunk is committed under the
+        old prompt, then the window's K/V are recomputed under the new one (LongLive;
+        ``engine.causal.prompt_switch``); returns what that cost."""
         self._check_alive()
         check_context(self.model.params, context, self.batch, self.where)
         self._claim()
@@ -254,12 +276,154 @@ class VideoSession:
             self._check_alive()
             self._ensure_weights()
             with torch.inference_mode():
-                self._context = self.model.embed_context(context.to(self.device))
-                # every layer's text K/V now, outside the steps (a step only reads them: no host branch on it)
-                self.cross.reset()
-                self.cross.fill(self.model.blocks, self._context, self.backends)
+                return self._switch_prompt(context, recache, None, None)
         finally:
             self._release()
+
+    def _switch_prompt(self, context, recache: bool, chunk_index, before_forward) -> RecacheReport | None:
+        if recache:
+            self._check_unsharded("a prompt switch with recache")
+            self._commit(chunk_index or 0, before_forward)  # the pending chunk's K/V under the old prompt
+        self._context = self.model.embed_context(context.to(self.device))
+        # every layer's text K/V now, outside the steps (a step only reads them: no host branch on it)
+        self.cross.reset()
+        self.cross.fill(self.model.blocks, self._context, self.backends)
+        if not recache:
+            return None
+        if before_forward is not None:
+            before_forward(chunk_index, None)
+        report = recache_window(
+            self.base_model, self.cache, self.clean, self._context, self.cross, self.config.context_noise,
+            self.grid_hw, self._rope_fn(), self.backends, self.blocks(None),
+        )  # fmt: skip
+        self._recache = report
+        return report
+
+    # -- interactive inputs: a start, input video, controls ------------------------------------------------------
+    def prefill(self, latents: torch.Tensor, before_forward: ForwardHook | None = None) -> PrefillResult:
+        """Start from clean latent frames ``[B, C, F, h, w]`` (model latent space; ``ChunkResult.raw`` is the
+        inverse): image to video (1 frame) or video extension (``engine.causal.prefill``). Only before the
+        first chunk."""
+        self._check_alive()
+        name = "start_latent"
+        if self.frames_generated:
+            raise InputError(
+                name, f"the session has generated {self.frames_generated} frames already; a start latent is "
+                "only taken before the first chunk (start a new session)", self.where,
+            )  # fmt: skip
+        self._check_latents(latents, name)
+        blocks = prefill_blocks(latents.shape[2], self.config.chunk_frames, name)
+        if blocks[0] != self.config.chunk_frames:
+            self._check_unsharded("a start latent of one frame more than whole chunks")
+        self._claim()
+        try:
+            self._check_alive()
+            self._ensure_weights()
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                x_all = latents.to(self.device, torch.float32)
+                start = 0
+                for n in blocks:
+                    if before_forward is not None:
+                        before_forward(0, None)
+                    x = x_all[:, :, start : start + n]
+                    model = self.model if n == self.config.chunk_frames else self.base_model
+                    self._velocity(x, 0.0, start, model=model)
+                    self.cache.commit()
+                    self.clean.write(start, x)
+                    start += n
+                decoded = None
+                if self.decoder is not None:
+                    raw = self.tiny_vae.raw_to_latent(WAN21.process_out(x_all))
+                    decoded = self.decoder.push(raw).float().cpu()
+                    self.stats.frames_decoded += decoded.shape[1]
+                return PrefillResult(
+                    start, tuple(blocks), x_all.cpu(), decoded, time.perf_counter() - t0
+                )
+        finally:
+            self._release()
+
+    def feed(self, latents: torch.Tensor) -> int:
+        """Queue input latent frames ``[B, C, F, h, w]`` (model latent space) for video to video; each chunk
+        takes ``chunk_frames`` of them. Returns the frames queued now."""
+        self._check_alive()
+        return self.inputs.push(latents, self.where)
+
+    def set_strength(self, strength: float | None) -> None:
+        """Video to video from the next chunk at ``strength`` (0, 1] (None: back to text to video), now; a live
+        client queues it with :meth:`control`."""
+        self.strength = None if strength is None else _located(check_strength, self.where)(strength)
+
+    def control(self, kind: str, value, recache: bool = False) -> int:
+        """Queue a control (``engine.causal.controls``: ``prompt`` with ``recache`` or not, ``strength``,
+        ``seed``), checked now, applied at the next chunk boundary; returns its sequence number."""
+        self._check_alive()
+        if kind == "prompt":
+            check_context(self.model.params, value, self.batch, self.where)
+        elif kind == "strength":
+            value = None if value is None else _located(check_strength, self.where)(value)
+        elif kind == "seed":
+            value = _located(check_seed, self.where)(value)
+        else:
+            raise InputError(
+                "control", f"unknown control {kind!r}; expected prompt, strength or seed", self.where
+            )
+        return self.controls.put(kind, value, recache)
+
+    def _apply_controls(self, index: int, before_forward) -> None:
+        taken = self.controls.take()
+        for i, (control, replaced) in enumerate(taken):
+            try:
+                detail = ""
+                if control.kind == "prompt":
+                    report = self._switch_prompt(control.value, control.recache, index, before_forward)
+                    if report is not None:
+                        detail = f"re-cached {report.frames} frames in {report.seconds:.3f} s"
+                elif control.kind == "strength":
+                    self.strength = control.value
+                    detail = "text to video" if control.value is None else f"strength {control.value:g}"
+                else:
+                    self.generator.manual_seed(control.value)
+                    self.seed = control.value
+                    detail = f"seed {control.value}"
+            except BaseException:
+                self.controls.requeue(taken[i:])
+                raise
+            applied = AppliedControl(control.kind, control.sequence, index, control.recache, replaced, detail)
+            self.controls.record(applied)
+            self._unreported.append(applied)
+
+    def _check_latents(self, latents, name: str) -> None:
+        p = self.model.params
+        h, w = self.latent_hw
+        if not isinstance(latents, torch.Tensor) or latents.ndim != 5:
+            got = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise InputError(
+                name, f"latents {got}; expected [batch, {p.in_dim}, frames, {h}, {w}]", self.where
+            )
+        b, c, _, lh, lw = latents.shape
+        if c != p.in_dim:
+            raise InputError(
+                name, f"{c} latent channels; this Wan model takes {p.in_dim} (Wan 2.1 VAE latents)", self.where
+            )
+        if (lh, lw) != (h, w) or b != self.batch:
+            raise InputError(
+                name,
+                f"latents of batch {b} and {lh}x{lw} latent pixels; this session is batch {self.batch} at "
+                f"{h}x{w} ({8 * h}x{8 * w} px)",
+                self.where,
+            )
+        if not latents.is_floating_point() or not bool(torch.isfinite(latents).all()):
+            raise InputError(name, "latents must be finite floating-point values", self.where)
+
+    def _check_unsharded(self, what: str) -> None:
+        if self.blocks.sharding is not None:
+            raise InputError(
+                "session",
+                f"{what} runs a forward that is not a chunk's shape, which a sharded worker pool does not run; "
+                "use one worker",
+                self.where,
+            )
 
     def dispose(self) -> None:
         """Free the caches; the session cannot be continued afterwards. While a call is generating (another
@@ -275,6 +439,9 @@ class VideoSession:
         if self.cache is not None:
             self._frames_at_dispose = self.frames_generated
         self.cache = self.cross = self._context = self._pending = self.decoder = None
+        self.clean = None
+        if self.inputs is not None:
+            self.inputs.clear()
 
     def _claim(self) -> None:
         claim(self._in_use, self.where)
@@ -298,21 +465,26 @@ class VideoSession:
             )
 
     # -- generation ------------------------------------------------------------------------------------------------
-    def _velocity(
-        self, x: torch.Tensor, timestep: float | torch.Tensor, start: int, block_runner=None
-    ) -> torch.Tensor:
-        c = self.config.chunk_frames
+    def _rope_fn(self):
         rope_fn = self.model.frame_rope
         if self.blocks.sharding is not None:  # this rank's frames of the sharded tokens
             rope_fn = self.blocks.sharding.frame_rope(rope_fn)
+        return rope_fn
+
+    def _velocity(
+        self, x: torch.Tensor, timestep: float | torch.Tensor, start: int, block_runner=None, model=None
+    ) -> torch.Tensor:
+        """One forward over ``x``'s frames at ``start`` (a chunk; a prefill's lone frame runs on ``model``, the
+        plain one), writing their K/V."""
+        frames = x.shape[2]
         block_runner = self.blocks(block_runner)
-        self.cache.begin(start, c, self.grid_hw, rope_fn)
+        self.cache.begin(start, frames, self.grid_hw, self._rope_fn())
         t = (
             torch.as_tensor(timestep, dtype=torch.float32, device=x.device)
             .reshape(-1, 1)
-            .expand(self.batch, c)
+            .expand(self.batch, frames)
         )
-        return self.model(
+        return (model or self.model)(
             x,
             t,
             context_embedded=self._context,
@@ -357,18 +529,32 @@ class VideoSession:
     @torch.inference_mode()
     def _chunk(self, before_forward: ForwardHook | None) -> ChunkResult:
         index = self.stats.chunks_generated
+        # controls first (a reseed is the chunk's noise); one applied stays applied if the chunk is interrupted
+        self._apply_controls(index, before_forward)
         rng = self.generator.get_state()
         try:
-            return self._generate_chunk(index, before_forward)
+            result = self._generate_chunk(index, before_forward)
         except BaseException:
             # the deferred commit and the chunk's K/V writes are idempotent; the noise drawn is not
             self.generator.set_state(rng)
             raise
+        result.controls, self._unreported = tuple(self._unreported), []
+        result.recache, self._recache = self._recache, None
+        return result
 
     def _generate_chunk(self, index: int, before_forward: ForwardHook | None) -> ChunkResult:
         c = self.config.chunk_frames
         shape = (self.batch, self.model.params.in_dim, c, *self.latent_hw)
-        sigmas = self.sigmas.to(self.generator.device)
+        strength = self.strength
+        if strength is not None and not self.inputs.ready():
+            raise InputError(
+                "input_video",
+                f"chunk {index} restyles an input chunk (video to video at strength {strength:g}) but "
+                f"{len(self.inputs)} of its {c} input latent frames are queued; feed the input first",
+                self.where,
+            )
+        sigmas = self.sigmas if strength is None else v2v_sigmas(self.sigmas, strength)
+        sigmas = sigmas.to(self.generator.device)
         t0 = time.perf_counter()
         commit_s = self._commit(index, before_forward)
         start = self.cache.frames_committed
@@ -388,7 +574,11 @@ class VideoSession:
             finite_steps.append(torch.isfinite(out).all())
             return out
 
-        x = sigmas[0] * self._noise(shape)
+        if strength is None:
+            x = sigmas[0] * self._noise(shape)
+        else:
+            source = self.inputs.peek().to(self.device)
+            x = noised_input(source, strength, self._noise(shape))
         x0 = sample_dmd(denoised, x, sigmas, noise_sampler=lambda *_: self._noise(shape), disable=True)
         telemetry = run.finish() if run is not None else None
         latents = x0.float().cpu()
@@ -401,7 +591,12 @@ class VideoSession:
                 "NaN/Inf, or the compute dtype overflowed",
                 self.where,
             )
-        self._pending = x0
+        if strength is None:
+            self._pending = x0  # its clean-context pass is deferred to the next chunk's start
+        else:  # video to video: the last step's K/V stay (StreamDiffusionV2), no clean-context pass
+            self.cache.commit()
+            self.inputs.drop()
+        self.clean.write(start, x0)
         frames = None
         if self.decoder is not None:
             raw = self.tiny_vae.raw_to_latent(WAN21.process_out(x0.float()))
@@ -417,7 +612,7 @@ class VideoSession:
         result = ChunkResult(
             index=index, start_frame=start, latents=latents, frames=frames, seconds=time.perf_counter() - t0,
             commit_seconds=commit_s, kv_bytes=self.cache.nbytes, kv_bytes_used=self.cache.bytes_used(),
-            step_cache=telemetry,
+            step_cache=telemetry, mode="t2v" if strength is None else "v2v", strength=strength,
         )  # fmt: skip
         self.stats.record(result)
         return result
@@ -461,6 +656,7 @@ def session_bytes(
     window = config.window
     chunk_tokens = tokens_per_frame * window.chunk_frames
     window_tokens = tokens_per_frame * window.window_frames
+    latent_hw = (height // 8, width // 8)
     parts = {
         "KV window": kv_cache_bytes(p.num_layers, batch, tokens_per_frame, heads, p.head_dim, window, dtype,
                                     config.kv_dtype, config.keep_recent_chunks, config.rope).window,
@@ -470,6 +666,8 @@ def session_bytes(
         # a block's working set (hidden states, FFN, q/k/v) plus one layer's window read back for attention
         "chunk activations": batch * chunk_tokens * (p.ffn_dim + 6 * p.dim) * 4
         + batch * window_tokens * kv_bytes_per_token(1, heads, p.head_dim, KV_LAYOUTS["bf16"], elt),
+        # the window's clean latents, for a prompt switch's re-cache (kv_cache.clean_frames)
+        "clean latents": clean_frames_bytes(window, batch, p.in_dim, latent_hw),
     }  # fmt: skip
     if tiny_vae is not None:
         decode = tiny_vae.decode_bytes(batch, window.chunk_frames, height, width)
@@ -493,6 +691,16 @@ def check_session_fits(
         )
     hint = hint or "Use a smaller window_frames, a smaller width / height, or a smaller model"
     return check_fits(parts, device, input_name, where, hint)
+
+
+def _located(check, where: str | None):
+    def checked(value):
+        try:
+            return check(value)
+        except InputError as err:
+            raise (err.located(where) if where else err) from None
+
+    return checked
 
 
 def claim(lock: threading.Lock, where: str | None) -> None:

@@ -70,7 +70,9 @@ Where each concern lives (each a small piece; :class:`KVCache` composes them and
 * ``cache.py``: :class:`KVCache` (the storage, the per-chunk tensors, ``begin`` / ``commit``);
 * ``slots.py``: :class:`KVSlotPool`, the storage of several streams allocated once (one slot each, a
   :class:`KVCache` per slot over views of it), and :class:`BatchedKV`, one forward over several slots;
-* ``cross.py``: :class:`CrossAttentionCache`.
+* ``cross.py``: :class:`CrossAttentionCache`;
+* ``clean_frames.py``: :class:`CleanFrames`, the clean latents of the frames the cache holds, and ``recache.py``:
+  :class:`RecacheView`, the forward that recomputes their K/V under a new prompt (LongLive's re-cache).
 """
 
 from .bytes import (
@@ -82,11 +84,14 @@ from .bytes import (
     kv_bytes_per_token,
     kv_cache_bytes,
     kv_layout,
+    clean_frames_bytes,
     kv_pool_bytes,
 )
 from .cache import KVCache
+from .clean_frames import CleanFrames
 from .cross import CrossAttentionCache
 from .layer import LayerView
+from .recache import RecacheView, recache_frames
 from .quantized import KVStorage, QuantizedKV, check_kv_head_dim, check_kv_storage
 from .sinks import SinkKeys
 from .slots import BatchedKV, KVSlotPool
@@ -95,6 +100,10 @@ from .window import ROPE_MODES, SlotRing, WindowSpec, check_window
 __all__ = [
     "KV_DTYPES",
     "BatchedKV",
+    "CleanFrames",
+    "RecacheView",
+    "clean_frames_bytes",
+    "recache_frames",
     "KVSlotPool",
     "kv_pool_bytes",
     "KV_LAYOUTS",

@@ -134,3 +134,13 @@ def kv_pool_bytes(
         * kv_bytes_per_token(layers, heads, head_dim, KV_LAYOUTS["bf16"], dtype.itemsize)
     )
     return slots * one.window + padding
+
+
+CLEAN_LATENT_DTYPE = torch.float32  # a chunk's denoised latents, as the sampler returns them
+
+
+def clean_frames_bytes(window: WindowSpec, batch: int, channels: int, latent_hw: tuple[int, int]) -> int:
+    """The bytes of a session's :class:`~.clean_frames.CleanFrames`: the clean latents of ``window_frames``
+    frames (float32), kept so that a prompt switch can re-cache the window (``kv_cache.recache``)."""
+    h, w = latent_hw
+    return window.window_frames * batch * channels * h * w * CLEAN_LATENT_DTYPE.itemsize

@@ -83,30 +83,39 @@ class KVCache(nn.Module):
         # chunk writes, and which token slots (full precision, then quantized) its queries see.
         # Not registered buffers: the module's buffers are exactly the K/V storage (nbytes); `_apply` moves them.
         slot_tokens = (frames.full + frames.quantized) * tokens_per_frame
-        self.write_index = torch.zeros(
+        self._full_write_index = torch.zeros(
             window.chunk_frames * tokens_per_frame, dtype=torch.long, device=device
         )
         self.key_visible = torch.zeros(slot_tokens, dtype=torch.bool, device=device)
         # RoPE frame positions of the chunk's frames (their absolute indices, in both modes) and their rotations
         # (float32 tables from float64 angles, `Wan.frame_rope`, whatever `.to(dtype)` does to the storage)
-        self.chunk_positions = torch.zeros(window.chunk_frames, dtype=torch.long, device=device)
+        self._full_chunk_positions = torch.zeros(window.chunk_frames, dtype=torch.long, device=device)
+        self._full_freqs: RopeFreqs | None = None
+        # what the current forward reads: the whole-chunk tensors above, or a partial forward's own (`begin`)
+        self.write_index, self.chunk_positions = self._full_write_index, self._full_chunk_positions
         self._query_freqs: RopeFreqs | None = None
         self.frames_committed = 0  # frames whose clean K/V are final
         self.frames_quantized = 0  # frames quantized so far (each once)
         self._chunk: tuple[int, int] | None = None
 
-    _BOOKKEEPING = ("write_index", "key_visible", "chunk_positions")
+    _BOOKKEEPING = ("_full_write_index", "key_visible", "_full_chunk_positions")
 
     def _apply(self, fn, recurse=True):
         """``.to()`` / ``.cuda()`` / ``.half()``: the storage as nn.Module converts it, and the bookkeeping to
-        the storage's device (integer tensors: ``fn`` leaves their dtype alone)."""
+        the storage's device (integer tensors: ``fn`` leaves their dtype alone). A partial forward's transient
+        tensors are dropped: the next ``begin`` rebuilds them."""
         super()._apply(fn, recurse)
         for name in self._BOOKKEEPING:
             setattr(self, name, fn(getattr(self, name)))
-        freqs = self._query_freqs
+        partial = self.write_index is not self._full_write_index and self._chunk is not None
+        self.write_index, self.chunk_positions = self._full_write_index, self._full_chunk_positions
+        freqs = self._full_freqs
         if freqs is not None:
             device = self.write_index.device
-            self._query_freqs = RopeFreqs(freqs.cos.to(device), freqs.sin.to(device))
+            self._full_freqs = RopeFreqs(freqs.cos.to(device), freqs.sin.to(device))
+        self._query_freqs = self._full_freqs
+        if partial:
+            self._chunk = None
         return self
 
     # -- storage, by layer (registered names only: see the class docstring) ------------------------------------
@@ -159,6 +168,10 @@ class KVCache(nn.Module):
         tensors in place (host-to-device copies of values computed on the host; nothing is read back).
 
         ``rope_fn(frame_positions [F], (h, w)) -> RopeFreqs`` builds rotations for whole frames.
+
+        ``frames`` is a whole chunk, except for a prefill's lone first frame (``engine.causal.prefill``: fewer
+        frames than a chunk). Such a forward writes through transient tensors of its own size, so the fixed-shape
+        tensors a compiled or captured chunk step reads stay the same objects (no recompile, no recapture).
         """
         if chunk_start != self.frames_committed:
             raise InputError(
@@ -167,27 +180,39 @@ class KVCache(nn.Module):
                 f"committed so far), not {chunk_start}",
             )
         chunk_frames = self.storage.window.chunk_frames
-        if frames != chunk_frames:
+        if not 1 <= frames <= chunk_frames:
             raise InputError("chunk", f"chunks are {chunk_frames} latent frames, got {frames}")
         if self._chunk == (chunk_start, frames):
             return
         t = self.tokens_per_frame
+        partial = frames != chunk_frames
         chunk = range(chunk_start, chunk_start + frames)
         if self.slots.quant_ring:
             layers = ((self._layer_kv(i), self._layer_quant(i)) for i in range(self.layers))
             aged = self.slots.age_out(chunk)
             self.frames_quantized += quantize_aged(aged, layers, t, self.storage.bits, self.backends)
         written = self.slots.place(chunk)
-        visible = self.slots.see(chunk_start)
+        visible = self.slots.see(chunk_start, frames)
         tokens = torch.arange(t)
-        self.write_index.copy_((torch.tensor(written)[:, None] * t + tokens).flatten())
+        write_index = (torch.tensor(written)[:, None] * t + tokens).flatten()
+        if partial:  # transient, its own size: the whole-chunk tensors are left as they are
+            device = self._full_write_index.device
+            self.write_index = write_index.to(device)
+            self.chunk_positions = torch.tensor(list(chunk), device=device)
+            self._query_freqs = rope_fn(self.chunk_positions, grid_hw)
+        else:
+            self.write_index, self.chunk_positions = self._full_write_index, self._full_chunk_positions
+            self.write_index.copy_(write_index)
+            self.chunk_positions.copy_(torch.tensor(list(chunk)))
+            self._full_freqs = _refill(self._full_freqs, rope_fn(self.chunk_positions, grid_hw))
+            self._query_freqs = self._full_freqs
         self.key_visible.copy_(torch.tensor(visible).repeat_interleave(t))
-        self.chunk_positions.copy_(torch.tensor(list(chunk)))
-        self._query_freqs = _refill(self._query_freqs, rope_fn(self.chunk_positions, grid_hw))
         if self.sinks is not None:
             keys = [self._layer_kv(i)[0] for i in range(self.layers)]
             copies = [getattr(self, f"sink_k{i}") for i in range(self.layers)]  # unrotated (sinks.py)
-            self.sinks.reposition(chunk_start, self.frames_committed, keys, copies, grid_hw, rope_fn)
+            self.sinks.reposition(
+                chunk_start, self.frames_committed, keys, copies, grid_hw, rope_fn, frames
+            )
         self._chunk = (chunk_start, frames)
 
     def key_mask(self) -> torch.Tensor | None:
@@ -237,6 +262,14 @@ class KVCache(nn.Module):
     def named_storage(self) -> dict[str, torch.Tensor]:
         """Every K/V buffer by its registered name (the storage a swap moves and a snapshot saves)."""
         return dict(self.named_buffers())
+
+    def recached(self, frames: range) -> None:
+        """A re-cache (``recache.py``) rewrote the K/V of ``frames``: when they include the sinks, their unrotated
+        copies are taken again from the new keys (stored at their absolute index: the stream is still within the
+        window, offset 0) at the next ``begin``, which prepares every forward anew."""
+        if self.sinks is not None and frames.start == 0:
+            self.sinks.copied, self.sinks.offset = 0, 0
+        self._chunk = None
 
     def commit(self) -> None:
         """The current chunk's clean K/V are written: the next chunk may begin."""

@@ -35,6 +35,7 @@ class SinkKeys:
         copies: list[torch.Tensor],
         grid_hw: tuple[int, int],
         rope_fn,
+        frames: int | None = None,
     ) -> None:
         """Copy (unrotated) the sink keys committed since the last chunk, then rotate every sink's keys to
         ``s + o`` for this chunk's offset ``o`` when it moved (at most once a chunk, one pass over the sink
@@ -52,7 +53,7 @@ class SinkKeys:
                 )
                 copy[:, rows].copy_(unrotated)
             self.copied = committed
-        offset = self.window.cache_offset(chunk_start)
+        offset = self.window.cache_offset(chunk_start, frames)
         if offset == self.offset or not self.copied:
             return
         n = self.copied  # offset > 0 only once every sink is committed (and copied)

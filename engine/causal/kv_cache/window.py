@@ -54,20 +54,23 @@ class WindowSpec:
     def ring_frames(self) -> int:
         return self.window_frames - self.sink_frames
 
-    def cache_offset(self, chunk_start: int) -> int:
+    def cache_offset(self, chunk_start: int, frames: int | None = None) -> int:
         """``o``: absolute frame index - cache position of the non-sink frames the chunk starting at
-        ``chunk_start`` reads (its own and the retained ones): the oldest retained non-sink frame - sinks, >= 0."""
+        ``chunk_start`` reads (its own and the retained ones): the oldest retained non-sink frame - sinks, >= 0.
+        ``frames``: the forward's frame count when it is not a whole chunk (a prefill's lone first frame)."""
         s = self.sink_frames
-        return max(s, chunk_start + self.chunk_frames - self.ring_frames) - s
+        end = chunk_start + (self.chunk_frames if frames is None else frames)
+        return max(s, end - self.ring_frames) - s
 
     def cache_position(self, frame: int, chunk_start: int) -> int:
         """The cache-relative RoPE frame position (``rope="cache"``) of ``frame`` as the chunk starting at
         ``chunk_start`` reads it: sinks at their index, the other frames contiguously after them."""
         return frame if frame < self.sink_frames else frame - self.cache_offset(chunk_start)
 
-    def visible(self, chunk_start: int, key_frame: int) -> bool:
-        """Whether a query in the chunk starting at ``chunk_start`` sees ``key_frame`` (for reference masks)."""
-        end = chunk_start + self.chunk_frames
+    def visible(self, chunk_start: int, key_frame: int, frames: int | None = None) -> bool:
+        """Whether a query in the chunk starting at ``chunk_start`` (``frames`` long, a whole chunk when None)
+        sees ``key_frame``."""
+        end = chunk_start + (self.chunk_frames if frames is None else frames)
         return key_frame < end and (key_frame < self.sink_frames or key_frame >= end - self.ring_frames)
 
 
@@ -111,7 +114,7 @@ class SlotRing:
             if old is None or old == frame:
                 continue
             self.full[slot] = None
-            if not self.window.visible(chunk.start, old):
+            if not self.window.visible(chunk.start, old, len(chunk)):
                 continue
             quant = self.quant_slot_of(old)
             self.quantized[quant] = old
@@ -131,9 +134,10 @@ class SlotRing:
             written.append(slot)
         return written
 
-    def see(self, chunk_start: int) -> list[bool]:
-        """Whether the chunk starting at ``chunk_start`` sees each slot (full precision, then quantized)."""
-        visible = [f is not None and self.window.visible(chunk_start, f) for f in self.frames_by_slot()]
+    def see(self, chunk_start: int, frames: int | None = None) -> list[bool]:
+        """Whether the chunk starting at ``chunk_start`` (``frames`` long, a whole chunk when None) sees each slot
+        (full precision, then quantized)."""
+        visible = [f is not None and self.window.visible(chunk_start, f, frames) for f in self.frames_by_slot()]
         self.visible_slots = [i for i, seen in enumerate(visible) if seen]
         self.all_visible = all(visible)
         return visible
@@ -150,6 +154,12 @@ class SlotRing:
         """Token indices (into ``LayerView.read_window``) of the current chunk's visible slots, in slot order."""
         t = tokens_per_frame
         return [slot * t + token for slot in self.visible_slots for token in range(t)]
+
+    def held(self) -> list[tuple[int, str, int]]:
+        """``(frame, "full" | "quantized", slot)`` of every frame the cache holds, in frame order."""
+        full = [(f, "full", i) for i, f in enumerate(self.full) if f is not None]
+        quantized = [(f, "quantized", i) for i, f in enumerate(self.quantized) if f is not None]
+        return sorted(full + quantized)
 
     def filled(self) -> tuple[int, int]:
         """Occupied (full-precision, quantized) slots."""

@@ -361,7 +361,9 @@ def run_reference(
         module.torch = _TorchWithNoise(noise.draws())
         start = None if initial_latent is None else initial_latent.permute(0, 2, 1, 3, 4).contiguous()
         with torch.inference_mode(), contextlib.redirect_stdout(io.StringIO()):
-            _, out = pipe.inference(noise.video(), text_prompts=[""], initial_latent=start, return_latents=True)
+            _, out = pipe.inference(
+                noise.video(), text_prompts=[""], initial_latent=start, return_latents=True
+            )
         left = len(module.torch._draws)
     finally:
         module.torch = torch
@@ -380,7 +382,9 @@ def run_reference(
     per_chunk = steps + 1  # denoising forwards, then the clean-context pass
     n = len(noise.start)
     if len(ends) != prefill + n * per_chunk:
-        raise RuntimeError(f"expected {prefill + n * per_chunk} forwards of their generator, counted {len(ends)}")
+        raise RuntimeError(
+            f"expected {prefill + n * per_chunk} forwards of their generator, counted {len(ends)}"
+        )
     ends = ends[prefill:]
     denoised = [begin[0]] + [ends[k * per_chunk + steps - 1] for k in range(n)]
     pairs = list(zip(denoised, denoised[1:]))

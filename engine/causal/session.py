@@ -118,7 +118,9 @@ class ChunkResult:
     mode: str = "t2v"  # "v2v": restyled from an input chunk (engine.causal.video_to_video)
     strength: float | None = None  # v2v: the sigma the input chunk was noised to
     controls: tuple[AppliedControl, ...] = ()  # controls that took effect at this chunk's start
-    recache: RecacheReport | None = None  # a prompt switch's re-cache run at this chunk's start (or before it)
+    recache: RecacheReport | None = (
+        None  # a prompt switch's re-cache run at this chunk's start (or before it)
+    )
 
     @property
     def raw(self) -> torch.Tensor:
@@ -337,9 +339,7 @@ class VideoSession:
                     raw = self.tiny_vae.raw_to_latent(WAN21.process_out(x_all))
                     decoded = self.decoder.push(raw).float().cpu()
                     self.stats.frames_decoded += decoded.shape[1]
-                return PrefillResult(
-                    start, tuple(blocks), x_all.cpu(), decoded, time.perf_counter() - t0
-                )
+                return PrefillResult(start, tuple(blocks), x_all.cpu(), decoded, time.perf_counter() - t0)
         finally:
             self._release()
 
@@ -404,7 +404,9 @@ class VideoSession:
         b, c, _, lh, lw = latents.shape
         if c != p.in_dim:
             raise InputError(
-                name, f"{c} latent channels; this Wan model takes {p.in_dim} (Wan 2.1 VAE latents)", self.where
+                name,
+                f"{c} latent channels; this Wan model takes {p.in_dim} (Wan 2.1 VAE latents)",
+                self.where,
             )
         if (lh, lw) != (h, w) or b != self.batch:
             raise InputError(

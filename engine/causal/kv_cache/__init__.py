@@ -81,18 +81,18 @@ from .bytes import (
     KVBytes,
     KVFrames,
     KVLayout,
+    clean_frames_bytes,
     kv_bytes_per_token,
     kv_cache_bytes,
     kv_layout,
-    clean_frames_bytes,
     kv_pool_bytes,
 )
 from .cache import KVCache
 from .clean_frames import CleanFrames
 from .cross import CrossAttentionCache
 from .layer import LayerView
-from .recache import RecacheView, recache_frames
 from .quantized import KVStorage, QuantizedKV, check_kv_head_dim, check_kv_storage
+from .recache import RecacheView, recache_frames
 from .sinks import SinkKeys
 from .slots import BatchedKV, KVSlotPool
 from .window import ROPE_MODES, SlotRing, WindowSpec, check_window

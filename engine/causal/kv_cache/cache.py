@@ -210,9 +210,7 @@ class KVCache(nn.Module):
         if self.sinks is not None:
             keys = [self._layer_kv(i)[0] for i in range(self.layers)]
             copies = [getattr(self, f"sink_k{i}") for i in range(self.layers)]  # unrotated (sinks.py)
-            self.sinks.reposition(
-                chunk_start, self.frames_committed, keys, copies, grid_hw, rope_fn, frames
-            )
+            self.sinks.reposition(chunk_start, self.frames_committed, keys, copies, grid_hw, rope_fn, frames)
         self._chunk = (chunk_start, frames)
 
     def key_mask(self) -> torch.Tensor | None:

@@ -137,7 +137,9 @@ class SlotRing:
     def see(self, chunk_start: int, frames: int | None = None) -> list[bool]:
         """Whether the chunk starting at ``chunk_start`` (``frames`` long, a whole chunk when None) sees each slot
         (full precision, then quantized)."""
-        visible = [f is not None and self.window.visible(chunk_start, f, frames) for f in self.frames_by_slot()]
+        visible = [
+            f is not None and self.window.visible(chunk_start, f, frames) for f in self.frames_by_slot()
+        ]
         self.visible_slots = [i for i, seen in enumerate(visible) if seen]
         self.all_visible = all(visible)
         return visible

@@ -7,8 +7,12 @@ model run once more on the clean chunk at timestep ``context_noise``, which comm
 chunk starts: a stream that stops never pays for it, and one that continues later gets exactly the same video.
 
 A :class:`VideoSession` owns everything that lives across chunks: the KV cache, the cross-attention cache, the
-frame position, the prompt and the random generator. ``set_prompt`` switches the prompt as CausVid does (only
-the cross-attention cache is rebuilt; the self-attention cache carries the video on); ``dispose`` frees it.
+frame position, the prompt, the random generator, the clean latents of the window and the control queue.
+``set_prompt`` switches the prompt as CausVid does (only the cross-attention cache is rebuilt; the self-attention
+cache carries the video on), or with ``recache`` as LongLive does (``prompt_switch.py``); ``dispose`` frees it.
+Interactive sessions (``docs/interactive-video.md``): ``prefill`` starts from clean frames (``prefill.py``),
+``feed`` / ``set_strength`` restyle input chunks (``video_to_video.py``), ``control`` queues a prompt, strength or
+seed for the next chunk boundary (``controls.py``).
 
 Memory stays flat for a stream of any length: a session keeps only what the next chunk needs (the caches, the
 last chunk's clean latents until its deferred commit, the stream decoder's state) and bounded statistics

@@ -19,6 +19,7 @@ arrive; a chunk takes ``chunk_frames`` of them).
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 
 import torch
@@ -31,10 +32,10 @@ MAX_QUEUED_CHUNKS = 8  # input chunks a session holds ahead of its generation (a
 
 def check_strength(strength: float, input_name: str = "strength") -> float:
     """``strength`` in (0, 1]: the sigma an input chunk is noised to (1: pure noise, text to video)."""
-    try:
-        check_finite_number(strength, input_name)
-    except InputError:
-        raise
+    # a string or a bool would pass float() (or fail in it with a bare ValueError naming no input)
+    if isinstance(strength, bool) or not isinstance(strength, numbers.Real):
+        raise InputError(input_name, f"expected a number in (0, 1], got {strength!r}")
+    check_finite_number(strength, input_name)
     strength = float(strength)
     if not 0.0 < strength <= 1.0:
         raise InputError(

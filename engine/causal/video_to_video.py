@@ -5,7 +5,11 @@ Each input chunk (``chunk_frames`` latent frames of an encoded input video) is n
 ``strength`` (``(1 - s) x + s n``, the flow-matching interpolation their driver computes from ``noise_scale``) and
 denoised by the causal model in the schedule's steps below that sigma (:func:`v2v_sigmas`), attending to the
 rolling KV window. As in their loop there is no clean-context pass: the chunk's keys and values are the ones its
-last denoising step wrote (one forward per chunk fewer than text to video).
+last denoising step wrote (one forward per chunk fewer than text to video). With the ``wan-v2v-4step`` schedule at
+its first sigma this equals their loop within 1e-5 while their cache holds the stream
+(``tests/engine/causal/test_v2v_streamdiffusionv2.py``); once their ring is full it is not a window (a chunk's
+first denoising step overwrites the slot of the previous chunk's last step, its other steps evict the next one),
+so a longer stream differs from theirs there, by design: ours evicts the oldest non-sink frame.
 
 Of their additions: the fixed ``noise_scale`` / first timestep pair is ``strength``; their motion-aware noise
 (``compute_noise_scale_and_step``: the noise scale follows the L2 distance of consecutive input frames, lagged

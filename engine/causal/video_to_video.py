@@ -5,7 +5,11 @@ Each input chunk (``chunk_frames`` latent frames of an encoded input video) is n
 ``strength`` (``(1 - s) x + s n``, the flow-matching interpolation their driver computes from ``noise_scale``) and
 denoised by the causal model in the schedule's steps below that sigma (:func:`v2v_sigmas`), attending to the
 rolling KV window. As in their loop there is no clean-context pass: the chunk's keys and values are the ones its
-last denoising step wrote (one forward per chunk fewer than text to video).
+last denoising step wrote (one forward per chunk fewer than text to video). With the ``wan-v2v-4step`` schedule at
+its first sigma this equals their loop within 1e-5 while their cache holds the stream
+(``tests/engine/causal/test_v2v_streamdiffusionv2.py``); once their ring is full it is not a window (a chunk's
+first denoising step overwrites the slot of the previous chunk's last step, its other steps evict the next one),
+so a longer stream differs from theirs there, by design: ours evicts the oldest non-sink frame.
 
 Of their additions: the fixed ``noise_scale`` / first timestep pair is ``strength``; their motion-aware noise
 (``compute_noise_scale_and_step``: the noise scale follows the L2 distance of consecutive input frames, lagged
@@ -19,6 +23,7 @@ arrive; a chunk takes ``chunk_frames`` of them).
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 
 import torch
@@ -31,10 +36,10 @@ MAX_QUEUED_CHUNKS = 8  # input chunks a session holds ahead of its generation (a
 
 def check_strength(strength: float, input_name: str = "strength") -> float:
     """``strength`` in (0, 1]: the sigma an input chunk is noised to (1: pure noise, text to video)."""
-    try:
-        check_finite_number(strength, input_name)
-    except InputError:
-        raise
+    # a string or a bool would pass float() (or fail in it with a bare ValueError naming no input)
+    if isinstance(strength, bool) or not isinstance(strength, numbers.Real):
+        raise InputError(input_name, f"expected a number in (0, 1], got {strength!r}")
+    check_finite_number(strength, input_name)
     strength = float(strength)
     if not 0.0 < strength <= 1.0:
         raise InputError(

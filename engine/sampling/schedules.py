@@ -29,6 +29,13 @@ z-image-turbo       8      ``shift_3(linspace(1, 1/N, N))`` then 0 = 8 DiT forwa
                            than the reference.)
 wan-dmd-4step       4      Self-Forcing's ``denoising_step_list`` [1000, 750, 500, 250] warped through the
                            shift-5 flow table: ``shift_5(1 - k/N)`` then 0 = [1, .9375, .8333, .625, 0]
+wan-v2v-4step       4      StreamDiffusionV2's video-to-video ``denoising_step_list`` [700, 500, 400, 200]
+                           (``configs/wan_causal_dmd_v2v.yaml``, its final 0 dropped as ``t2v: false``
+                           does) warped through their shift-8 flow table (``warp_denoising_step: true``):
+                           ``shift_8(t / 1000)`` then 0 = [.9492, .8889, .8421, .6667, 0]. ``N`` steps
+                           take the first ``N`` timesteps (their ``--step N``), so at most 4. Made for
+                           video to video at ``strength`` = its first sigma (``v2v_sigmas`` then gives
+                           the list unchanged); text to video on it starts from noise scaled by .9492
 ==================  =====  =============================================================================
 
 ``shift_s(u) = s u / (1 + (s - 1) u)``; ``time_shift(mu)(t) = e^mu / (e^mu + 1/t - 1)``.
@@ -116,6 +123,22 @@ def wan_dmd_sigmas(steps: int, image_seq_len: int | None = None, shift: float = 
     return _with_zero(shift_sigmas(timesteps / 1000, shift))
 
 
+STREAMDIFFUSIONV2_TIMESTEPS = (700, 500, 400, 200)  # configs/wan_causal_dmd_v2v.yaml, without its final 0
+
+
+def wan_v2v_sigmas(steps: int, image_seq_len: int | None = None, shift: float = 8.0) -> torch.Tensor:
+    """StreamDiffusionV2's first ``steps`` timesteps through their shift-8 table (see the module docstring).
+    Their warp indexes the table ``shift(linspace(1, 0, 1001))`` at ``1000 - t``: the point ``u = t / 1000``."""
+    if steps > len(STREAMDIFFUSIONV2_TIMESTEPS):
+        raise InputError(
+            "steps",
+            f"wan-v2v-4step has StreamDiffusionV2's {len(STREAMDIFFUSIONV2_TIMESTEPS)} timesteps "
+            f"{list(STREAMDIFFUSIONV2_TIMESTEPS)} (N steps take the first N), got {steps} steps",
+        )
+    timesteps = torch.tensor(STREAMDIFFUSIONV2_TIMESTEPS[:steps], dtype=torch.float32)
+    return _with_zero(shift_sigmas(timesteps / 1000, shift))
+
+
 def explicit_sigmas(values: Sequence[float] | str, input_name: str = "sigmas") -> torch.Tensor:
     """A user's list, e.g. ``"1, 0.75, 0.5, 0.25"``; a final 0 is appended when missing."""
     if isinstance(values, str):
@@ -198,6 +221,14 @@ SCHEDULES: dict[str, SchedulePreset] = {
             "dmd",
             1.0,
             "Self-Forcing / CausVid DMD students: [1000, 750, 500, 250] warped by shift 5",
+        ),
+        SchedulePreset(
+            "wan-v2v-4step",
+            4,
+            wan_v2v_sigmas,
+            "dmd",
+            1.0,
+            "StreamDiffusionV2 video to video: [700, 500, 400, 200] warped by shift 8 (strength = .9492)",
         ),
     )
 }

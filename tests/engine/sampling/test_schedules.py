@@ -23,10 +23,15 @@ def _close(a, b, tol=1e-6):
     ), a
 
 
+# presets that start below pure noise: made for video to video at strength = their first sigma
+PARTIAL_START = {"wan-v2v-4step"}
+
+
 def test_every_schedule_ends_in_zero_and_decreases():
     for name, preset in SCHEDULES.items():
         s = schedule_sigmas(name)
-        assert len(s) == preset.steps + 1 and s[-1] == 0 and s[0] == 1, name
+        assert len(s) == preset.steps + 1 and s[-1] == 0, name
+        assert (s[0] < 1) if name in PARTIAL_START else (s[0] == 1), name
         assert bool((s[1:] < s[:-1]).all()), name
         assert s.dtype == torch.float32
 
@@ -204,6 +209,16 @@ def test_wan_dmd_4step_is_self_forcing_warped_list():
     s = schedule_sigmas("wan-dmd-4step")
     _close(s, [1.0, 0.9375, 0.8333333, 0.625, 0.0])
     _close(s[:-1] * 1000, [1000.0, 937.5, 833.3333, 625.0], 1e-3)
+
+
+def test_wan_v2v_4step_is_streamdiffusionv2_warped_list():
+    """[700, 500, 400, 200] at u = t / 1000 through shift 8 (``8u / (1 + 7u)``); N steps: the first N."""
+    s = schedule_sigmas("wan-v2v-4step")
+    _close(s, [5.6 / 5.9, 4.0 / 4.5, 3.2 / 3.8, 1.6 / 2.4, 0.0])
+    _close(schedule_sigmas("wan-v2v-4step", 2), [5.6 / 5.9, 4.0 / 4.5, 0.0])
+    assert SCHEDULES["wan-v2v-4step"].sampler == "dmd"
+    with pytest.raises(InputError, match="input 'steps'.*4 timesteps \\[700, 500, 400, 200\\].*got 5 steps"):
+        schedule_sigmas("wan-v2v-4step", 5)
 
 
 def test_denoise_keeps_the_tail_of_a_longer_schedule():

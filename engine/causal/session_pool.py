@@ -25,9 +25,25 @@ none is free it is refused (an :class:`InputError` with the bytes of a slot and 
 ``wait=True``, queued and admitted at a later tick when a slot frees. Nothing is allocated past the pool's
 storage: memory is flat over any run of joins and leaves.
 
+Interactive sessions (issue 32), per session inside the batches, each as its solo :class:`~.session.VideoSession`
+does it and with its formulas (``session.py``: ``commit_prefill``, ``chunk_sigmas`` / ``chunk_start``,
+``apply_controls``): :meth:`SessionPool.prefill` commits start frames (image to video, video extension) by solo
+eager forwards on the session's own slot cache before its first chunk; :meth:`SessionPool.feed` and
+:meth:`SessionPool.set_strength` make it restyle input chunks (video to video); :meth:`SessionPool.set_prompt`
+with ``recache`` switches its prompt with a KV re-cache (its pending chunk committed under the old prompt, then
+one solo forward over its window's frames on its slot, ``prompt_switch.recache_window``);
+:meth:`SessionPool.control` queues a prompt / strength / seed control applied at its next chunk boundary and
+reported on that chunk. Rows of one batch share one sigma list, so a tick groups its due sessions by the strength
+their chunk runs at (text to video one group, video to video one per strength: ``TickReport.strengths``), each
+group cut into batches as above; video-to-video rows commit the K/V of their last step (no clean-context pass). A
+video-to-video session with less than a chunk of input queued is not due: the tick skips it and reports it
+(``TickReport.starved``). Each slot keeps its session's clean latents of the window
+(:class:`~.kv_cache.CleanFrames`, allocated with the slots, counted in a slot's bytes and in admission).
+
 Swap: :meth:`SessionPool.suspend` moves a session's whole state (``session_state.SessionState``: every K/V buffer
-with its scales and sink copies, its prompt rows, the clean latents awaiting commit, the generator, the position
-and the stream decoder) to host memory and frees its slot; :meth:`SessionPool.resume` restores it into any free
+with its scales and sink copies, its prompt rows, the clean latents awaiting commit and those of its window, the
+generator, the position and the stream decoder) to host memory and frees its slot (its queued input frames and
+controls stay on the session: a client may feed or steer a suspended session); :meth:`SessionPool.resume` restores it into any free
 slot and the video continues exactly. :meth:`SessionPool.suspend_idle` is the simple policy: a session whose
 consumer has not taken its last chunk for ``timeout`` seconds is suspended.
 """
@@ -395,7 +411,7 @@ class SessionPool:
                 raise InputError("session", f"{session.key} has a prompt switch waiting for its next chunk; save "
                                  "it after that chunk", self.where)  # fmt: skip
             if session.state == "suspended":
-                return with_host_parts(session.saved, session)
+                return with_host_parts(session.saved, session, pooled=True)
             if session.state != "active":
                 raise InputError(
                     "session", f"{session.key} is {session.state}: it has no state to save", self.where

@@ -105,7 +105,7 @@ def capture_state(session, pool=None, device="cpu", host_parts: bool = True) -> 
         "clean_frames": clean_frames,
     }
     state = SessionState(tensors, meta)
-    return with_host_parts(state, session, device) if host_parts else state
+    return with_host_parts(state, session, pool is not None, device) if host_parts else state
 
 
 def _host_meta(session, names, tensors: dict, device) -> dict:
@@ -143,9 +143,10 @@ def _host_meta(session, names, tensors: dict, device) -> dict:
     }
 
 
-def with_host_parts(state: SessionState, session, device="cpu") -> SessionState:
-    """``state`` (a swap's copy, or a whole one) with ``session``'s host parts as they are now."""
-    names = _POOL_NAMES if hasattr(session, "pool") else _SOLO_NAMES
+def with_host_parts(state: SessionState, session, pooled: bool, device="cpu") -> SessionState:
+    """``state`` (a swap's copy, or a whole one) with ``session``'s host parts as they are now (``pooled``: a
+    pool session's, else a solo session's)."""
+    names = _POOL_NAMES if pooled else _SOLO_NAMES
     tensors = {k: t for k, t in state.tensors.items() if not k.startswith(("inputs.", "control."))}
     host = _host_meta(session, names, tensors, device)
     return SessionState(tensors, {**state.meta, "host": host})

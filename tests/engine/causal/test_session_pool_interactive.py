@@ -372,3 +372,48 @@ def test_bad_interactive_pool_input_is_refused_with_its_message(wan):
         f"test pool: input 'start_latent': {session.key} has generated 2 frames already; a start latent is only "
         "taken before the first chunk (join a new session)"
     )
+
+
+def test_prefill_and_recache_run_eagerly_beside_a_graphed_batched_step(monkeypatch):
+    """CUDA graphs (emulated on the CPU, tests/compile_doubles.py) through open_session_pool: a session's prefill
+    (a lone frame and a whole chunk) and its re-cache run on the plain model, so the captured steps see only
+    chunk and commit forwards (no miss, no capture of another shape) and the video equals eager."""
+    from compile_doubles import EMULATED
+
+    from fewstep.engine import open_model
+    from fewstep.engine.causal.kv_cache import BatchedKV
+    from fewstep.engine.causal.recipe import open_session_pool
+    from fewstep.engine.compile import attach_compile
+
+    keys = []  # (bucket, masked, which rows' windows are full) of every batched forward: a graph's key
+    prepare = BatchedKV.prepare
+
+    def recording(self, slots, caches):
+        prepare(self, slots, caches)
+        keys.append((self.rows, self.key_mask() is not None, self._pattern))
+
+    monkeypatch.setattr(BatchedKV, "prepare", recording)
+
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    config = CausalConfig(chunk_frames=2, window_frames=6, steps=2)
+    plans = {
+        "prefilled": _plan(6, 4, 3, prefill=_latents(300, 3), steps={2: [("prompt", 7, True)]}),
+        "v2v": _plan(4, 2, 3, steps=_v2v_steps(0.5, 3, 2, 100)),
+    }
+
+    def scenario(model_handle):
+        pool, compiled = open_session_pool(model_handle, H, W, config, max_sessions=2, buckets=(1, 2))
+        drive = PlanDriver(pool)
+        keys = {label: drive.join(plan).key for label, plan in plans.items()}
+        for _ in range(3):
+            drive.tick()
+        return {label: drive.got[key] for label, key in keys.items()}, compiled
+
+    eager, _ = scenario(handle)
+    keys.clear()
+    graphed, run = scenario(attach_compile(handle, "off", "whole", graph_segments=EMULATED))
+    g = run.finish().graphs
+    for label in plans:
+        _assert_equal(graphed[label], eager[label], label)
+    # every graph is a batched step's (the prefill's and the re-cache's forwards are not the compiled step's)
+    assert (g.warmups, g.misses) == (len(set(keys)), 0) and g.hits > 0

@@ -89,7 +89,7 @@ from .session import (
     run_parts,
     session_bytes,
 )
-from .session_state import SessionState, capture_state, restore_state, with_host_parts
+from .session_state import SessionState, capture_state, restore_state, take_host_parts, with_host_parts
 from .video_to_video import InputFrames
 
 log = logging.getLogger(__name__)
@@ -392,7 +392,8 @@ class SessionPool:
         with self._lock:
             self._check_open()
             session = PoolSession(self, f"s{next(self._keys)}", seed, chunks)
-            session.saved, session.state = state, "suspended"
+            # its queued inputs and controls live on the session, as a suspended one's do
+            session.saved, session.state = take_host_parts(state, session, pooled=True), "suspended"
             self.sessions[session.key] = session
             try:
                 self.resume(session, wait=wait)

@@ -194,6 +194,18 @@ def restore_state(state: SessionState, session, pool=None) -> None:
         _restore_host(host, state.tensors, session, names)
 
 
+def take_host_parts(state: SessionState, session, pooled: bool) -> SessionState:
+    """Restore ``state``'s host parts (if it holds them) into ``session`` now, and return ``state`` without them:
+    a pool session joining from a snapshot keeps its host parts itself from the start, also while it waits for a
+    slot (as a suspended session does)."""
+    host = state.meta.get("host")
+    if host is None:
+        return state
+    _restore_host(host, state.tensors, session, _POOL_NAMES if pooled else _SOLO_NAMES)
+    tensors = {k: t for k, t in state.tensors.items() if not k.startswith(("inputs.", "control."))}
+    return SessionState(tensors, {k: v for k, v in state.meta.items() if k != "host"})
+
+
 def _restore_host(host: dict, tensors: dict, session, names) -> None:
     session.inputs.load_state([tensors[f"inputs.{i}"].clone() for i in range(host["inputs"])])
     session.strength, session.seed = host["strength"], host["seed"]

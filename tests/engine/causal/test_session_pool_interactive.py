@@ -24,6 +24,10 @@ CONFIGS = {
     "int8-absolute": CausalConfig(
         chunk_frames=2, window_frames=6, kv_dtype="int8", keep_recent_chunks=0, rope="absolute", steps=3
     ),  # fmt: skip
+    # the re-cache re-quantizes the frames of the int4 ring it recomputes, in the session's slot
+    "int4-sink1-cache": CausalConfig(
+        chunk_frames=2, window_frames=6, sink_frames=1, kv_dtype="int4", steps=2
+    ),
 }
 
 

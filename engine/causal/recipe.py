@@ -75,6 +75,9 @@ class SessionRecipe:
     rebuildable: bool = True  # False once more than max_prompts different prompts were used (none are kept)
     # the session's run options (open_session), where it computes included (RunOptions.pool)
     options: RunOptions | None = field(default=None, repr=False)
+    # the start latent it was prefilled with (model latent space, on the CPU; None: it started from noise)
+    start: torch.Tensor | None = field(default=None, repr=False)
+    recache_at: tuple[int, ...] = ()  # indices into ``prompts`` of the switches that re-cached the window
 
     @property
     def in_process(self) -> bool:
@@ -86,20 +89,28 @@ class SessionRecipe:
         return open_session(self.model, context, self.height, self.width, self.config, self.seed, self.tiny_vae,
                             where, self.options)  # fmt: skip
 
-    def with_prompt(self, frame: int, context: torch.Tensor) -> SessionRecipe:
-        """The recipe after a prompt switch at ``frame``; a prompt used before is kept once (the same tensor)."""
+    def with_start(self, latents: torch.Tensor) -> SessionRecipe:
+        """The recipe of a session prefilled with ``latents [B, C, F, h, w]`` (model latent space) before its
+        first chunk (``VideoSession.prefill``): a rebuild prefills it again."""
+        return dataclasses.replace(self, start=latents.detach().cpu())
+
+    def with_prompt(self, frame: int, context: torch.Tensor, recache: bool = False) -> SessionRecipe:
+        """The recipe after a prompt switch at ``frame`` (``recache``: with a KV re-cache); a prompt used before
+        is kept once (the same tensor)."""
         if not self.rebuildable:
             return self
         kept = {id(c): c for _, c in self.prompts}
         context = next((c for c in kept.values() if _same_prompt(c, context)), context)
         kept[id(context)] = context
         if len(kept) > self.max_prompts:  # bound the memory a long chain of prompt switches holds
-            return dataclasses.replace(self, prompts=(), rebuildable=False)
-        return dataclasses.replace(self, prompts=(*self.prompts, (frame, context)))
+            return dataclasses.replace(self, prompts=(), recache_at=(), rebuildable=False)
+        recache_at = (*self.recache_at, len(self.prompts)) if recache else self.recache_at
+        return dataclasses.replace(self, prompts=(*self.prompts, (frame, context)), recache_at=recache_at)
 
     def rebuild(self, position: int, where: str, before_forward: ForwardHook | None = None) -> VideoSession:
-        """A new session advanced to ``position`` latent frames, prompt switches replayed; ``before_forward``
-        is called before every DiT forward of the replay (a caller's cancel check)."""
+        """A new session advanced to ``position`` latent frames, its prefill and prompt switches (with their
+        re-caches) replayed; ``before_forward`` is called before every DiT forward of the replay (a caller's cancel
+        check)."""
         if not self.rebuildable:
             raise InputError(
                 "session",
@@ -110,13 +121,15 @@ class SessionRecipe:
                 where,
             )
         session, compiled = self.open(self.prompts[0][1], where)
-        for frame, context in (*self.prompts[1:], (position, None)):
+        if self.start is not None:
+            session.prefill(self.start, before_forward)
+        for index, (frame, context) in enumerate((*self.prompts[1:], (position, None)), start=1):
             missing = frame - session.frames_generated
             if missing:
                 for _ in session.chunks(missing // self.config.chunk_frames, before_forward=before_forward):
                     pass
             if context is not None:
-                session.set_prompt(context)
+                session.set_prompt(context, recache=index in self.recache_at)
         if compiled is not None:
             compiled.finish()
         return session

@@ -328,16 +328,15 @@ class VideoSession:
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 x_all = latents.to(self.device, torch.float32)
-                start = 0
-                for n in blocks:
+
+                def forward(x, start, whole_chunk):
                     if before_forward is not None:
                         before_forward(0, None)
-                    x = x_all[:, :, start : start + n]
-                    model = self.model if n == self.config.chunk_frames else self.base_model
-                    self._velocity(x, 0.0, start, model=model)
-                    self.cache.commit()
-                    self.clean.write(start, x)
-                    start += n
+                    self._velocity(x, 0.0, start, model=self.model if whole_chunk else self.base_model)
+
+                start = commit_prefill(
+                    blocks, x_all, self.config.chunk_frames, forward, self.cache, self.clean
+                )
                 decoded = None
                 if self.decoder is not None:
                     raw = self.tiny_vae.raw_to_latent(WAN21.process_out(x_all))
@@ -362,65 +361,22 @@ class VideoSession:
         """Queue a control (``engine.causal.controls``: ``prompt`` with ``recache`` or not, ``strength``,
         ``seed``), checked now, applied at the next chunk boundary; returns its sequence number."""
         self._check_alive()
-        if kind == "prompt":
-            check_context(self.model.params, value, self.batch, self.where)
-        elif kind == "strength":
-            value = None if value is None else _located(check_strength, self.where)(value)
-        elif kind == "seed":
-            value = _located(check_seed, self.where)(value)
-        else:
-            raise InputError(
-                "control", f"unknown control {kind!r}; expected prompt, strength or seed", self.where
-            )
+        value = check_control(self.model.params, kind, value, self.batch, self.where)
         return self.controls.put(kind, value, recache)
 
     def _apply_controls(self, index: int, before_forward) -> None:
-        taken = self.controls.take()
-        for i, (control, replaced) in enumerate(taken):
-            try:
-                detail = ""
-                if control.kind == "prompt":
-                    report = self._switch_prompt(control.value, control.recache, index, before_forward)
-                    if report is not None:
-                        detail = f"re-cached {report.frames} frames in {report.seconds:.3f} s"
-                elif control.kind == "strength":
-                    self.strength = control.value
-                    detail = "text to video" if control.value is None else f"strength {control.value:g}"
-                else:
-                    self.generator.manual_seed(control.value)
-                    self.seed = control.value
-                    detail = f"seed {control.value}"
-            except BaseException:
-                self.controls.requeue(taken[i:])
-                raise
-            applied = AppliedControl(control.kind, control.sequence, index, control.recache, replaced, detail)
-            self.controls.record(applied)
-            self._unreported.append(applied)
+        def reseed(seed: int) -> None:
+            self.generator.manual_seed(seed)
+            self.seed = seed
+
+        apply_controls(
+            self.controls, index, self._unreported,
+            lambda context, recache: self._switch_prompt(context, recache, index, before_forward),
+            lambda strength: setattr(self, "strength", strength), reseed,
+        )  # fmt: skip
 
     def _check_latents(self, latents, name: str) -> None:
-        p = self.model.params
-        h, w = self.latent_hw
-        if not isinstance(latents, torch.Tensor) or latents.ndim != 5:
-            got = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
-            raise InputError(
-                name, f"latents {got}; expected [batch, {p.in_dim}, frames, {h}, {w}]", self.where
-            )
-        b, c, _, lh, lw = latents.shape
-        if c != p.in_dim:
-            raise InputError(
-                name,
-                f"{c} latent channels; this Wan model takes {p.in_dim} (Wan 2.1 VAE latents)",
-                self.where,
-            )
-        if (lh, lw) != (h, w) or b != self.batch:
-            raise InputError(
-                name,
-                f"latents of batch {b} and {lh}x{lw} latent pixels; this session is batch {self.batch} at "
-                f"{h}x{w} ({8 * h}x{8 * w} px)",
-                self.where,
-            )
-        if not latents.is_floating_point() or not bool(torch.isfinite(latents).all()):
-            raise InputError(name, "latents must be finite floating-point values", self.where)
+        check_latents(self.model.params, latents, self.latent_hw, self.batch, name, self.where)
 
     def _check_unsharded(self, what: str) -> None:
         if self.blocks.sharding is not None:
@@ -559,8 +515,7 @@ class VideoSession:
                 f"{len(self.inputs)} of its {c} input latent frames are queued; feed the input first",
                 self.where,
             )
-        sigmas = self.sigmas if strength is None else v2v_sigmas(self.sigmas, strength)
-        sigmas = sigmas.to(self.generator.device)
+        sigmas = chunk_sigmas(self.sigmas, strength).to(self.generator.device)
         t0 = time.perf_counter()
         commit_s = self._commit(index, before_forward)
         start = self.cache.frames_committed
@@ -580,11 +535,8 @@ class VideoSession:
             finite_steps.append(torch.isfinite(out).all())
             return out
 
-        if strength is None:
-            x = sigmas[0] * self._noise(shape)
-        else:
-            source = self.inputs.peek().to(self.device)
-            x = noised_input(source, strength, self._noise(shape))
+        source = None if strength is None else self.inputs.peek().to(self.device)
+        x = chunk_start(sigmas, strength, self._noise(shape), source)
         x0 = sample_dmd(denoised, x, sigmas, noise_sampler=lambda *_: self._noise(shape), disable=True)
         telemetry = run.finish() if run is not None else None
         latents = x0.float().cpu()
@@ -647,6 +599,101 @@ def run_parts(model, run: Run | None):
     if run is None:
         return (lambda: None), RunBlocks(), DEFAULT_BACKENDS, model
     return run.weights_keeper, run.blocks, run.backends, run.base_model
+
+
+# -- what a solo session and a pool session share (one owner per formula) ------------------------------------------
+def chunk_sigmas(sigmas: torch.Tensor, strength: float | None) -> torch.Tensor:
+    """A chunk's sigmas: the schedule's for text to video, ``v2v_sigmas`` for an input chunk at ``strength``."""
+    return sigmas if strength is None else v2v_sigmas(sigmas, strength)
+
+
+def chunk_start(
+    sigmas: torch.Tensor, strength: float | None, noise: torch.Tensor, source: torch.Tensor | None
+) -> torch.Tensor:
+    """A chunk's latents before its first step: noise at the first sigma (text to video), or the input chunk
+    ``source`` noised to ``strength`` (video to video). Elementwise: rows batched together get what each gets
+    alone."""
+    return sigmas[0] * noise if strength is None else noised_input(source, strength, noise)
+
+
+def commit_prefill(blocks, latents: torch.Tensor, chunk_frames: int, forward, cache: KVCache,
+                   clean: CleanFrames) -> int:  # fmt: skip
+    """Commit the start frames ``latents [B, C, F, h, w]`` in ``blocks`` (:func:`.prefill.prefill_blocks`): per
+    block ``forward(x, start, whole_chunk)`` (one forward at timestep 0 writing the block's K/V), the commit, and
+    its clean latents kept for a re-cache. Returns the frames committed."""
+    start = 0
+    for n in blocks:
+        x = latents[:, :, start : start + n]
+        forward(x, start, n == chunk_frames)
+        cache.commit()
+        clean.write(start, x)
+        start += n
+    return start
+
+
+def check_control(p, kind: str, value, batch: int, where: str | None = None):
+    """A control's value checked as it is queued (``engine.causal.controls``); returns it normalized."""
+    if kind == "prompt":
+        check_context(p, value, batch, where)
+    elif kind == "strength":
+        value = None if value is None else _located(check_strength, where)(value)
+    elif kind == "seed":
+        value = _located(check_seed, where)(value)
+    else:
+        raise InputError("control", f"unknown control {kind!r}; expected prompt, strength or seed", where)
+    return value
+
+
+def apply_controls(queue: ControlQueue, index: int, unreported: list, switch_prompt, set_strength,
+                   reseed) -> None:  # fmt: skip
+    """Apply the controls queued on ``queue`` at the boundary of chunk ``index``: ``switch_prompt(context,
+    recache) -> RecacheReport | None``, ``set_strength(strength | None)``, ``reseed(seed)``. Each applied one is
+    recorded and appended to ``unreported`` (reported with the next chunk that completes); one that raises (a
+    host's Cancel in a re-cache) is put back with those after it, unless a newer one of its kind has come."""
+    taken = queue.take()
+    for i, (control, replaced) in enumerate(taken):
+        try:
+            detail = ""
+            if control.kind == "prompt":
+                report = switch_prompt(control.value, control.recache)
+                if report is not None:
+                    detail = f"re-cached {report.frames} frames in {report.seconds:.3f} s"
+            elif control.kind == "strength":
+                set_strength(control.value)
+                detail = "text to video" if control.value is None else f"strength {control.value:g}"
+            else:
+                reseed(control.value)
+                detail = f"seed {control.value}"
+        except BaseException:
+            queue.requeue(taken[i:])
+            raise
+        applied = AppliedControl(control.kind, control.sequence, index, control.recache, replaced, detail)
+        queue.record(applied)
+        unreported.append(applied)
+
+
+def check_latents(
+    p, latents, latent_hw: tuple[int, int], batch: int, name: str, where: str | None = None
+) -> None:
+    """Start or input latents ``[batch, C, F, h, w]`` of a session of ``latent_hw`` and ``batch``."""
+    h, w = latent_hw
+    if not isinstance(latents, torch.Tensor) or latents.ndim != 5:
+        got = list(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+        raise InputError(name, f"latents {got}; expected [batch, {p.in_dim}, frames, {h}, {w}]", where)
+    b, c, _, lh, lw = latents.shape
+    if c != p.in_dim:
+        raise InputError(
+            name, f"{c} latent channels; this Wan model takes {p.in_dim} (Wan 2.1 VAE latents)", where
+        )
+    if (lh, lw) != (h, w) or b != batch:
+        raise InputError(
+            name,
+            f"latents of batch {b} and {lh}x{lw} latent pixels; this session is batch {batch} at "
+            f"{h}x{w} ({8 * h}x{8 * w} px)",
+            where,
+        )
+    if not latents.is_floating_point() or not bool(torch.isfinite(latents).all()):
+        raise InputError(name, "latents must be finite floating-point values", where)
 
 
 def session_bytes(

@@ -25,9 +25,25 @@ none is free it is refused (an :class:`InputError` with the bytes of a slot and 
 ``wait=True``, queued and admitted at a later tick when a slot frees. Nothing is allocated past the pool's
 storage: memory is flat over any run of joins and leaves.
 
+Interactive sessions (issue 32), per session inside the batches, each as its solo :class:`~.session.VideoSession`
+does it and with its formulas (``session.py``: ``commit_prefill``, ``chunk_sigmas`` / ``chunk_start``,
+``apply_controls``): :meth:`SessionPool.prefill` commits start frames (image to video, video extension) by solo
+eager forwards on the session's own slot cache before its first chunk; :meth:`SessionPool.feed` and
+:meth:`SessionPool.set_strength` make it restyle input chunks (video to video); :meth:`SessionPool.set_prompt`
+with ``recache`` switches its prompt with a KV re-cache (its pending chunk committed under the old prompt, then
+one solo forward over its window's frames on its slot, ``prompt_switch.recache_window``);
+:meth:`SessionPool.control` queues a prompt / strength / seed control applied at its next chunk boundary and
+reported on that chunk. Rows of one batch share one sigma list, so a tick groups its due sessions by the strength
+their chunk runs at (text to video one group, video to video one per strength: ``TickReport.strengths``), each
+group cut into batches as above; video-to-video rows commit the K/V of their last step (no clean-context pass). A
+video-to-video session with less than a chunk of input queued is not due: the tick skips it and reports it
+(``TickReport.starved``). Each slot keeps its session's clean latents of the window
+(:class:`~.kv_cache.CleanFrames`, allocated with the slots, counted in a slot's bytes and in admission).
+
 Swap: :meth:`SessionPool.suspend` moves a session's whole state (``session_state.SessionState``: every K/V buffer
-with its scales and sink copies, its prompt rows, the clean latents awaiting commit, the generator, the position
-and the stream decoder) to host memory and frees its slot; :meth:`SessionPool.resume` restores it into any free
+with its scales and sink copies, its prompt rows, the clean latents awaiting commit and those of its window, the
+generator, the position and the stream decoder) to host memory and frees its slot (its queued input frames and
+controls stay on the session: a client may feed or steer a suspended session); :meth:`SessionPool.resume` restores it into any free
 slot and the video continues exactly. :meth:`SessionPool.suspend_idle` is the simple policy: a session whose
 consumer has not taken its last chunk for ``timeout`` seconds is suspended.
 """
@@ -52,19 +68,29 @@ from ..preflight.ledger import LEDGER, session_bytes_on
 from ..run import Run
 from ..sampling import sample_dmd, schedule_sigmas
 from ..units import format_bytes
-from .kv_cache import BatchedKV, KVSlotPool, check_kv_head_dim
+from .controls import AppliedControl, ControlQueue
+from .kv_cache import BatchedKV, CleanFrames, KVSlotPool, check_kv_head_dim
+from .prefill import PrefillResult, prefill_blocks
+from .prompt_switch import RecacheReport, recache_window
 from .session import (
     RECENT_CHUNKS,
     CausalConfig,
     ChunkResult,
     SessionStats,
+    apply_controls,
     check_context,
+    check_control,
+    check_latents,
     check_size,
     check_tiny_vae,
+    chunk_sigmas,
+    chunk_start,
+    commit_prefill,
     run_parts,
     session_bytes,
 )
-from .session_state import SessionState, capture_state, restore_state
+from .session_state import SessionState, capture_state, restore_state, take_host_parts, with_host_parts
+from .video_to_video import InputFrames
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +148,14 @@ class PoolSession:
         self.resume_when_taken = (
             False  # suspended by the idle policy: queued to resume once its chunk is taken
         )
+        self.next_recache = False  # the waiting prompt switch re-caches the window (LongLive)
+        # interactive state, kept on the session (host memory) whether it holds a slot or not
+        self.clean: CleanFrames | None = None  # its slot's clean latents of the window, while it holds a slot
+        self.inputs = InputFrames(1, pool.model.params.in_dim, pool.latent_hw, pool.config.chunk_frames)
+        self.strength: float | None = None  # None: text to video; else each chunk restyles an input chunk
+        self.controls = ControlQueue()
+        self.unreported: list[AppliedControl] = []  # applied, not yet reported on a chunk
+        self.recache_report: RecacheReport | None = None  # the last re-cache, reported with the next chunk
 
     @property
     def frames_generated(self) -> int:
@@ -155,6 +189,10 @@ class TickReport:
     buckets: tuple[int, ...]
     seconds: float
     failed: dict[str, str]  # sessions the tick stopped (non-finite output), with why
+    # the strength each batch ran at (None: text to video): rows of one batch share one sigma list
+    strengths: tuple[float | None, ...] = ()
+    # video-to-video sessions that were due but had fewer than a chunk of input frames queued: skipped
+    starved: tuple[str, ...] = ()
 
 
 class SessionPool:
@@ -228,6 +266,9 @@ class SessionPool:
             for _ in range(p.num_layers)
         ]  # fmt: skip
         self._batched = {b: BatchedKV(self.kv, b) for b in self.buckets}
+        # every slot's clean latents of its window (a prompt switch's re-cache recomputes their K/V)
+        self.clean_slots = [CleanFrames(config.window, 1, p.in_dim, self.latent_hw, self.device)
+                            for _ in range(slots)]  # fmt: skip
         self._free_slots = list(range(slots))
         self.max_suspended = slots if max_suspended is None else max_suspended
         self.max_waiting = max_waiting
@@ -242,7 +283,8 @@ class SessionPool:
 
     # -- bytes and admission -------------------------------------------------------------------------------------
     def _slot_bytes(self) -> dict[str, int]:
-        """One session's share: its KV window (the one formula), its prompt rows, its stream decoder."""
+        """One session's share: its KV window (the one formula), its prompt rows, its clean latents, its stream
+        decoder."""
         p, c = self.model.params, self.config
         parts = session_bytes(p, 1, self.height, self.width, c, self.dtype, self.tokens_per_frame, p.num_heads,
                               self.tiny_vae)  # fmt: skip
@@ -250,6 +292,7 @@ class SessionPool:
         return {
             "KV window": parts["KV window"],
             "prompt rows": 2 * p.num_layers * p.text_len * p.dim * elt,
+            "clean latents": parts["clean latents"],
             "stream decoder": parts.get("stream decoder activations", 0) + parts.get("decoded frames", 0),
         }
 
@@ -263,6 +306,7 @@ class SessionPool:
         return {
             "KV slots": kv,
             "prompt rows": slots * self.slot_bytes["prompt rows"],
+            "clean latents": slots * self.slot_bytes["clean latents"],
             "batch activations": batch * (one["chunk activations"] + one["prompt padding"]),
             "stream decoders": slots * self.slot_bytes["stream decoder"],
         }
@@ -299,10 +343,11 @@ class SessionPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool holds on its device: the KV slots and the prompt rows."""
+        """Bytes the pool holds on its device: the KV slots, the prompt rows and the clean latents."""
         if self.closed:
             return 0
-        return self.kv.nbytes + sum(k.nbytes + v.nbytes for k, v in self.cross)
+        cross = sum(k.nbytes + v.nbytes for k, v in self.cross)
+        return self.kv.nbytes + cross + sum(c.nbytes for c in self.clean_slots)
 
     # -- joining and leaving -------------------------------------------------------------------------------------
     def join(
@@ -347,7 +392,8 @@ class SessionPool:
         with self._lock:
             self._check_open()
             session = PoolSession(self, f"s{next(self._keys)}", seed, chunks)
-            session.saved, session.state = state, "suspended"
+            # its queued inputs and controls live on the session, as a suspended one's do
+            session.saved, session.state = take_host_parts(state, session, pooled=True), "suspended"
             self.sessions[session.key] = session
             try:
                 self.resume(session, wait=wait)
@@ -366,7 +412,7 @@ class SessionPool:
                 raise InputError("session", f"{session.key} has a prompt switch waiting for its next chunk; save "
                                  "it after that chunk", self.where)  # fmt: skip
             if session.state == "suspended":
-                return session.saved
+                return with_host_parts(session.saved, session, pooled=True)
             if session.state != "active":
                 raise InputError(
                     "session", f"{session.key} is {session.state}: it has no state to save", self.where
@@ -400,6 +446,10 @@ class SessionPool:
         self.sessions[session.key] = session
         session.slot, session.state = slot, "active"
         session.cache = self.kv.slot_cache(slot, self.backends)
+        session.clean = self.clean_slots[slot]
+        session.clean.load_state(
+            torch.zeros((), dtype=session.clean.latents.dtype), [None] * len(session.clean.frames)
+        )
         try:
             if session.saved is not None:  # a resumed session: its state goes back into this slot
                 restore_state(session.saved, session, self)
@@ -428,7 +478,7 @@ class SessionPool:
         if session.slot is not None:
             self._free_slots.append(session.slot)
             self._free_slots.sort()
-        session.slot, session.cache = None, None
+        session.slot, session.cache, session.clean = None, None, None
 
     def _fill_prompt(self, session: PoolSession, context: torch.Tensor) -> None:
         self._ensure_weights()
@@ -440,12 +490,80 @@ class SessionPool:
                 v_rows[session.slot].copy_(v[0])
         session.context = context
 
-    def set_prompt(self, session: PoolSession, context: torch.Tensor) -> None:
-        """Switch ``session``'s prompt from its next chunk on (CausVid's switch: its KV window carries on)."""
+    def set_prompt(self, session: PoolSession, context: torch.Tensor, recache: bool = False) -> None:
+        """Switch ``session``'s prompt from its next chunk on. Without ``recache`` CausVid's switch: its KV window
+        carries on. With ``recache`` (LongLive): at its next chunk boundary its pending chunk is committed under
+        the old prompt, then its window's K/V are recomputed under the new one (a solo forward on its slot,
+        ``engine.causal.prompt_switch``), reported on that chunk's ``ChunkResult.recache``. A newer switch
+        replaces one still waiting."""
         with self._lock:
             self._check_member(session)
             check_context(self.model.params, context, 1, self.where)
-            session.next_context = context
+            session.next_context, session.next_recache = context, bool(recache)
+
+    # -- interactive inputs: a start, input video, controls (as VideoSession's, per session) -----------------------
+    def prefill(self, session: PoolSession, latents: torch.Tensor) -> PrefillResult:
+        """Start ``session`` from clean latent frames ``[1, C, F, h, w]`` (model latent space): image to video or
+        video extension (``engine.causal.prefill``), committed into its slot by solo forwards on the plain model
+        (no batched or compiled step is recompiled). Only before its first chunk, while it holds a slot; a prompt
+        switch waiting for its next chunk takes effect first."""
+        name = "start_latent"
+        with self._lock:
+            self._check_member(session)
+            if session.state != "active":
+                raise InputError(name, f"{session.key} is {session.state}: a start latent is committed into a "
+                                 "slot; prefill the session once it is active", self.where)  # fmt: skip
+            if session.frames_generated:
+                raise InputError(
+                    name, f"{session.key} has generated {session.frames_generated} frames already; a start "
+                    "latent is only taken before the first chunk (join a new session)", self.where,
+                )  # fmt: skip
+            c = self.config.chunk_frames
+            check_latents(self.model.params, latents, self.latent_hw, 1, name, self.where)
+            try:
+                blocks = prefill_blocks(latents.shape[2], c, name)
+            except InputError as err:
+                raise (err.located(self.where) if self.where else err) from None
+            self._ensure_weights()
+            with torch.inference_mode():
+                self._switch_prompt(session, None)
+                t0 = time.perf_counter()
+                x_all = latents.to(self.device, torch.float32)
+
+                def forward(x, start, _whole_chunk):
+                    self._solo_forward(session, x, 0.0, start)
+
+                start = commit_prefill(blocks, x_all, c, forward, session.cache, session.clean)
+                decoded = None
+                if session.decoder is not None:
+                    raw = self.tiny_vae.raw_to_latent(WAN21.process_out(x_all))
+                    decoded = session.decoder.push(raw).float().cpu()
+                    session.stats.frames_decoded += decoded.shape[1]
+                return PrefillResult(start, tuple(blocks), x_all.cpu(), decoded, time.perf_counter() - t0)
+
+    def feed(self, session: PoolSession, latents: torch.Tensor) -> int:
+        """Queue input latent frames ``[1, C, F, h, w]`` (model latent space) for ``session``'s video to video;
+        each of its chunks takes ``chunk_frames`` of them. Returns the frames queued now."""
+        with self._lock:
+            self._check_member(session)
+            return session.inputs.push(latents, self.where)
+
+    def set_strength(self, session: PoolSession, strength: float | None) -> None:
+        """``session`` restyles its input from its next chunk at ``strength`` (0, 1] (None: back to text to
+        video), now; a live client queues it with :meth:`control`. A video-to-video session is due only with a
+        chunk of input queued (else a tick skips it: ``TickReport.starved``)."""
+        with self._lock:
+            self._check_member(session)
+            session.strength = check_control(self.model.params, "strength", strength, 1, self.where)
+
+    def control(self, session: PoolSession, kind: str, value, recache: bool = False) -> int:
+        """Queue a control on ``session`` (``engine.causal.controls``: ``prompt`` with ``recache`` or not,
+        ``strength``, ``seed``), checked now, applied at its next chunk boundary and reported on that chunk's
+        ``ChunkResult.controls``; returns its sequence number. Does not wait for a running tick (the queue is
+        thread-safe)."""
+        self._check_member(session)
+        value = check_control(self.model.params, kind, value, 1, self.where)
+        return session.controls.put(kind, value, recache)
 
     def leave(self, session: PoolSession, why: str = "left") -> None:
         """Close ``session`` and free its slot (or its place in the queue, or its host copy)."""
@@ -456,6 +574,8 @@ class SessionPool:
             self._release_slot(session)
             session.state, session.why = "closed", why
             session.saved = session.pending = session.decoder = session.outbox = None
+            session.inputs.clear()
+            session.controls.take()
             self.sessions.pop(session.key, None)
             self._admit_waiting()
 
@@ -476,7 +596,7 @@ class SessionPool:
                     f"keeps at most {self.max_suspended} (max_suspended): resume or close one first",
                     self.where,
                 )
-            session.saved = capture_state(session, self, device="cpu")
+            session.saved = capture_state(session, self, device="cpu", host_parts=False)
             self._release_slot(session)
             session.pending = None
             session.state, session.why = "suspended", why
@@ -540,28 +660,110 @@ class SessionPool:
             self._admit_waiting()
             self._ensure_weights()
             t0 = time.perf_counter()
-            ready = self.ready()
-            chunks, failed, sizes, buckets = {}, {}, [], []
-            for i in range(0, len(ready), self.max_batch):
-                batch = ready[i : i + self.max_batch]
-                bucket = next(b for b in self.buckets if b >= len(batch))
-                for s in batch:
-                    self._switch_prompt(s)
-                produced, stopped = self._run_batch(batch, bucket, before_forward)
-                chunks.update(produced)
-                failed.update(stopped)
-                sizes.append(len(batch))
-                buckets.append(bucket)
+            chunks, failed, sizes, buckets, strengths = {}, {}, [], [], []
+            groups, starved = self._due_groups(before_forward)
+            for strength, due in groups.items():
+                for i in range(0, len(due), self.max_batch):
+                    batch = due[i : i + self.max_batch]
+                    bucket = next(b for b in self.buckets if b >= len(batch))
+                    produced, stopped = self._run_batch(batch, bucket, before_forward, strength)
+                    chunks.update(produced)
+                    failed.update(stopped)
+                    sizes.append(len(batch))
+                    buckets.append(bucket)
+                    strengths.append(strength)
             seconds = time.perf_counter() - t0
-            report = TickReport(self.ticks, chunks, tuple(sizes), tuple(buckets), seconds, failed)
+            report = TickReport(self.ticks, chunks, tuple(sizes), tuple(buckets), seconds, failed,
+                                tuple(strengths), tuple(starved))  # fmt: skip
             self.tick_log.append((self.ticks, tuple(sizes), seconds))
             self.ticks += 1
             return report
 
-    def _switch_prompt(self, session: PoolSession) -> None:
+    @torch.inference_mode()
+    def _due_groups(self, before_forward: TickHook | None) -> tuple[dict, list[str]]:
+        """The ready sessions at their chunk boundary: each one's waiting prompt switch and queued controls
+        applied (they may change its mode), then grouped by the strength their chunk runs at (rows of a batch
+        share one sigma list: text to video is one group, video to video one per strength), each group in
+        round-robin order. A video-to-video session with less than a chunk of input queued is not due:
+        skipped, reported as starved (its applied controls are reported with its next chunk)."""
+        groups: dict[float | None, list[PoolSession]] = {}
+        starved = []
+        for s in self.ready():
+            self._switch_prompt(s, before_forward)
+            self._apply_controls(s, before_forward)
+            if s.strength is not None and not s.inputs.ready():
+                starved.append(s.key)
+                continue
+            groups.setdefault(s.strength, []).append(s)
+        return groups, starved
+
+    def _switch_prompt(self, session: PoolSession, before_forward: TickHook | None) -> None:
+        """The switch :meth:`set_prompt` left waiting for ``session``'s next chunk boundary."""
         if session.next_context is not None:
-            context, session.next_context = session.next_context, None
-            self._fill_prompt(session, context)
+            self._switch_to(session, session.next_context, session.next_recache, before_forward)
+            session.next_context, session.next_recache = None, False
+
+    def _switch_to(
+        self, session: PoolSession, context, recache: bool, before_forward
+    ) -> RecacheReport | None:
+        if recache:
+            self._commit_pending([session], before_forward)  # its pending chunk's K/V under the old prompt
+        self._fill_prompt(session, context)
+        if not recache:
+            return None
+        if before_forward is not None:
+            before_forward(None)
+        session.recache_report = recache_window(
+            self.base_model, session.cache, session.clean, self._no_context(1), self._slot_cross([session]),
+            self.config.context_noise, self.grid_hw, self.model.frame_rope, self.backends, self.blocks(None),
+        )  # fmt: skip
+        return session.recache_report
+
+    def _apply_controls(self, session: PoolSession, before_forward: TickHook | None) -> None:
+        def reseed(seed: int) -> None:
+            session.generator.manual_seed(seed)
+            session.seed = seed
+
+        apply_controls(
+            session.controls, session.stats.chunks_generated, session.unreported,
+            lambda context, recache: self._switch_to(session, context, recache, before_forward),
+            lambda strength: setattr(session, "strength", strength), reseed,
+        )  # fmt: skip
+
+    def _no_context(self, rows: int) -> torch.Tensor:
+        """The ``context_embedded`` of a forward whose text keys / values come from the prompt rows (its
+        dtype is all the model reads of it)."""
+        return torch.empty(rows, 0, self.model.params.dim, dtype=self.dtype, device=self.device)
+
+    def _slot_cross(self, sessions: list[PoolSession]) -> _SlotCross:
+        return _SlotCross(self.cross, torch.tensor([s.slot for s in sessions], device=self.device))
+
+    def _solo_forward(
+        self, session: PoolSession, x: torch.Tensor, timestep: float, start: int
+    ) -> torch.Tensor:
+        """One eager forward over ``x``'s frames at ``start`` on ``session``'s own slot cache (a prefill's block:
+        a lone frame is a partial ``begin``), writing their K/V; as a solo session's forward."""
+        frames = x.shape[2]
+        session.cache.begin(start, frames, self.grid_hw, self.model.frame_rope)
+        t = torch.full((1, frames), float(timestep), dtype=torch.float32, device=x.device)
+        return self.base_model(x, t, context_embedded=self._no_context(1), kv=session.cache,
+                               cross_kv=self._slot_cross([session]), block_runner=self.blocks(None),
+                               backends=self.backends)  # fmt: skip
+
+    def _commit_pending(self, committing: list[PoolSession], before_forward: TickHook | None) -> None:
+        """The deferred clean-context passes of ``committing`` (each with a pending chunk), one batched forward."""
+        committing = [s for s in committing if s.pending is not None]
+        if not committing:
+            return
+        if before_forward is not None:
+            before_forward(None)
+        self._begin(committing)
+        bucket = next(b for b in self.buckets if b >= len(committing))
+        x = self._padded([s.pending for s in committing], bucket)
+        self._forward(committing, bucket, x, self.config.context_noise)
+        for s in committing:
+            s.cache.commit()
+            s.pending = None
 
     def _noise(self, session: PoolSession, shape) -> torch.Tensor:
         g = session.generator
@@ -576,8 +778,7 @@ class SessionPool:
         rows = kv.row_slots
         cross = _SlotCross(self.cross, rows)
         t = torch.as_tensor(timestep, dtype=torch.float32, device=x.device).reshape(-1, 1).expand(bucket, c)
-        placeholder = torch.empty(bucket, 0, self.model.params.dim, dtype=self.dtype, device=x.device)
-        return self.model(x, t, context_embedded=placeholder, kv=kv, cross_kv=cross, block_runner=self.blocks(None),
+        return self.model(x, t, context_embedded=self._no_context(bucket), kv=kv, cross_kv=cross, block_runner=self.blocks(None),
                           backends=self.backends)  # fmt: skip
 
     def _begin(self, batch: list[PoolSession]) -> None:
@@ -595,26 +796,19 @@ class SessionPool:
     # padded into a batch) is then an inference tensor like the steps' input, so a compiled step is not
     # recompiled for the other dispatch key set each phase
     @torch.inference_mode()
-    def _run_batch(self, batch: list[PoolSession], bucket: int, before_forward: TickHook | None):
+    def _run_batch(self, batch: list[PoolSession], bucket: int, before_forward: TickHook | None,
+                   strength: float | None = None):  # fmt: skip
+        """One chunk for each session of ``batch``, all text to video (``strength`` None) or all video to video
+        at ``strength`` (their input chunks queued)."""
         c = self.config.chunk_frames
         shape = (1, self.model.params.in_dim, c, *self.latent_hw)
         started = time.perf_counter()
         rng = [s.generator.get_state() for s in batch]
         try:
-            committing = [s for s in batch if s.pending is not None]
-            if committing:  # the deferred clean-context passes, one batched forward
-                if before_forward is not None:
-                    before_forward(None)
-                self._begin(committing)
-                cbucket = next(b for b in self.buckets if b >= len(committing))
-                x = self._padded([s.pending for s in committing], cbucket)
-                self._forward(committing, cbucket, x, self.config.context_noise)
-                for s in committing:
-                    s.cache.commit()
-                    s.pending = None
+            self._commit_pending(batch, before_forward)
             commit_s = time.perf_counter() - started
             self._begin(batch)
-            sigmas = self.sigmas.to(self.device)
+            sigmas = chunk_sigmas(self.sigmas, strength).to(self.device)
             n = len(batch)
             finite_steps: list[torch.Tensor] = []
 
@@ -629,7 +823,10 @@ class SessionPool:
                 return out
 
             with torch.inference_mode():
-                x = sigmas[0] * noise()
+                source = None
+                if strength is not None:
+                    source = self._padded([s.inputs.peek().to(self.device) for s in batch], bucket)
+                x = chunk_start(sigmas, strength, noise(), source)
                 x0 = sample_dmd(denoised, x, sigmas, noise_sampler=noise, disable=True)
         except BaseException:
             for s, state in zip(batch, rng):  # as a solo session: the chunk can be run again
@@ -648,17 +845,25 @@ class SessionPool:
                 stopped[s.key] = str(err)
                 self.leave(s, "non-finite output")
                 continue
-            s.pending = x0[row : row + 1]
+            clean = x0[row : row + 1]
+            if strength is None:
+                s.pending = clean  # its clean-context pass is deferred to its next chunk
+            else:  # video to video: the last step's K/V stay (StreamDiffusionV2), no clean-context pass
+                s.cache.commit()
+                s.inputs.drop()
+            s.clean.write(start, clean)
             frames = None
             if s.decoder is not None:
-                raw = self.tiny_vae.raw_to_latent(WAN21.process_out(s.pending.float()))
+                raw = self.tiny_vae.raw_to_latent(WAN21.process_out(clean.float()))
                 frames = s.decoder.push(raw).float().cpu()
             finished = time.perf_counter()
             chunk = ChunkResult(
                 index=s.stats.chunks_generated, start_frame=start, latents=latents_all[row : row + 1],
                 frames=frames, seconds=finished - started, commit_seconds=commit_s, kv_bytes=s.cache.nbytes,
-                kv_bytes_used=s.cache.bytes_used(),
+                kv_bytes_used=s.cache.bytes_used(), mode="t2v" if strength is None else "v2v", strength=strength,
+                controls=tuple(s.unreported), recache=s.recache_report,
             )  # fmt: skip
+            s.unreported, s.recache_report = [], None
             s.stats.record(chunk)
             deadline = (4 * c - (3 if chunk.index == 0 else 0)) / self.fps
             latency = finished - s.due_since
@@ -690,6 +895,7 @@ class SessionPool:
             self.closed = True
             self.kv = None
             self.cross = []
+            self.clean_slots = []
             self._batched = {}
 
     def report(self) -> dict:

@@ -1,11 +1,17 @@
 """A video session saved to one file and continued later, in this process or another, bit for bit.
 
 A snapshot is one safetensors file: the tensors of a :class:`~.session_state.SessionState` (the KV window with
-its scales and sink copies, the prompt's cross-attention rows, the clean latents awaiting commit, the random
-generator, the stream decoder's memory) and, under the metadata key ``fewstep.session``, a JSON header: the
+its scales and sink copies, the prompt's cross-attention rows, the clean latents awaiting commit, the clean
+latents of the window a re-cache recomputes from, the random generator, the stream decoder's memory, and the
+interactive inputs: the queued input frames of video to video and the queued controls, a prompt as its tensor) and, under the metadata key ``fewstep.session``, a JSON header: the
 format name and version, the model (its :func:`~..weights.model_digest`, its ``WanParams``, its compute dtype),
 the :class:`~.session.CausalConfig`, the size, the seed, the tiny VAE variant, the state's JSON part and every
 tensor's shape and dtype.
+
+Format versions: 2 adds the clean latents of the window (``clean.latents``, ``state.clean_frames``) and the host
+parts (``inputs.<i>``, ``control.prompt``, ``state.host``: strength, seed, queued and unreported controls). A
+version 1 file is still read: its missing parts are empty (no clean latents kept: a re-cache after resuming it
+recomputes nothing; no queued input or control; text to video).
 
 The prompt itself (the umT5 tokens) is not saved: the cross-attention rows are everything the model reads of it,
 so a resumed session opens on a one-token placeholder prompt whose rows :func:`~.session_state.restore_state`
@@ -35,13 +41,15 @@ from ..lora.merge import ensure_patches
 from ..run import placement
 from ..vae.taehv import MemBlock
 from ..weights import model_digest
+from .controls import KINDS
 from .kv_cache import KVCache, kv_cache_bytes
 from .recipe import open_session
 from .session import CausalConfig, VideoSession, check_size
 from .session_state import SessionState, capture_state, restore_state
+from .video_to_video import MAX_QUEUED_CHUNKS
 
 FORMAT = "fewstep-video-session"
-VERSION = 1
+VERSION = 2  # 2: clean latents of the window, queued inputs and controls (version 1 files are read still)
 HEADER_KEY = "fewstep.session"
 MAX_HEADER_BYTES = 16 * 2**20  # a session's header is a few KiB per layer; the bound is read before parsing
 MAX_STEPS = 1000  # a schedule's steps (the timestep scale): what a sane saved config can hold
@@ -130,9 +138,10 @@ def save_pool_session(pool, session, path) -> int:
 
 # -- reading -----------------------------------------------------------------------------------------------------------
 def expected_tensors(model, config: CausalConfig, height: int, width: int, tiny_vae=None,
-                     decoder_started: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:  # fmt: skip
+                     decoder_started: bool = False, inputs: int = 0) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:  # fmt: skip
     """name -> (shape, dtype) of every tensor a snapshot of a session of ``model`` with these settings holds
-    (``pending`` included; it is absent from a session that has not generated a chunk). Computed from the model
+    (``pending`` included; it is absent from a session that has not generated a chunk; ``inputs`` queued input
+    frames; ``control.prompt``, whose token count varies, is checked by :func:`_check_host_tensors`). Computed from the model
     and the settings alone: the KV buffers from a cache built on the meta device (no memory)."""
     p = model.params
     dtype = model.patch_embedding.weight.dtype
@@ -146,6 +155,9 @@ def expected_tensors(model, config: CausalConfig, height: int, width: int, tiny_
         for part in "kv":
             out[f"cross.{part}{i}"] = ((p.text_len, p.num_heads, p.head_dim), dtype)
     out["pending"] = ((1, p.in_dim, config.chunk_frames, *latent_hw), torch.float32)
+    out["clean.latents"] = ((1, p.in_dim, config.window_frames, *latent_hw), torch.float32)
+    for i in range(inputs):  # the queued input frames (at most the queue's bound, checked with the header)
+        out[f"inputs.{i}"] = ((1, p.in_dim, *latent_hw), torch.float32)
     out["generator"] = (tuple(torch.Generator(device=device).get_state().shape), torch.uint8)
     if tiny_vae is not None and decoder_started:
         out.update(_decoder_memory(tiny_vae, latent_hw))
@@ -301,6 +313,75 @@ def _check_state_meta(meta, settings: SnapshotSettings, name: str, input_name: s
         raise bad("decoder state")
     if not isinstance(meta.get("generator_device"), str):
         raise bad("generator device")
+    clean = meta.get("clean_frames")
+    if clean is not None and (  # its length (one per window frame) is checked once the window is bounded
+        not isinstance(clean, list)
+        or any(f is not None and (not isinstance(f, int) or not 0 <= f < horizon) for f in clean)
+    ):
+        raise bad("clean_frames is not a list of frame indices")
+    host = meta.get("host")
+    if host is not None:
+        _check_host_meta(host, settings, bad)
+
+
+def _is_int(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_strength(value) -> bool:
+    return value is None or (
+        isinstance(value, float | int) and not isinstance(value, bool) and 0 < value <= 1
+    )
+
+
+def _check_host_meta(host, settings: SnapshotSettings, bad) -> None:
+    """A snapshot's host parts (``session_state._host_meta``): their types and bounds."""
+    if not isinstance(host, dict):
+        raise bad("host parts")
+    if not _is_strength(host.get("strength")):
+        raise bad(f"strength {host.get('strength')!r}")
+    if not _is_int(host.get("seed")) or host["seed"] >= 2**64:
+        raise bad(f"seed {host.get('seed')!r}")
+    if not _is_int(host.get("inputs")) or host["inputs"] > MAX_QUEUED_CHUNKS * settings.config.chunk_frames:
+        raise bad(f"inputs {host.get('inputs')!r}")
+    if not _is_int(host.get("control_sequence"), 1):
+        raise bad(f"control_sequence {host.get('control_sequence')!r}")
+    controls = host.get("controls")
+    if not isinstance(controls, list) or len(controls) > len(KINDS):
+        raise bad("controls")
+    kinds = [c.get("kind") if isinstance(c, dict) else None for c in controls]
+    if len(set(kinds)) != len(kinds) or any(k not in KINDS for k in kinds):
+        raise bad("controls: a kind that is not a control, or one kind twice")
+    for c in controls:
+        ok = (
+            _is_int(c.get("sequence"), 1)
+            and _is_int(c.get("replaced"))
+            and isinstance(c.get("recache"), bool)
+        )
+        value = c.get("value")
+        if c["kind"] == "strength":
+            ok = ok and _is_strength(value)
+        elif c["kind"] == "seed":
+            ok = ok and _is_int(value) and value < 2**64
+        else:
+            ok = ok and "value" not in c  # a prompt's value is the tensor control.prompt
+        if not ok:
+            raise bad(f"control {c!r}")
+    unreported = host.get("unreported")
+    fields = {"kind", "sequence", "chunk", "recache", "replaced", "detail"}
+    if not isinstance(unreported, list) or len(unreported) > len(KINDS) * 2 or any(
+        not isinstance(a, dict) or set(a) != fields or a["kind"] not in KINDS or not isinstance(a["detail"], str)
+        or not all(_is_int(a[k]) for k in ("sequence", "chunk", "replaced")) or not isinstance(a["recache"], bool)
+        for a in unreported
+    ):  # fmt: skip
+        raise bad("unreported controls")
+    report = host.get("recache")
+    if report is not None and not (
+        isinstance(report, dict) and set(report) == {"frames", "start_frame", "seconds"}
+        and _is_int(report["frames"]) and _is_int(report["start_frame"])
+        and isinstance(report["seconds"], float | int)
+    ):  # fmt: skip
+        raise bad("recache report")
 
 
 def read_snapshot_settings(path, where: str | None = None, input_name: str = "snapshot") -> SnapshotSettings:
@@ -355,7 +436,10 @@ def load_snapshot(path, model, where: str | None = None, *, config: CausalConfig
                       f"{size} (a window or size that was not saved here)")  # fmt: skip
 
     # every tensor: the file's own table, the header's list and what the model and the settings imply, all equal
-    expected = expected_tensors(model, settings.config, settings.height, settings.width, tiny_vae, started)
+    queued = (meta.get("host") or {}).get("inputs", 0)
+    expected = expected_tensors(
+        model, settings.config, settings.height, settings.width, tiny_vae, started, queued
+    )
     listed = header.get("tensors")
     if not isinstance(listed, dict):
         raise _refuse(input_name, where, name, "its header lists no tensors")
@@ -369,7 +453,10 @@ def load_snapshot(path, model, where: str | None = None, *, config: CausalConfig
             raise _refuse(input_name, where, name, f"tensor {tensor!r} is not in its header")
     decoder_names = {n for n in names if n.startswith("decoder.")}
     wanted = {n for n in names if n not in decoder_names or tiny_vae is not None}
-    optional = {"pending"}
+    _check_host_tensors(meta, names, table, model, name, input_name, where)
+    optional = {"pending", "clean.latents"}  # clean latents: absent from a version 1 file (none kept)
+    if "control.prompt" in table:
+        expected["control.prompt"] = (table["control.prompt"][0], torch.float32)  # checked just above
     for tensor, (shape, dtype) in expected.items():
         if tensor not in table:
             if tensor in optional:
@@ -382,6 +469,13 @@ def load_snapshot(path, model, where: str | None = None, *, config: CausalConfig
                           f"the snapshot's settings make it {_shown(shape, _st_name(dtype))}")  # fmt: skip
     for tensor in wanted - set(expected):
         raise _refuse(input_name, where, name, f"tensor {tensor!r} is not part of a session of this model")
+    if (header.get("version") == 1) != ("clean_frames" not in meta):
+        raise _refuse(input_name, where, name, "its clean latents do not match its format version")
+    if ("clean.latents" in table) != ("clean_frames" in meta):
+        raise _refuse(input_name, where, name, "its clean latents and their frame list do not come together")
+    if "clean_frames" in meta and len(meta["clean_frames"]) != settings.config.window_frames:
+        raise _refuse(input_name, where, name, f"its saved session state is invalid (clean_frames lists "
+                      f"{len(meta['clean_frames'])} frames, not one per window frame)")  # fmt: skip
     # the size bound: nothing in the file but the header and the tensors it lists (each checked above)
     data = sum(_nbytes(*table[n]) for n in names)
     if size > 8 + MAX_HEADER_BYTES + data:
@@ -392,6 +486,31 @@ def load_snapshot(path, model, where: str | None = None, *, config: CausalConfig
     if tiny_vae is None:
         meta = {**meta, "decoder": None}  # the decoder memory was not loaded: a session without a tiny VAE
     return SessionState(tensors, meta), settings
+
+
+def _check_host_tensors(meta: dict, names, table: dict, model, name: str, input_name: str, where) -> None:
+    """The host parts' tensors against the header's JSON: ``inputs.0 .. inputs.<n-1>`` exactly for ``n`` queued
+    frames, and ``control.prompt`` (a conditioning ``[1, 1..text_len, text_dim]``, float32) exactly when a prompt
+    control is queued."""
+    host = meta.get("host") or {}
+    queued = host.get("inputs", 0)
+    inputs = sorted(n for n in names if n.startswith("inputs."))
+    if inputs != sorted(f"inputs.{i}" for i in range(queued)):
+        raise _refuse(
+            input_name, where, name, f"its input frames {inputs} are not the {queued} it says are queued"
+        )
+    prompts = any(c["kind"] == "prompt" for c in host.get("controls", ()))
+    if prompts != ("control.prompt" in table):
+        raise _refuse(input_name, where, name, "its queued prompt control and its control.prompt tensor do not "
+                      "come together")  # fmt: skip
+    if prompts:
+        p = model.params
+        shape, dtype = table["control.prompt"]
+        if len(shape) != 3 or shape[0] != 1 or not 1 <= shape[1] <= p.text_len or shape[2] != p.text_dim or (
+            dtype != "F32"
+        ):  # fmt: skip
+            raise _refuse(input_name, where, name, f"tensor 'control.prompt' is {_shown(shape, dtype)}; a queued "
+                          f"prompt is [1, 1..{p.text_len}, {p.text_dim}] F32")  # fmt: skip
 
 
 def _kv_window_bytes(model, settings: SnapshotSettings) -> int:

@@ -24,7 +24,7 @@ from fewstep.engine.backends import DEFAULT_BACKENDS
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal import session_pool as session_pool_module
 from fewstep.engine.causal.kv_cache import BatchedKV, KVSlotPool, kv_cache_bytes
-from fewstep.engine.causal.kv_cache.bytes import kv_pool_bytes
+from fewstep.engine.causal.kv_cache.bytes import clean_frames_bytes, kv_pool_bytes
 from fewstep.engine.causal.recipe import open_session_pool
 from fewstep.engine.causal.session import RECENT_CHUNKS
 from fewstep.engine.causal.session_pool import SessionPool
@@ -357,7 +357,8 @@ def _expected_pool_bytes(model, config, slots):
     p = model.params
     kv = kv_pool_bytes(p.num_layers, slots, 6, p.num_heads, p.head_dim, config.window, torch.float32,
                        config.kv_dtype, config.keep_recent_chunks, config.rope)  # fmt: skip
-    return kv + slots * 2 * p.num_layers * p.text_len * p.dim * 4
+    clean = clean_frames_bytes(config.window, 1, p.in_dim, (H // 8, W // 8))  # a re-cache's clean latents
+    return kv + slots * (2 * p.num_layers * p.text_len * p.dim * 4 + clean)
 
 
 def test_a_budget_for_two_of_three_slots_gives_two_and_refuses_or_queues_the_third(wan):
@@ -374,12 +375,13 @@ def test_a_budget_for_two_of_three_slots_gives_two_and_refuses_or_queues_the_thi
     kv_window = kv_cache_bytes(p.num_layers, 1, 6, p.num_heads, p.head_dim, config.window, torch.float32,
                                config.kv_dtype, config.keep_recent_chunks, config.rope).window  # fmt: skip
     prompt_rows = 2 * p.num_layers * p.text_len * p.dim * 4
+    clean = clean_frames_bytes(config.window, 1, p.in_dim, (H // 8, W // 8))
     with pytest.raises(InputError) as refused:
         pool.join(_ctx(3), seed=5)
     assert str(refused.value) == (
         f"test pool: input 'pool': all 2 slots hold active sessions; a session needs about "
-        f"{format_bytes(kv_window + prompt_rows)} (KV window {format_bytes(kv_window)}, prompt rows "
-        f"{format_bytes(prompt_rows)}) and the pool holds {format_bytes(pool.nbytes)} for 2: join with wait=True "
+        f"{format_bytes(kv_window + prompt_rows + clean)} (KV window {format_bytes(kv_window)}, prompt rows "
+        f"{format_bytes(prompt_rows)}, clean latents {format_bytes(clean)}) and the pool holds {format_bytes(pool.nbytes)} for 2: join with wait=True "
         "to be admitted when a slot frees, or suspend or close a session"
     )
     c = pool.join(_ctx(3), seed=5, wait=True)
@@ -412,7 +414,7 @@ def test_a_budget_that_holds_no_session_is_refused_before_allocating(wan, monkey
         f"{format_bytes(sum(need.values()))} ({parts}) and the budget is {format_bytes(sum(need.values()) - 1)}; "
         "refused before allocating. Use a smaller window_frames, kv_dtype int8 / int4, or a smaller width / height"
     )
-    assert list(need) == ["KV slots", "prompt rows", "batch activations", "stream decoders"]
+    assert list(need) == ["KV slots", "prompt rows", "clean latents", "batch activations", "stream decoders"]
 
 
 def _live_tensor_bytes() -> int:

@@ -356,9 +356,9 @@ def test_a_safetensors_file_without_the_header_is_refused(wan, tmp_path, no_tens
 
 
 def test_another_format_or_a_newer_version_is_refused(wan, good, tmp_path, no_tensor_loads):
-    newer = _rewrite(good, tmp_path / "v2.safetensors", lambda h: h.update(version=2))
+    newer = _rewrite(good, tmp_path / "v3.safetensors", lambda h: h.update(version=3))
     assert _refusal(newer, wan) == (
-        "input 'snapshot': v2.safetensors: snapshot format version 2 is newer than this fewstep reads (up to 1); "
+        "input 'snapshot': v3.safetensors: snapshot format version 3 is newer than this fewstep reads (up to 2); "
         "update fewstep to resume it"
     )
     other = _rewrite(good, tmp_path / "other.safetensors", lambda h: h.update(format="something-else"))
@@ -426,4 +426,111 @@ def test_a_tampered_state_or_config_is_refused(wan, good, tmp_path, no_tensor_lo
 
     assert _refusal(_rewrite(good, tmp_path / "c.safetensors", listed, extra), wan) == (
         "input 'snapshot': c.safetensors: tensor 'extra' is not part of a session of this model"
+    )
+
+
+# -- format 2: the interactive state (issue 32) ------------------------------------------------------------------
+def _latents(seed: int, frames: int) -> torch.Tensor:
+    return torch.randn(1, 16, frames, H // 8, W // 8, generator=torch.Generator().manual_seed(seed))
+
+
+def _interactive(model, config=BF16_SINKS):
+    """A session after a prefill (image to video), a chunk, a prompt switch and a chunk; then queued for its
+    next chunk: input frames, a strength and a prompt control with a re-cache."""
+    session = VideoSession(model, _ctx(1), H, W, config, 3)
+    session.prefill(_latents(5, 1 + config.chunk_frames))
+    session.run(1)
+    session.set_prompt(_ctx(2))
+    session.run(1)
+    session.feed(_latents(6, 2 * config.chunk_frames))
+    session.control("strength", 0.6)
+    session.control("prompt", _ctx(3), recache=True)
+    return session
+
+
+def _continue(session):
+    """Two chunks, then a prompt switch with a re-cache and text to video again, then a chunk."""
+    out = session.run(2)
+    session.set_prompt(_ctx(4), recache=True)
+    session.set_strength(None)
+    return out + session.run(1)
+
+
+def test_a_session_saved_after_a_prefill_and_a_switch_resumes_and_recaches_as_the_uninterrupted(
+    wan, tmp_path
+):
+    reference = _continue(_interactive(wan))
+    session = _interactive(wan)
+    save_session(session, tmp_path / "s.safetensors")
+    state, _ = load_snapshot(tmp_path / "s.safetensors", wan)
+    assert {"clean.latents", "inputs.0", "inputs.3", "control.prompt"} <= set(state.tensors)
+    assert [c["kind"] for c in state.meta["host"]["controls"]] == ["prompt", "strength"]
+    resumed, _ = resume_session(wan, tmp_path / "s.safetensors")
+    got = _continue(resumed)
+    for chunk, ref in zip(got, reference, strict=True):
+        assert torch.equal(chunk.latents, ref.latents), chunk.index
+        assert (chunk.mode, chunk.strength, chunk.recache is None) == (
+            ref.mode,
+            ref.strength,
+            ref.recache is None,
+        )
+        assert [(a.kind, a.sequence, a.chunk) for a in chunk.controls] == [
+            (a.kind, a.sequence, a.chunk) for a in ref.controls
+        ]
+    assert got[0].recache.frames > 0 and got[2].mode == "t2v"
+    assert resumed.control("seed", 9) == 3  # the control numbers go on from the saved ones
+
+
+def test_a_version_1_snapshot_is_read_with_empty_interactive_parts(wan, tmp_path):
+    session = _saved(wan, tmp_path / "v2.safetensors", BF16_SINKS)
+    reference = session.run(2)
+
+    def version_1(header):
+        header["version"] = 1
+        del header["state"]["clean_frames"], header["state"]["host"], header["tensors"]["clean.latents"]
+
+    def no_clean(tensors):
+        del tensors["clean.latents"]
+
+    _rewrite(tmp_path / "v2.safetensors", tmp_path / "v1.safetensors", version_1, no_clean)
+    resumed, _ = resume_session(wan, tmp_path / "v1.safetensors")
+    assert resumed.clean.frames == [None] * BF16_SINKS.window_frames and len(resumed.inputs) == 0
+    assert resumed.strength is None and resumed.controls.pending() == []
+    got = resumed.run(2)
+    assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, reference, strict=True))
+
+
+def test_tampered_interactive_parts_are_refused(wan, tmp_path, no_tensor_loads):
+    good = tmp_path / "good.safetensors"
+    save_session(_interactive(wan), good)
+
+    def strength(header):
+        header["state"]["host"]["strength"] = 2.0
+
+    assert _refusal(_rewrite(good, tmp_path / "a.safetensors", strength), wan) == (
+        "input 'snapshot': a.safetensors: its saved session state is invalid (strength 2.0)"
+    )
+
+    def fewer_inputs(header):
+        header["state"]["host"]["inputs"] = 2
+
+    assert _refusal(_rewrite(good, tmp_path / "b.safetensors", fewer_inputs), wan) == (
+        "input 'snapshot': b.safetensors: its input frames ['inputs.0', 'inputs.1', 'inputs.2', 'inputs.3'] are "
+        "not the 2 it says are queued"
+    )
+
+    def no_prompt(header):
+        header["state"]["host"]["controls"] = header["state"]["host"]["controls"][1:]
+
+    assert _refusal(_rewrite(good, tmp_path / "c.safetensors", no_prompt), wan) == (
+        "input 'snapshot': c.safetensors: its queued prompt control and its control.prompt tensor do not come "
+        "together"
+    )
+
+    def clean_frames(header):
+        header["state"]["clean_frames"] = header["state"]["clean_frames"][:-1]
+
+    assert _refusal(_rewrite(good, tmp_path / "d.safetensors", clean_frames), wan) == (
+        "input 'snapshot': d.safetensors: its saved session state is invalid (clean_frames lists 4 frames, not "
+        "one per window frame)"
     )

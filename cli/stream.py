@@ -192,10 +192,8 @@ def open_stream_parts(args, compiling):
 
 
 def run(args) -> int:
+    stream_interactive.check_combinations(args, pool=stream_pool.requested(args))
     if stream_pool.requested(args):  # --sessions N, --join-every, --swap-every...: many streams in one pool
-        stream_interactive.refuse_with(args, "a session pool (--sessions, --join-every, --swap-every, "
-                                       "--max-sessions, --buckets)", "the pool's sessions start from noise "
-                                       "under one prompt; run a single stream")  # fmt: skip
         return stream_pool.run(args)
     apply_snapshot_settings(args)  # --resume: the snapshot's settings (conflicting flags refused)
     check_save_path(args)

@@ -101,11 +101,25 @@ def requested(args) -> bool:
     return any(getattr(args, dest) for dest in INTERACTIVE_FLAGS) or args.strength is not None
 
 
-def refuse_with(args, other: str, why: str) -> None:
-    """Refuse the interactive flags given together with ``other`` (a session pool, a resumed stream...)."""
+def check_combinations(args, pool: bool) -> None:
+    """Before anything is read: the flags these three cannot go with, and ``--strength`` without an input."""
+    if not requested(args):
+        return
     for dest, flag in {**INTERACTIVE_FLAGS, "strength": "--strength"}.items():
-        if getattr(args, dest) not in (None, []):
-            raise InputError(flag, f"cannot be combined with {other}: {why}")
+        if pool and getattr(args, dest) not in (None, []):
+            raise InputError(flag, "cannot be combined with a session pool (--sessions, --join-every, "
+                             "--swap-every, --max-sessions, --buckets): the pool's sessions start from noise "
+                             "under one prompt; run a single stream")  # fmt: skip
+    if args.init_latents and args.resume:
+        raise InputError(
+            "--init-latents", "starts a new stream from its frames; a resumed stream is past its start (leave "
+            "out one of --init-latents and --resume)",
+        )  # fmt: skip
+    if args.strength is not None and not args.input_video:
+        raise InputError(
+            "--strength",
+            "restyles an input video: give --input-video FILE (without it the stream is text to video)",
+        )
 
 
 def read_latents(path: str, flag: str, height: int, width: int) -> torch.Tensor:
@@ -179,16 +193,6 @@ def prepare(args) -> Interactive | None:
     ``args.chunks`` to the whole chunks of ``--input-video`` when neither --chunks nor --latent-frames is given."""
     if not requested(args):
         return None
-    if args.strength is not None and not args.input_video:
-        raise InputError(
-            "--strength",
-            "restyles an input video: give --input-video FILE (without it the stream is text to video)",
-        )
-    if args.init_latents and args.resume:
-        raise InputError(
-            "--init-latents", "starts a new stream from its frames; a resumed stream is past its start (leave "
-            "out one of --init-latents and --resume)",
-        )  # fmt: skip
     c = args.chunk_frames
     out = Interactive()
     if args.init_latents:

@@ -101,15 +101,29 @@ def requested(args) -> bool:
     return any(getattr(args, dest) for dest in INTERACTIVE_FLAGS) or args.strength is not None
 
 
+def pool_supports_interactive() -> bool:
+    """Whether this engine's session pool takes a start, input frames and controls per session."""
+    from ..engine.causal.session_pool import SessionPool
+
+    return all(hasattr(SessionPool, name) for name in ("prefill", "feed", "set_strength", "control"))
+
+
 def check_combinations(args, pool: bool) -> None:
     """Before anything is read: the flags these three cannot go with, and ``--strength`` without an input."""
     if not requested(args):
         return
-    for dest, flag in {**INTERACTIVE_FLAGS, "strength": "--strength"}.items():
-        if pool and getattr(args, dest) not in (None, []):
-            raise InputError(flag, "cannot be combined with a session pool (--sessions, --join-every, "
-                             "--swap-every, --max-sessions, --buckets): the pool's sessions start from noise "
-                             "under one prompt; run a single stream")  # fmt: skip
+    if pool:
+        for dest, flag in {**INTERACTIVE_FLAGS, "strength": "--strength"}.items():
+            if getattr(args, dest) in (None, []):
+                continue
+            if not pool_supports_interactive():
+                raise InputError(flag, "cannot be combined with a session pool (--sessions, --join-every, "
+                                 "--swap-every, --max-sessions, --buckets): this engine's pool sessions start "
+                                 "from noise under one prompt; run a single stream")  # fmt: skip
+        if args.init_latents and args.max_sessions is not None and args.max_sessions < args.sessions:
+            raise InputError("--init-latents", f"a start is committed into a session's slot when it joins; "
+                             f"--max-sessions {args.max_sessions} below --sessions {args.sessions} makes sessions "
+                             "wait for a slot (give every session one, or leave --init-latents out)")  # fmt: skip
     if args.init_latents and args.resume:
         raise InputError(
             "--init-latents", "starts a new stream from its frames; a resumed stream is past its start (leave "
@@ -237,19 +251,21 @@ def chunks_asked(args) -> int:
     return chunk_count(args)
 
 
-def check_with_session(inter: Interactive, session) -> None:
-    """Once the session is open, before its first chunk: what depends on the model and the prompt (the batch,
-    the prompts' widths)."""
+def check_with_session(inter: Interactive, session, params=None, batch: int | None = None) -> None:
+    """Once the session (or pool: ``params`` and ``batch`` 1) is open, before its first chunk: what depends on the
+    model and the prompt (the batch, the prompts' widths)."""
+    params = session.model.params if params is None else params
+    batch = session.batch if batch is None else batch
     for flag, latents in (("--init-latents", inter.init_latents), ("--input-video", inter.input_video)):
-        if latents is not None and latents.shape[0] != session.batch:
+        if latents is not None and latents.shape[0] != batch:
             raise InputError(
                 flag,
-                f"latents of batch {latents.shape[0]}; the stream's prompt has batch {session.batch} (one video a "
+                f"latents of batch {latents.shape[0]}; the stream's prompt has batch {batch} (one video a "
                 "prompt row)",
             )
     for switch in inter.switches.values():
         try:
-            check_context(session.model.params, switch.context, session.batch)
+            check_context(params, switch.context, batch)
         except InputError as err:
             raise InputError("--prompt-switch", f"{switch.spec!r}: {err.problem}") from None
 
@@ -270,7 +286,9 @@ def prefill_line(report: dict) -> str:
 
 
 class Driver:
-    """Feeds the session what a live client would send before each chunk: the input chunk, the prompt switch."""
+    """Sends a session what a live client would send before each chunk: the input chunk, the prompt switch.
+    ``session``: a :class:`VideoSession`, or anything with its ``feed`` / ``control`` / ``set_strength`` (a pool
+    session through :func:`pool_session_calls`)."""
 
     def __init__(self, inter: Interactive | None, session, chunk_frames: int):
         self.inter, self.session, self.c = inter, session, chunk_frames
@@ -318,3 +336,19 @@ class Driver:
                 "recache_seconds": None if recache is None else recache.seconds, "chunk_seconds": chunk.seconds,
             })  # fmt: skip
         return fields, note
+
+
+class PoolSessionCalls:
+    """A pool session's ``feed`` / ``control`` / ``set_strength``, as a :class:`Driver` sends them."""
+
+    def __init__(self, pool, session):
+        self.pool, self.session = pool, session
+
+    def feed(self, latents):
+        return self.pool.feed(self.session, latents)
+
+    def control(self, kind, value, recache=False):
+        return self.pool.control(self.session, kind, value, recache)
+
+    def set_strength(self, strength):
+        self.pool.set_strength(self.session, strength)

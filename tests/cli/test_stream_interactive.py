@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from fewstep.cli import main
 from fewstep.cli.stream import synthetic_prompt
-from fewstep.cli.stream_interactive import parse_switch
+from fewstep.cli.stream_interactive import parse_switch, pool_supports_interactive
 from fewstep.engine.causal import CausalConfig
 from fewstep.engine.causal.recipe import open_session
 from fewstep.engine.causal.session import VideoSession
@@ -245,8 +245,6 @@ BAD = [
     (["--init-latents", "{batch2}"], "input '--init-latents': latents of batch 2; the stream's prompt has batch 1"),
     (["--init-latents", "{ok4}", "--resume", "{ok4}"], "input '--init-latents': starts a new stream from its "
      "frames; a resumed stream is past its start"),
-    (["--init-latents", "{ok4}", "--sessions", "2"], "input '--init-latents': cannot be combined with a session "
-     "pool (--sessions, --join-every, --swap-every, --max-sessions, --buckets)"),
     (["--input-video", "{ok4}"], "input '--strength': is required with --input-video"),
     (["--strength", "0.5"], "input '--strength': restyles an input video: give --input-video FILE"),
     (["--input-video", "{ok4}", "--strength", "0"], "input '--strength': 0.0 is not in (0, 1]"),
@@ -259,8 +257,6 @@ BAD = [
     (["--input-video", "{ok4}", "--strength", "0.5", "--latent-frames", "6"], "3 chunks were asked for"),
     (["--input-video", "{batch2}", "--strength", "0.5"], "input '--input-video': latents of batch 2; the "
      "stream's prompt has batch 1"),
-    (["--input-video", "{ok4}", "--strength", "0.5", "--sessions", "2"], "input '--input-video': cannot be "
-     "combined with a session pool"),
     (["--prompt-switch", "two:{cond}"], "input '--prompt-switch': 'two:{cond}': expected CHUNK:CONDFILE or "
      "CHUNK:CONDFILE:recache"),
     (["--prompt-switch", "1:"], "input '--prompt-switch': '1:': expected CHUNK:CONDFILE"),
@@ -274,8 +270,6 @@ BAD = [
      "'context' tensor (found latent)"),
     (["--prompt-switch", "1:{narrow}"], "input '--prompt-switch': '1:{narrow}': conditioning is [1, 8, 32]; "
      "Wan expects umT5 tokens [batch, tokens, 4096]"),
-    (["--prompt-switch", "1:{cond}", "--sessions", "2"], "input '--prompt-switch': cannot be combined with a "
-     "session pool"),
 ]  # fmt: skip
 
 
@@ -288,3 +282,62 @@ def test_bad_input_is_one_line_naming_the_flag(capsys, files, argv, message):
     err = _error(capsys, *argv)
     assert err.startswith("error: fewstep stream: input '"), err
     assert message.format(**files) in err, err
+
+
+POOL_ONLY = pytest.mark.skipif(
+    not pool_supports_interactive(), reason="this engine's session pool takes no start, input or controls"
+)
+
+
+@pytest.mark.skipif(pool_supports_interactive(), reason="this engine's session pool takes them")
+@pytest.mark.parametrize("flag", ["--init-latents", "--input-video", "--prompt-switch"])
+def test_without_pool_support_the_flags_are_refused_with_sessions(capsys, files, flag):
+    value = {
+        "--init-latents": files["ok4"],
+        "--input-video": files["ok4"],
+        "--prompt-switch": f"1:{files['cond']}",
+    }
+    extra = ["--strength", "0.5"] if flag == "--input-video" else []
+    err = _error(capsys, flag, value[flag], *extra, "--sessions", "2")
+    assert (
+        f"input '{flag}': cannot be combined with a session pool (--sessions, --join-every, --swap-every, "
+        in err
+    )
+
+
+@POOL_ONLY
+@pytest.mark.parametrize("kind", ["start-and-switches", "video-to-video"])
+def test_each_pool_session_writes_what_a_single_stream_of_its_seed_writes(capsys, tmp_path, kind):
+    if kind == "start-and-switches":
+        init = _latent_file(tmp_path / "init.safetensors", 3)
+        b = _cond_file(tmp_path / "b.safetensors", 1)
+        flags = ["--chunks", "4", "--init-latents", init, "--prompt-switch", f"1:{b}:recache",
+                 "--prompt-switch", f"3:{b}"]  # fmt: skip
+    else:
+        flags = ["--input-video", _latent_file(tmp_path / "video.safetensors", 6), "--strength", "0.5"]
+    pool = tmp_path / "pool"
+    report = json.loads(
+        _run(capsys, *flags, "--sessions", "2", "--join-every", "1", "--out", str(pool), "--json")
+    )
+    for i in range(2):
+        _run(capsys, *flags, "--seed", str(SEED + i), "--out", str(tmp_path / f"single_{i}"))
+        torch.testing.assert_close(
+            _written(pool / f"session_{i}"), _written(tmp_path / f"single_{i}"), rtol=0, atol=1e-5
+        )
+    for session in report["sessions"]:
+        rows = session["chunks"]
+        if kind == "start-and-switches":
+            assert session["prefill"]["frames"] == 3 and [r["start_frame"] for r in rows] == [3, 5, 7, 9]
+            assert [[a["chunk"] for a in r["controls"]] for r in rows] == [[], [1], [], [3]]
+            assert [s["recache"] for s in session["prompt_switches"]] == [True, False]
+        else:
+            assert [(r["mode"], r["strength"]) for r in rows] == [("v2v", 0.5)] * 3
+
+
+@POOL_ONLY
+def test_a_pool_start_needs_a_slot_for_every_session(capsys, files):
+    err = _error(capsys, "--init-latents", files["ok4"], "--sessions", "2", "--max-sessions", "1")
+    assert (
+        "input '--init-latents': a start is committed into a session's slot when it joins; --max-sessions 1"
+        in err
+    )

@@ -36,7 +36,12 @@ IRREGULAR_FLAGS = {
         "latent": "--height/--width/--batch",
         "backend": "--compile-backend",
     },
-    "stream": {"context": "--cond", "backend": "--compile-backend"},
+    "stream": {
+        "context": "--cond",
+        "backend": "--compile-backend",
+        "start_latent": "--init-latents",
+        "input_video": "--input-video",
+    },  # fmt: skip
     "plan": {"frames": "--video-frames"},
 }
 

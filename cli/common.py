@@ -23,6 +23,7 @@ from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.sampling import SAMPLERS, SCHEDULES
 from ..engine.vae.tiny import variants_for
 from ..engine.weights import check_weights_file
+from .files import read_tensors, tensor_named
 
 
 class DeprecatedAlias(argparse.Action):
@@ -297,26 +298,11 @@ def latent_shape(family: Family, batch: int, height: int, width: int) -> tuple[i
     return (batch, fmt.channels, height // fmt.downscale, width // fmt.downscale)
 
 
-def load_condition(path: str, guidance: float | None) -> TextCondition:
-    """``--cond``: a safetensors file with ``context`` (and ``pooled``)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if os.path.isdir(path):
-        raise InputError("--cond", f"{path} is a folder, not a safetensors file")
-    if not os.path.isfile(path):
-        raise InputError("--cond", f"file not found: {path}")
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise InputError(
-            "--cond", f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})"
-        ) from None
-    if "context" not in tensors:
-        found = sorted(tensors)
-        shown = ", ".join(found[:8]) + (f", ... ({len(found) - 8} more)" if len(found) > 8 else "")
-        raise InputError("--cond", f"{path} has no 'context' tensor (found {shown})")
-    return TextCondition(tensors["context"], tensors.get("pooled"), guidance)
+def load_condition(path: str, guidance: float | None, flag: str = "--cond") -> TextCondition:
+    """``--cond`` (or ``flag``, another option that takes the same file): a safetensors file with ``context``
+    (and ``pooled``)."""
+    tensors = read_tensors(path, flag)
+    return TextCondition(tensor_named(tensors, "context", path, flag), tensors.get("pooled"), guidance)
 
 
 def check_at_least(args, **minimums: int) -> None:

@@ -24,3 +24,35 @@ def save_tensors(tensors: dict, path: str) -> None:
 
     save_file(tensors, path)
     os.chmod(path, umask_mode())
+
+
+def read_tensors(path: str, flag: str) -> dict:
+    """The tensors of the safetensors file ``path`` a flag names (``--cond``, ``--init-latents``...), or an
+    ``InputError`` naming ``flag``: a folder, a missing file, a file safetensors cannot read. Nothing else is
+    read: the CLI opens only the files the user names."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from ..engine.errors import InputError
+
+    if os.path.isdir(path):
+        raise InputError(flag, f"{path} is a folder, not a safetensors file")
+    if not os.path.isfile(path):
+        raise InputError(flag, f"file not found: {path}")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InputError(
+            flag, f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def tensor_named(tensors: dict, key: str, path: str, flag: str):
+    """``tensors[key]``, or an ``InputError`` naming ``flag`` that lists the keys the file has instead."""
+    from ..engine.errors import InputError
+
+    if key not in tensors:
+        found = sorted(tensors)
+        shown = ", ".join(found[:8]) + (f", ... ({len(found) - 8} more)" if len(found) > 8 else "")
+        raise InputError(flag, f"{path} has no '{key}' tensor (found {shown})")
+    return tensors[key]

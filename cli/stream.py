@@ -19,7 +19,7 @@ from ..engine.models.registry import FAMILIES, all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
 from ..engine.units import format_bytes
 from ..engine.vae import load_tiny_vae
-from . import stream_pool
+from . import stream_interactive, stream_pool
 from .common import (
     RenamedUnit,
     add_compile_arguments,
@@ -151,6 +151,7 @@ def add_arguments(p) -> None:
         action="store_true",
         help="print the report (with the compile telemetry) as JSON instead of a line per chunk",
     )
+    stream_interactive.add_arguments(p)
     add_snapshot_arguments(p)
     stream_pool.add_arguments(p)
 
@@ -191,10 +192,13 @@ def open_stream_parts(args, compiling):
 
 
 def run(args) -> int:
+    stream_interactive.check_combinations(args, pool=stream_pool.requested(args))
     if stream_pool.requested(args):  # --sessions N, --join-every, --swap-every...: many streams in one pool
         return stream_pool.run(args)
     apply_snapshot_settings(args)  # --resume: the snapshot's settings (conflicting flags refused)
     check_save_path(args)
+    # --init-latents, --input-video, --prompt-switch: files read and checked before anything is loaded
+    interactive = stream_interactive.prepare(args)
     n_chunks = chunk_count(args)
     check_at_least(args, text_tokens=1, chunks=1)
     check_seed(args.seed)
@@ -216,10 +220,21 @@ def run(args) -> int:
         session, compiled = open_session(
             handle, context, args.height, args.width, config, args.seed, vae, "stream"
         )
+    prefill = None
+    if interactive is not None:
+        stream_interactive.check_with_session(interactive, session)
+        if interactive.init_latents is not None:
+            started = session.prefill(interactive.init_latents)
+            prefill = stream_interactive.prefill_report(started, args.init_latents)
+            if not args.json:
+                say(stream_interactive.prefill_line(prefill))
+    driver = stream_interactive.Driver(interactive, session, args.chunk_frames)
     first_frame = 4 * session.frames_generated  # video frames before this run's (0 for a new stream)
     # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
     output = StreamOutput(args.out, session, p.in_dim, n_chunks, args.chunk_frames, vae is not None,
                           args.width, args.height) if args.out else None  # fmt: skip
+    if output is not None and prefill is not None:
+        output.start(started.decoded)  # the start frames open the video (an image to video begins with it)
     rows = []
     steps_per_chunk = len(session.sigmas) - 1
     try:
@@ -234,22 +249,29 @@ def run(args) -> int:
                 elif step is not None:
                     step_bar.update(step - step_bar.n)  # the steps done before this forward
 
-            for chunk in session.chunks(n_chunks, before_forward=before_forward):
+            driver.before_chunk(0)  # what a live client sends before the first chunk (input frames, a switch)
+            for run_chunk, chunk in enumerate(session.chunks(n_chunks, before_forward=before_forward)):
                 step_bar.update(step_bar.total - step_bar.n)
                 chunk_bar.update()
+                fields, switch_note = driver.chunk_fields(run_chunk, chunk)
                 rows.append(
                     {"index": chunk.index, "start_frame": chunk.start_frame, "seconds": chunk.seconds,
                      "commit_seconds": chunk.commit_seconds, "kv_bytes": chunk.kv_bytes,
-                     "kv_bytes_used": chunk.kv_bytes_used}
+                     "kv_bytes_used": chunk.kv_bytes_used, **fields}
                 )  # fmt: skip
                 written = output.append(chunk) if output is not None else []
                 if not args.json:
+                    restyled = (
+                        "" if chunk.strength is None else f", video to video at strength {chunk.strength:g}"
+                    )
                     say(
                         f"chunk {chunk.index}: latent frames {chunk.start_frame}-{chunk.start_frame + args.chunk_frames - 1}"
-                        f", {chunk.seconds:.3f} s, KV {format_bytes(chunk.kv_bytes_used)} of {format_bytes(chunk.kv_bytes)}"
-                        + "".join(f"; wrote {path}" for path in written)
+                        f"{restyled}, {chunk.seconds:.3f} s{switch_note}, KV {format_bytes(chunk.kv_bytes_used)} of "
+                        f"{format_bytes(chunk.kv_bytes)}" + "".join(f"; wrote {path}" for path in written)
                     )
                 del chunk
+                if run_chunk + 1 < n_chunks:  # the next chunk's input frames and switch, as they would arrive
+                    driver.before_chunk(run_chunk + 1)
         if output is not None:
             output.finish()
         snapshot = save_if_asked(args, session)
@@ -274,6 +296,15 @@ def run(args) -> int:
     }
     if resumed is not None:
         report["resumed"] = resumed
+    if prefill is not None:
+        report["prefill"] = prefill
+    if interactive is not None and interactive.input_video is not None:
+        frames = interactive.input_video.shape[2]
+        report["input_video"] = {"path": args.input_video, "frames": frames, "strength": interactive.strength,
+                                 "frames_used": n_chunks * args.chunk_frames,
+                                 "frames_unused": frames - n_chunks * args.chunk_frames}  # fmt: skip
+    if interactive is not None and interactive.switches:
+        report["prompt_switches"] = driver.switch_rows
     if snapshot is not None:
         report["snapshot"] = snapshot
     if args.out:
@@ -315,6 +346,13 @@ class StreamOutput:
                 open_video(os.path.join(out, "video" if session.batch == 1 else f"video_{b}"), width, height)
                 for b in range(session.batch)
             ]
+
+    def start(self, decoded) -> None:
+        """The decoded start frames of a prefilled stream (``--init-latents``): the first frames of the video
+        (not of latents.safetensors, which holds the generated chunks)."""
+        if decoded is not None:
+            for video, frames in zip(self.videos, decoded):
+                video.append(frames)
 
     def append(self, chunk) -> list[str]:
         """Write one chunk; the chunk files it wrote."""

@@ -137,6 +137,8 @@ class PoolStream:
         self.rows: list[dict] = []
         self.swaps: list[dict] = []
         self.output = None  # StreamOutput with --out
+        self.driver = None  # stream_interactive.Driver with --init-latents / --input-video / --prompt-switch
+        self.prefill: dict | None = None
 
     @property
     def done(self) -> bool:
@@ -156,6 +158,12 @@ class PoolStream:
             "waited_mean": sum(r["waited"] for r in self.rows) / len(self.rows) if self.rows else None,
             "deadlines_met": sum(r["deadline_met"] for r in self.rows),
             "swaps": self.swaps,
+            **({} if self.prefill is None else {"prefill": self.prefill}),
+            **(
+                {"prompt_switches": self.driver.switch_rows}
+                if self.driver and self.driver.inter.switches
+                else {}
+            ),
         }
 
 
@@ -163,8 +171,9 @@ class PoolRun:
     """The loop of a pool run: joins at their ticks, resumes, one pool tick, then each chunk taken (written with
     --out), finished sessions closed and --swap-every's suspends."""
 
-    def __init__(self, args, pool, n_chunks: int, prompt_of, streams: list[PoolStream]):
+    def __init__(self, args, pool, n_chunks: int, prompt_of, streams: list[PoolStream], interactive=None):
         self.args, self.pool, self.n_chunks, self.prompt_of = args, pool, n_chunks, prompt_of
+        self.interactive = interactive  # stream_interactive.Interactive: every session gets the same inputs
         self.streams = streams
         self.by_key: dict[str, PoolStream] = {}
         self.ticks: list[dict] = []
@@ -199,6 +208,23 @@ class PoolRun:
                     s.output = self.open_output(s)
                 s.session = self.pool.join(self.prompt_of(s.seed), s.seed, self.n_chunks, wait=True)
                 self.by_key[s.session.key] = s
+                if self.interactive is not None:
+                    self.start_interactive(s)
+
+    def start_interactive(self, s: PoolStream) -> None:
+        """A joined session's start (committed into its slot now) and its first chunk's input and switch."""
+        from .stream_interactive import Driver, PoolSessionCalls, prefill_line, prefill_report
+
+        inter = self.interactive
+        if inter.init_latents is not None:
+            started = self.pool.prefill(s.session, inter.init_latents)
+            s.prefill = prefill_report(started, self.args.init_latents)
+            if s.output is not None:
+                s.output.start(started.decoded)  # the start frames open its video
+            if not self.args.json:
+                say(f"session {s.index}: " + prefill_line(s.prefill))
+        s.driver = Driver(inter, PoolSessionCalls(self.pool, s.session), self.args.chunk_frames)
+        s.driver.before_chunk(0)
 
     def open_output(self, s: PoolStream):
         from .stream import StreamOutput
@@ -207,7 +233,9 @@ class PoolRun:
         out = os.path.join(a.out, f"session_{s.index}")
         os.makedirs(out, exist_ok=True)
         # what StreamOutput reads of a session (a pool session starts a new stream: no frame before its first)
-        one = SimpleNamespace(batch=1, latent_hw=self.pool.latent_hw, frames_generated=0)
+        start = self.interactive.init_latents if self.interactive is not None else None
+        frames_before = 0 if start is None else start.shape[2]  # a prefilled session is past its first frame
+        one = SimpleNamespace(batch=1, latent_hw=self.pool.latent_hw, frames_generated=frames_before)
         channels = self.pool.model.params.in_dim
         return StreamOutput(out, one, channels, self.n_chunks, a.chunk_frames, self.pool.tiny_vae is not None,
                             a.width, a.height)  # fmt: skip
@@ -215,7 +243,15 @@ class PoolRun:
     def take(self, s: PoolStream, chunk) -> None:
         """The consumer's side of a chunk: take it, record it, write it; close or suspend its session."""
         s.session.take()
-        s.rows.append(_chunk_row(s.session.stats.pool_recent[-1], chunk, self.args.chunk_frames))
+        row = _chunk_row(s.session.stats.pool_recent[-1], chunk, self.args.chunk_frames)
+        if s.driver is not None:
+            fields, note = s.driver.chunk_fields(len(s.rows), chunk)
+            row.update(fields)
+            if note and not self.args.json:
+                say(f"session {s.index}: chunk {chunk.index}, {chunk.seconds:.3f} s{note}")
+        s.rows.append(row)
+        if s.driver is not None and len(s.rows) < self.n_chunks:  # its next chunk's input and switch
+            s.driver.before_chunk(len(s.rows))
         written = s.output.append(chunk) if s.output is not None else []
         if written and not self.args.json:
             say(f"session {s.index}: " + "; ".join(f"wrote {path}" for path in written))
@@ -245,8 +281,11 @@ class PoolRun:
 
 
 def run(args) -> int:
+    from . import stream_interactive
     from .stream import chunk_count, open_stream_parts, synthetic_prompt
 
+    # --init-latents, --input-video, --prompt-switch: read and checked before loading; every session gets them
+    interactive = stream_interactive.prepare(args)
     n_chunks = chunk_count(args)
     check_at_least(args, text_tokens=1, chunks=1)
     buckets = check_pool_flags(args)
@@ -268,12 +307,22 @@ def run(args) -> int:
     # beyond --sessions itself)
     pool, compiled = open_session_pool(handle, args.height, args.width, config, wanted_slots, buckets, vae,
                                        where="stream", max_waiting=args.sessions)  # fmt: skip
+    if interactive is not None:
+        try:
+            stream_interactive.check_with_session(interactive, None, handle.params, batch=1)
+            if interactive.init_latents is not None and pool.slots < args.sessions:
+                raise InputError("--init-latents", f"a start is committed into a session's slot when it joins; the "
+                                 f"memory budget holds {pool.slots} slots for {args.sessions} sessions, so some "
+                                 "would wait for one (use fewer --sessions)")  # fmt: skip
+        except BaseException:
+            pool.close()
+            raise
     if not args.json and pool.slots < args.sessions:
         say(
             f"the pool holds {pool.slots} slots for {args.sessions} sessions: the others wait for a free slot"
         )
     streams = [PoolStream(i, args.seed + i, i * args.join_every) for i in range(args.sessions)]
-    loop = PoolRun(args, pool, n_chunks, prompt_of, streams)
+    loop = PoolRun(args, pool, n_chunks, prompt_of, streams, interactive)
     steps_per_chunk = len(pool.sigmas) - 1
     try:
         with (
@@ -322,7 +371,8 @@ def run(args) -> int:
         "kv_dtype": args.kv_dtype,
         "chunks_per_session": n_chunks,
         "latent_frames": n_chunks * args.chunk_frames,
-        "video_frames": 4 * n_chunks * args.chunk_frames - 3,
+        "video_frames": 4 * n_chunks * args.chunk_frames
+        - (0 if interactive is not None and interactive.init_latents is not None else 3),
         "fps": VIDEO_FPS,
         "compile": compile_report(telemetry),
     }

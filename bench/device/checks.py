@@ -518,6 +518,135 @@ def wan_fps(ctx: Context) -> dict:
     return results
 
 
+INTERACTIVE_ROUNDS = {"device": 3, "smoke": 2}
+
+
+def interactive(ctx: Context) -> dict:
+    """Issue 32's session inputs on the device: a prefill, a prompt switch's re-cache and video-to-video chunks,
+    each timed against a text-to-video chunk of the same session (the window full), and two exactness checks
+    that need no reference checkout: a prefill of a session's own generated frames continues exactly as that
+    session does (same generator state: the prefill's forwards at timestep 0 write the K/V its clean-context
+    passes wrote), and a first V2V chunk at strength 1.0 equals the first T2V chunk (the input is fully noised;
+    the two differ only in the clean pass, which a first chunk does not carry)."""
+    from fewstep.engine.causal import CausalConfig
+    from fewstep.engine.causal.recipe import open_session
+
+    s = ctx.setup
+    handle = ctx.models.get(s.wan_preset)
+    h, w = s.video_hw
+    c, window = s.chunk_frames, s.window_frames
+    config = CausalConfig(chunk_frames=c, window_frames=window, steps=STEPS)
+    prompts = [
+        wan_context(handle, s),
+        wan_context(handle, s).flip(1),
+    ]  # the same tokens reversed: another prompt
+    rounds = INTERACTIVE_ROUNDS["smoke" if s.smoke else "device"]
+    tol = SESSION_TOL[s.dtype]
+    k = window // c  # chunks that fill the window
+
+    def new():
+        return open_session(handle, prompts[0], h, w, config, 0, None, "device_check")[0]
+
+    def chunk(session):
+        return session.run(1)[0]
+
+    def prefill_seconds(frames: torch.Tensor) -> float:
+        fresh = new()
+        try:
+            return clock(s, lambda: fresh.prefill(frames))[0]
+        finally:
+            fresh.dispose()
+
+    results: dict = {"preset": s.wan_preset, "size": f"{w}x{h}", "window_frames": window, "chunk_frames": c,
+                     "rounds": rounds}  # fmt: skip
+    a = new()
+    sessions = [a]
+    try:
+        generated = [chunk(a) for _ in range(k)]
+        state = a.generator.get_state()
+        t, after = clock(s, lambda: chunk(a))  # the chunk after a full window (carries the last commit)
+        # exactness 1: a new session prefilled with a's frames, a's generator state: a's next chunk
+        b = new()
+        sessions.append(b)
+        latents = torch.cat([g.latents for g in generated], dim=2)
+        prefill_s, started = clock(s, lambda: b.prefill(latents))
+        b.generator.set_state(state)
+        prefill_err = rel_err(chunk(b).latents, after.latents)
+        b.dispose()
+        # timings: T2V chunks, re-cache switches, prefills of the window and of one frame
+        t2v_s, recache_s, recache_frames, prefill_frame_s, image_s = (
+            [],
+            [],
+            set(),
+            [prefill_s / started.frames],
+            [],
+        )
+        for r in range(rounds):
+            t2v_s.append(clock(s, lambda: chunk(a))[0])
+            t, report = clock(s, lambda r=r: a.set_prompt(prompts[(r + 1) % 2], recache=True))
+            recache_s.append(t)
+            recache_frames.add(report.frames)
+            if r:  # the first window prefill is the exactness run's
+                prefill_frame_s.append(prefill_seconds(latents) / latents.shape[2])
+            image_s.append(prefill_seconds(latents[:, :, :1]))
+        # exactness 2 and V2V timings: a session restyling random input chunks
+        v = new()
+        sessions.append(v)
+        v.set_strength(1.0)
+        inputs = torch.randn(
+            1, handle.params.in_dim, c, h // 8, w // 8, generator=torch.Generator().manual_seed(2)
+        )
+        v.feed(inputs)
+        v2v_first_err = rel_err(chunk(v).latents, generated[0].latents)
+        for _ in range(k):  # the window full, as the T2V timings had it
+            v.feed(inputs)
+            chunk(v)
+        v2v_s: dict[str, list[float]] = {"0.5": [], "1": []}
+        for _ in range(rounds):
+            for strength in (0.5, 1.0):
+                v.set_strength(strength)
+                v.feed(inputs)
+                v2v_s[f"{strength:g}"].append(clock(s, lambda: chunk(v))[0])
+    finally:
+        for x in sessions:
+            x.dispose()
+    t2v = statistics.median(t2v_s)
+    prefill_frame = statistics.median(prefill_frame_s)
+    recache = statistics.median(recache_s)
+    v2v = {k2: statistics.median(xs) for k2, xs in v2v_s.items()}
+    results.update({
+        "t2v_chunk_s": t2v_s, "prefill_s_per_frame": prefill_frame_s, "prefill_one_frame_s": image_s,
+        "recache_s": recache_s, "recache_frames": sorted(recache_frames), "v2v_chunk_s": v2v_s,
+        "prefill_vs_chunk_per_frame": prefill_frame / (t2v / c), "recache_vs_chunk": recache / t2v,
+        "v2v_vs_t2v": {k2: x / t2v for k2, x in v2v.items()},
+        "prefill_continues_rel_err": prefill_err, "v2v_first_chunk_rel_err": v2v_first_err, "tol": tol,
+    })  # fmt: skip
+    label = f"{s.wan_preset} {w}x{h}, window {window}"
+    judged = s.on_gpu or None
+    results["summary"] = [
+        row(f"{label}: prefill / T2V chunk, seconds per frame ({started.frames} frames, {len(started.blocks)} "
+            "forwards)", f"{results['prefill_vs_chunk_per_frame']:.2f}x ({prefill_frame * 1e3:.1f} ms a frame)"),
+        row(f"{label}: re-cache of {', '.join(map(str, sorted(recache_frames)))} frames / T2V chunk seconds",
+            f"{results['recache_vs_chunk']:.2f}x ({recache:.3f} s vs {t2v:.3f} s)"),
+        row(f"{label}: V2V / T2V chunk seconds, strength 0.5 / 1.0",
+            f"{v2v['0.5'] / t2v:.2f}x / {v2v['1'] / t2v:.2f}x"),
+        row(f"{label}: prefill of generated frames continues as the session (relative)", f"{prefill_err:.1e}",
+            f"<= {tol:.0e}", prefill_err <= tol if judged else None),
+        row(f"{label}: first V2V chunk at strength 1.0 vs the first T2V chunk (relative)", f"{v2v_first_err:.1e}",
+            f"<= {tol:.0e}", v2v_first_err <= tol if judged else None),
+    ]  # fmt: skip
+    bad = [f"{name} differs by {err:.2e} relative (> {tol:.0e})" for name, err in
+           (("a prefill's continuation", prefill_err), ("the first V2V chunk at strength 1.0", v2v_first_err))
+           if not err <= tol]  # fmt: skip
+    if recache_frames != {window}:
+        bad.append(
+            f"a re-cache past the window recomputed {sorted(recache_frames)} frames, not the {window} held"
+        )
+    if bad:
+        raise Failed("; ".join(bad), results)
+    return results
+
+
 SESSION_COUNTS = {"device": (1, 2, 4, 8), "smoke": (1, 2, 4)}
 SESSION_CHUNKS = 3  # timed chunks per session after the first (the first has no clean pass to carry)
 # batched rows against solo chunks: fp32 on the CPU differs only by the GEMMs' summation order (the pool tests hold
@@ -627,6 +756,8 @@ CHECKS = [
     Check("wan_graph_equals_eager", "CUDA-graph replay equals eager: Wan causal chunk steps",
           wan_graph_equals_eager, gpu_only="CUDA graphs " + NO_GPU),
     Check("wan_fps", "Wan causal frames per second after the window fills, bf16 and int8 KV", wan_fps),
+    Check("interactive", "Wan session inputs: prefill, prompt switch with re-cache, video to video, against a "
+          "T2V chunk; exactness of a prefill's continuation and a strength-1.0 V2V chunk", interactive),
     Check("wan_sessions", "Wan sessions batched in one pool vs solo: per-tick seconds, session-chunks/s, "
           "exactness", wan_sessions, last_of_group=True),
 ]  # fmt: skip

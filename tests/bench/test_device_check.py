@@ -15,7 +15,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH / "device_check"
 ORDER = ["matmul_rate", "triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "schnell_speed",
-         "schnell_mfu", "wan_graph_equals_eager", "wan_fps", "wan_sessions"]  # fmt: skip
+         "schnell_mfu", "wan_graph_equals_eager", "wan_fps", "interactive", "wan_sessions"]  # fmt: skip
 GPU_ONLY = {"triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "wan_graph_equals_eager"}
 CHECK_KEYS = {"name", "title", "status", "seconds", "reason", "error", "traceback", "peak_memory_gib", "results",
               "summary"}  # fmt: skip
@@ -83,6 +83,14 @@ def test_smoke_measurements_are_plausible(smoke):
         assert run["session_chunks_per_s_batched"] > 0 and run["session_chunks_per_s_solo"] > 0
         assert run["max_rel_err"] <= run["tol"] == 1e-5  # fp32: the batched rows are the solo chunks
     assert pool["runs"]["1"]["planner_gain_h200"] == pytest.approx(1.0)
+    inter = checks["interactive"]
+    assert inter["recache_frames"] == [inter["window_frames"]] == [9]  # past the window, no sinks: all held
+    assert len(inter["t2v_chunk_s"]) == len(inter["recache_s"]) == len(inter["prefill_one_frame_s"]) == 2
+    assert set(inter["v2v_vs_t2v"]) == {"0.5", "1"} and all(x > 0 for x in inter["v2v_vs_t2v"].values())
+    # fp32 on the CPU: a prefill of generated frames writes the K/V their clean passes wrote; a first V2V chunk
+    # at strength 1.0 is the first T2V chunk
+    assert inter["prefill_continues_rel_err"] <= inter["tol"] == 1e-5
+    assert inter["v2v_first_chunk_rel_err"] <= 1e-5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")

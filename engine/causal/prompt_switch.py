@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from .kv_cache import CleanFrames, KVCache, RecacheView, recache_frames
 
 
@@ -28,6 +29,23 @@ class RecacheReport:
     frames: int  # latent frames whose K/V were recomputed (0: nothing generated yet)
     start_frame: int
     seconds: float
+
+
+def check_recache(cache: KVCache, clean: CleanFrames, pending_frames: int, where: str | None = None) -> None:
+    """Refuse a re-cache whose frames' clean latents are not kept, before anything changes (checked when the
+    switch is sent: the frames a re-cache needs only move forward, so one that can run now can run at the next
+    boundary). Only a session resumed from a version 1 snapshot (which does not save them) lacks them, until it has
+    generated a window of frames."""
+    frames = recache_frames(cache, pending_frames)
+    if not clean.holds(frames):
+        missing = [f for f in frames if clean.frames[f % clean.window_frames] != f]
+        raise InputError(
+            "recache",
+            f"the clean latents of frames {missing[0]}-{missing[-1]} are not kept (a session resumed from a "
+            "version 1 snapshot does not have them); switch without recache, or after "
+            f"{clean.window_frames} more generated frames",
+            where,
+        )
 
 
 def recache_window(

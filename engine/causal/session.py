@@ -62,7 +62,7 @@ from .kv_cache import (
     kv_cache_bytes,
 )
 from .prefill import PrefillResult, prefill_blocks
-from .prompt_switch import RecacheReport, recache_window
+from .prompt_switch import RecacheReport, check_recache, recache_window
 from .video_to_video import InputFrames, check_strength, noised_input, v2v_sigmas
 
 # ``before_forward(chunk index, denoising step or None for the clean-context pass)``, called before every forward
@@ -286,9 +286,14 @@ class VideoSession:
         finally:
             self._release()
 
+    def _check_recache(self) -> None:
+        pending = 0 if self._pending is None else self._pending.shape[2]
+        check_recache(self.cache, self.clean, pending, self.where)
+
     def _switch_prompt(self, context, recache: bool, chunk_index, before_forward) -> RecacheReport | None:
         if recache:
             self._check_unsharded("a prompt switch with recache")
+            self._check_recache()
             self._commit(chunk_index or 0, before_forward)  # the pending chunk's K/V under the old prompt
         self._context = self.model.embed_context(context.to(self.device))
         # every layer's text K/V now, outside the steps (a step only reads them: no host branch on it)
@@ -362,6 +367,8 @@ class VideoSession:
         ``seed``), checked now, applied at the next chunk boundary; returns its sequence number."""
         self._check_alive()
         value = check_control(self.model.params, kind, value, self.batch, self.where)
+        if kind == "prompt" and recache:
+            self._check_recache()
         return self.controls.put(kind, value, recache)
 
     def _apply_controls(self, index: int, before_forward) -> None:

@@ -71,7 +71,7 @@ from ..units import format_bytes
 from .controls import AppliedControl, ControlQueue
 from .kv_cache import BatchedKV, CleanFrames, KVSlotPool, check_kv_head_dim
 from .prefill import PrefillResult, prefill_blocks
-from .prompt_switch import RecacheReport, recache_window
+from .prompt_switch import RecacheReport, check_recache, recache_window
 from .session import (
     RECENT_CHUNKS,
     CausalConfig,
@@ -499,7 +499,16 @@ class SessionPool:
         with self._lock:
             self._check_member(session)
             check_context(self.model.params, context, 1, self.where)
+            if recache:
+                self._check_recache(session)
             session.next_context, session.next_recache = context, bool(recache)
+
+    def _check_recache(self, session: PoolSession) -> None:
+        """A re-cache needs its frames' clean latents (checked on an active session; a suspended one's are
+        checked when it is resumed into a slot, at its boundary)."""
+        if session.cache is not None and session.clean is not None:
+            pending = 0 if session.pending is None else session.pending.shape[2]
+            check_recache(session.cache, session.clean, pending, self.where)
 
     # -- interactive inputs: a start, input video, controls (as VideoSession's, per session) -----------------------
     def prefill(self, session: PoolSession, latents: torch.Tensor) -> PrefillResult:
@@ -563,6 +572,8 @@ class SessionPool:
         thread-safe)."""
         self._check_member(session)
         value = check_control(self.model.params, kind, value, 1, self.where)
+        if kind == "prompt" and recache:
+            self._check_recache(session)
         return session.controls.put(kind, value, recache)
 
     def leave(self, session: PoolSession, why: str = "left") -> None:
@@ -707,6 +718,7 @@ class SessionPool:
         self, session: PoolSession, context, recache: bool, before_forward
     ) -> RecacheReport | None:
         if recache:
+            self._check_recache(session)
             self._commit_pending([session], before_forward)  # its pending chunk's K/V under the old prompt
         self._fill_prompt(session, context)
         if not recache:

@@ -10,8 +10,8 @@ tensor's shape and dtype.
 
 Format versions: 2 adds the clean latents of the window (``clean.latents``, ``state.clean_frames``) and the host
 parts (``inputs.<i>``, ``control.prompt``, ``state.host``: strength, seed, queued and unreported controls). A
-version 1 file is still read: its missing parts are empty (no clean latents kept: a re-cache after resuming it
-recomputes nothing; no queued input or control; text to video).
+version 1 file is still read: its missing parts are empty (no clean latents kept: a prompt switch with re-cache is
+refused, naming why, until a window of frames has been generated; no queued input or control; text to video).
 
 The prompt itself (the umT5 tokens) is not saved: the cross-attention rows are everything the model reads of it,
 so a resumed session opens on a one-token placeholder prompt whose rows :func:`~.session_state.restore_state`

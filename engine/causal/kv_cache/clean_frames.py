@@ -35,6 +35,9 @@ class CleanFrames:
             self.latents[:, :, position].copy_(latents[:, :, i])
             self.frames[position] = start + i
 
+    def holds(self, frames: range) -> bool:
+        return all(self.frames[f % self.window_frames] == f for f in frames)
+
     def read(self, frames: range) -> torch.Tensor:
         """The clean latents of ``frames`` ``[B, C, F, h, w]`` (each must still be kept)."""
         positions = [f % self.window_frames for f in frames]

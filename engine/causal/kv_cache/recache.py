@@ -87,11 +87,12 @@ class _RecacheLayer:
                     buffer[:, dst].copy_(part)
 
 
-def recache_frames(cache) -> range:
+def recache_frames(cache, pending_frames: int = 0) -> range:
     """The frames a re-cache recomputes at this point of the stream (see the module docstring): every frame held
-    while the stream is within the window, then the ring's frames (the sinks are kept)."""
+    while the stream is within the window, then the ring's frames (the sinks are kept). ``pending_frames``: a
+    chunk to be committed first (a switch commits it under the old prompt before re-caching)."""
     window = cache.storage.window
-    end = cache.frames_committed
+    end = cache.frames_committed + pending_frames
     if end <= window.window_frames:
         return range(0, end)
     return range(end - window.ring_frames, end)

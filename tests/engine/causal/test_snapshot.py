@@ -496,6 +496,15 @@ def test_a_version_1_snapshot_is_read_with_empty_interactive_parts(wan, tmp_path
     resumed, _ = resume_session(wan, tmp_path / "v1.safetensors")
     assert resumed.clean.frames == [None] * BF16_SINKS.window_frames and len(resumed.inputs) == 0
     assert resumed.strength is None and resumed.controls.pending() == []
+    # a re-cache needs the window's clean latents, which a version 1 file does not hold: refused when sent
+    context = torch.randn(1, 4, resumed.model.params.text_dim)
+    for send in (
+        lambda: resumed.set_prompt(context, recache=True),
+        lambda: resumed.control("prompt", context, True),
+    ):
+        with pytest.raises(InputError, match=r"input 'recache': the clean latents of frames .* are not kept"):
+            send()
+    assert resumed.controls.pending() == []
     got = resumed.run(2)
     assert all(torch.equal(a.latents, b.latents) for a, b in zip(got, reference, strict=True))
 

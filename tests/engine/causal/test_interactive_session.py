@@ -1,0 +1,262 @@
+"""Interactive sessions (issue 32) composed with what exists: the control channel, compile / CUDA-graph capture,
+LoRA, a sharded run, memory, and bad input of a prefill, a fed input video and the controls.
+
+The reference comparisons (Self-Forcing's prefill, LongLive's re-cache, StreamDiffusionV2's video to video) live
+in their own opt-in tests; here every check is against another session of this engine: a control equals the
+same change made directly, a compiled / LoRA / sharded session equals the plain one.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+from compile_doubles import EMULATED
+from memory_probe import settled_rss_mib
+
+from fewstep.engine import InputError, load_dit, open_model
+from fewstep.engine.causal import CausalConfig, VideoSession
+from fewstep.engine.causal.controls import AppliedControl
+from fewstep.engine.causal.recipe import open_session
+from fewstep.engine.causal.session import check_session_fits, session_bytes
+from fewstep.engine.causal.video_to_video import MAX_QUEUED_CHUNKS
+from fewstep.engine.compile import attach_compile
+
+H, W = 32, 48  # px: a 4x6 latent, 2x3 tokens per frame
+LATENT_HW = (H // 8, W // 8)
+CONFIG = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+
+
+class StopError(Exception):
+    """What a host's Cancel raises from ``before_forward`` (here: the test's own)."""
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+
+
+def _ctx(seed=1, tokens=9):
+    return torch.randn(1, tokens, 4096, generator=torch.Generator().manual_seed(seed))
+
+
+def _latents(frames, seed=7, channels=16, batch=1, hw=LATENT_HW):
+    return torch.randn(batch, channels, frames, *hw, generator=torch.Generator().manual_seed(seed))
+
+
+def _session(model, config=CONFIG, seed=3, context=None, **kwargs):
+    return VideoSession(model, _ctx() if context is None else context, H, W, config, seed, **kwargs)
+
+
+def _video(chunks) -> torch.Tensor:
+    return torch.cat([c.latents for c in chunks], dim=2)
+
+
+# -- 1. controls -----------------------------------------------------------------------------------------------------
+def test_a_newer_prompt_replaces_a_queued_older_one_which_is_never_applied(wan):
+    stale, newer = _ctx(5), _ctx(6)
+    session = _session(wan)
+    first = session.run(1)[0]
+    session.control("prompt", stale, recache=True)
+    sequence = session.control("prompt", newer)
+    (chunk,) = session.run(1)
+    assert chunk.controls == (AppliedControl("prompt", sequence, 1, False, 1, ""),)
+    assert chunk.recache is None  # the stale prompt's re-cache was never run
+    expected = _session(wan)
+    assert torch.equal(expected.run(1)[0].latents, first.latents)
+    expected.set_prompt(newer)
+    assert torch.equal(expected.run(1)[0].latents, chunk.latents)
+    assert list(session.controls.applied) == [chunk.controls[0]] and session.controls.pending() == []
+
+
+def test_each_applied_control_reports_the_chunk_it_took_effect_at(wan):
+    session = _session(wan)
+    session.run(2)
+    prompt = session.control("prompt", _ctx(5), recache=True)
+    seed = session.control("seed", 11)
+    (third,) = session.run(1)
+    (fourth,) = session.run(1)
+    assert [(c.kind, c.sequence, c.chunk, c.recache) for c in third.controls] == [
+        ("prompt", prompt, 2, True), ("seed", seed, 2, False)
+    ]  # fmt: skip
+    assert third.index == 2 and fourth.controls == () and fourth.recache is None
+    # a re-cache at chunk 2: the window's 4 committed frames (the pending chunk committed first)
+    assert third.recache.frames == 4 and third.recache.start_frame == 0
+    assert (
+        third.controls[0].detail.startswith("re-cached 4 frames in ")
+        and third.controls[1].detail == "seed 11"
+    )
+    assert [c.chunk for c in session.controls.applied] == [2, 2]
+
+
+def test_a_control_put_from_another_thread_mid_chunk_takes_effect_at_the_next_boundary(wan):
+    """The control arrives while chunk 1 is denoising (between its two steps): chunk 1 is exactly the chunk of a
+    session without it, and the prompt takes effect at chunk 2, as a switch made between chunks 1 and 2."""
+    other = _ctx(5)
+    session = _session(wan)
+    sent = []
+
+    def send_mid_chunk(chunk, step):
+        if (chunk, step) == (1, 1) and not sent:
+            # a request thread of a live server
+            thread = threading.Thread(
+                target=lambda: sent.append(session.control("prompt", other, recache=True))
+            )
+            thread.start()
+            thread.join()
+
+    got = list(session.chunks(3, before_forward=send_mid_chunk))
+    expected = _session(wan)
+    want = expected.run(2)
+    expected.set_prompt(other, recache=True)
+    want += expected.run(1)
+    assert len(sent) == 1 and torch.equal(_video(got), _video(want))
+    assert got[1].controls == () and [(c.sequence, c.chunk) for c in got[2].controls] == [(sent[0], 2)]
+    assert got[2].recache.frames == 4
+
+
+def test_a_seed_control_draws_a_fresh_sessions_noise_from_its_chunk_on(wan):
+    """Defined as: the noise drawn from the chunk a ``seed s`` control takes effect at on (the start noise and the
+    DMD re-noise of every step) is, draw for draw, the noise a fresh session of seed ``s`` draws from its chunk 0
+    (the generator is reseeded at the boundary). The video differs: the KV cache holds the earlier chunks."""
+    config = CausalConfig(chunk_frames=2, window_frames=6, steps=2)
+
+    def recording(session):
+        draws = []
+        noise = session._noise
+        session._noise = lambda shape: draws.append(noise(shape)) or draws[-1]
+        return draws
+
+    session = _session(wan, config)
+    session.run(2)
+    draws = recording(session)
+    session.control("seed", 11)
+    (chunk,) = session.run(2)[:1]
+    fresh = _session(wan, config, seed=11)
+    fresh_draws = recording(fresh)
+    fresh.run(2)
+    assert len(draws) == len(fresh_draws) == 2 * 2  # per chunk: the start noise and one re-noise
+    assert all(torch.equal(a, b) for a, b in zip(draws, fresh_draws))
+    assert session.seed == 11 and chunk.controls[0].detail == "seed 11"
+    # and the same as reseeding directly between chunks
+    direct = _session(wan, config)
+    direct.run(2)
+    direct.generator.manual_seed(11)
+    assert torch.equal(direct.run(1)[0].latents, chunk.latents)
+
+
+def test_a_strength_control_toggles_video_to_video(wan):
+    inputs = _latents(4)
+    session = _session(wan)
+    session.feed(inputs)
+    session.control("strength", 0.5)
+    a, b = session.run(2)
+    session.control("strength", None)
+    (c,) = session.run(1)
+    assert (a.mode, a.strength, b.mode, c.mode, c.strength) == ("v2v", 0.5, "v2v", "t2v", None)
+    assert [x.detail for x in a.controls + c.controls] == ["strength 0.5", "text to video"]
+    direct = _session(wan)
+    direct.feed(inputs)
+    direct.set_strength(0.5)
+    want = direct.run(2)
+    direct.set_strength(None)
+    want += direct.run(1)
+    assert torch.equal(_video([a, b, c]), _video(want))
+
+
+@pytest.mark.parametrize(
+    "kind, value, name, problem",
+    [
+        ("volume", 3, "control", r"unknown control 'volume'; expected prompt, strength or seed"),
+        ("strength", float("nan"), "strength", r"expected a finite number"),
+        ("strength", 0.0, "strength", r"0.0 is not in \(0, 1\]"),
+        ("strength", 1.5, "strength", r"1.5 is not in \(0, 1\]"),
+        ("seed", -1, "seed", r"expected an integer in \[0, 2\^64 - 1\], got -1"),
+        ("seed", 2.5, "seed", r"expected an integer in \[0, 2\^64 - 1\], got 2.5"),
+        ("prompt", torch.zeros(1, 4, 768), "context", r"conditioning is \[1, 4, 768\]; Wan expects umT5"),
+    ],
+)
+def test_invalid_controls_are_refused_naming_the_input(wan, kind, value, name, problem):
+    session = _session(wan, where="FewStepCausalContinue")
+    with pytest.raises(InputError, match=rf"^FewStepCausalContinue: input '{name}': .*{problem}"):
+        session.control(kind, value)
+    assert session.controls.pending() == []  # nothing queued
+
+
+def test_controls_applied_before_an_interrupted_chunk_stay_applied_and_are_reported_next(wan):
+    other = _ctx(5)
+    session = _session(wan)
+    session.run(1)
+    sequence = session.control("prompt", other, recache=True)
+
+    def stop_at_first_step(chunk, step):
+        if step == 0:
+            raise StopError
+
+    with pytest.raises(StopError):
+        list(session.chunks(1, before_forward=stop_at_first_step))
+    assert session.controls.pending() == [] and session.frames_generated == 2
+    (chunk,) = session.run(1)
+    assert [(c.sequence, c.chunk) for c in chunk.controls] == [(sequence, 1)]
+    assert chunk.recache is not None and chunk.recache.frames == 2
+    expected = _session(wan)
+    expected.run(1)
+    expected.set_prompt(other, recache=True)
+    assert torch.equal(expected.run(1)[0].latents, chunk.latents)
+
+
+@pytest.mark.parametrize("stop_at", ["commit", "recache"])
+def test_an_interruption_while_controls_apply_requeues_them_and_the_video_is_unchanged(wan, stop_at):
+    """A prompt switch with re-cache runs two forwards at the boundary (the pending chunk's commit, the re-cache):
+    a Cancel before either requeues that control and the ones after it (the seed); the next chunk applies them,
+    and the video equals an uninterrupted one."""
+    other = _ctx(5)
+    session = _session(wan)
+    session.run(1)
+    prompt = session.control("prompt", other, recache=True)
+    seed = session.control("seed", 11)
+    calls = []
+
+    def stop(chunk, step):
+        calls.append(step)
+        if step is None and len(calls) == (1 if stop_at == "commit" else 2):
+            raise StopError
+
+    with pytest.raises(StopError):
+        list(session.chunks(1, before_forward=stop))
+    assert [(c.kind, c.sequence) for c in session.controls.pending()] == [("prompt", prompt), ("seed", seed)]
+    (chunk,) = session.run(1)
+    assert [(c.kind, c.sequence, c.chunk, c.replaced) for c in chunk.controls] == [
+        ("prompt", prompt, 1, 0), ("seed", seed, 1, 0)
+    ]  # fmt: skip
+    expected = _session(wan)
+    expected.run(1)
+    expected.set_prompt(other, recache=True)
+    expected.generator.manual_seed(11)
+    assert torch.equal(expected.run(1)[0].latents, chunk.latents)
+
+
+def test_a_newer_control_sent_during_an_interrupted_boundary_wins_and_counts_the_stale_one(wan):
+    session = _session(wan)
+    session.run(1)
+    session.control("seed", 11)
+    session.control("prompt", _ctx(5), recache=True)
+    newer = []
+
+    def stop_at_recache(chunk, step):  # the re-cache's forward: a newer seed arrives, then Cancel
+        if step is None and not newer:
+            newer.append(session.control("seed", 12))
+        elif step is None:
+            raise StopError
+
+    with pytest.raises(StopError):
+        list(session.chunks(1, before_forward=stop_at_recache))
+    # the prompt was interrupted (requeued); the stale seed 11 (applied after the prompt) was never applied
+    assert [(c.kind, c.value if c.kind == "seed" else None) for c in session.controls.pending()] == [
+        ("prompt", None), ("seed", 12)
+    ]  # fmt: skip
+    (chunk,) = session.run(1)
+    seeds = [c for c in chunk.controls if c.kind == "seed"]
+    assert [(c.sequence, c.replaced) for c in seeds] == [(newer[0], 1)] and session.seed == 12

@@ -314,7 +314,10 @@ class VideoSession:
                 "only taken before the first chunk (start a new session)", self.where,
             )  # fmt: skip
         self._check_latents(latents, name)
-        blocks = prefill_blocks(latents.shape[2], self.config.chunk_frames, name)
+        # located here: prefill_blocks knows the input, not the node or command that gave it
+        blocks = _located(lambda frames: prefill_blocks(frames, self.config.chunk_frames, name), self.where)(
+            latents.shape[2]
+        )
         if blocks[0] != self.config.chunk_frames:
             self._check_unsharded("a start latent of one frame more than whole chunks")
         self._claim()

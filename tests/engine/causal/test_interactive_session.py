@@ -260,3 +260,104 @@ def test_a_newer_control_sent_during_an_interrupted_boundary_wins_and_counts_the
     (chunk,) = session.run(1)
     seeds = [c for c in chunk.controls if c.kind == "seed"]
     assert [(c.sequence, c.replaced) for c in seeds] == [(newer[0], 1)] and session.seed == 12
+
+
+# -- 5. bad inputs ---------------------------------------------------------------------------------------------------
+NODE = "FewStepCausalVideoSampler"
+
+
+@pytest.mark.parametrize(
+    "latents, problem",
+    [
+        (_latents(2, channels=8), r"8 latent channels; this Wan model takes 16 \(Wan 2.1 VAE latents\)"),
+        (
+            _latents(2, hw=(4, 4)),
+            r"latents of batch 1 and 4x4 latent pixels; this session is batch 1 at 4x6 ",
+        ),
+        (_latents(2, batch=2), r"latents of batch 2 and 4x6 latent pixels; this session is batch 1 at 4x6 "),
+        (torch.zeros(1, 16, 1, 1, 4, 6), r"latents \[1, 16, 1, 1, 4, 6\]; expected \[batch, 16, frames"),
+        (torch.full((1, 16, 1, 4, 6), float("nan")), r"latents must be finite floating-point values"),
+        (torch.ones(1, 16, 1, 4, 6, dtype=torch.int64), r"latents must be finite floating-point values"),
+        ([[0.0]], r"latents list; expected \[batch, 16, frames, 4, 6\]"),
+        (_latents(0), r"the start latent holds no frames"),
+    ],
+    ids=["channels", "size", "batch", "ndim", "nan", "integer", "not-a-tensor", "no-frames"],
+)
+def test_a_bad_start_latent_is_refused_naming_the_node_and_input(wan, latents, problem):
+    session = _session(wan, where=NODE)
+    with pytest.raises(InputError, match=rf"^{NODE}: input 'start_latent': {problem}"):
+        session.prefill(latents)
+    assert session.frames_generated == 0 and session.cache.frames_committed == 0
+    assert torch.equal(session.run(1)[0].latents, _session(wan).run(1)[0].latents)  # still usable, unchanged
+
+
+def test_a_start_latent_that_does_not_split_into_chunks_is_refused():
+    model = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+    session = _session(model, CausalConfig(chunk_frames=3, window_frames=9), where=NODE)
+    with pytest.raises(
+        InputError,
+        match=rf"^{NODE}: input 'start_latent': 2 latent frames do not split into the session's chunks of 3: "
+        r"a start takes a whole number of chunks \(3, 6, \.\.\. frames: video extension\) or one frame more "
+        r"\(1, 4, 7, \.\.\.: an image",
+    ):
+        session.prefill(_latents(2))
+    assert session.prefill(_latents(4)).blocks == (1, 3)  # then a good one is taken
+
+
+def test_a_start_latent_after_chunks_is_refused(wan):
+    session = _session(wan, where=NODE)
+    session.run(1)
+    with pytest.raises(
+        InputError,
+        match=rf"^{NODE}: input 'start_latent': the session has generated 2 frames already; a start latent is "
+        r"only taken before the first chunk \(start a new session\)",
+    ):
+        session.prefill(_latents(2))
+    prefilled = _session(wan)
+    prefilled.prefill(_latents(2))
+    with pytest.raises(InputError, match=r"input 'start_latent': the session has generated 2 frames already"):
+        prefilled.prefill(_latents(2))  # a second prefill is a prefill after frames too
+
+
+@pytest.mark.parametrize(
+    "latents, problem",
+    [
+        (
+            _latents(2, channels=4),
+            r"input latents are \[1, 4, 2, 4, 6\]; this session takes \[1, 16, frames, 4, 6\]",
+        ),
+        (
+            _latents(2, hw=(6, 4)),
+            r"input latents are \[1, 16, 2, 6, 4\]; this session takes \[1, 16, frames, 4, 6\]",
+        ),
+        (_latents(2)[:, :, 0], r"input latents are \[1, 16, 4, 6\]; this session takes"),
+        ("video.mp4", r"input latents are str; this session takes"),
+        (torch.full((1, 16, 2, 4, 6), float("inf")), r"input latents must be finite floating-point values"),
+    ],
+    ids=["channels", "size", "ndim", "not-a-tensor", "inf"],
+)
+def test_bad_input_video_latents_are_refused_whole(wan, latents, problem):
+    session = _session(wan, where=NODE)
+    with pytest.raises(InputError, match=rf"^{NODE}: input 'input_video': {problem}"):
+        session.feed(latents)
+    assert len(session.inputs) == 0
+
+
+def test_a_video_to_video_chunk_without_its_input_is_refused_and_the_session_goes_on(wan):
+    inputs = _latents(4)
+    session = _session(wan, where=NODE)
+    session.set_strength(0.6)
+    session.feed(inputs[:, :, :1])
+    with pytest.raises(
+        InputError,
+        match=rf"^{NODE}: input 'input_video': chunk 0 restyles an input chunk \(video to video at strength 0.6\) "
+        r"but 1 of its 2 input latent frames are queued; feed the input first",
+    ):
+        session.run(1)
+    assert session.frames_generated == 0 and len(session.inputs) == 1
+    session.feed(inputs[:, :, 1:])
+    got = session.run(2)
+    fed = _session(wan)
+    fed.set_strength(0.6)
+    fed.feed(inputs)
+    assert [c.mode for c in got] == ["v2v", "v2v"] and torch.equal(_video(got), _video(fed.run(2)))

@@ -13,16 +13,13 @@ import types
 
 import pytest
 import torch
-from compile_doubles import EMULATED
 from memory_probe import settled_rss_mib
 
-from fewstep.engine import InputError, load_dit, open_model
+from fewstep.engine import InputError, load_dit
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal.controls import AppliedControl
-from fewstep.engine.causal.recipe import open_session
 from fewstep.engine.causal.session import check_session_fits, session_bytes
 from fewstep.engine.causal.video_to_video import MAX_QUEUED_CHUNKS
-from fewstep.engine.compile import attach_compile
 
 H, W = 32, 48  # px: a 4x6 latent, 2x3 tokens per frame
 LATENT_HW = (H // 8, W // 8)
@@ -361,3 +358,95 @@ def test_a_video_to_video_chunk_without_its_input_is_refused_and_the_session_goe
     fed.set_strength(0.6)
     fed.feed(inputs)
     assert [c.mode for c in got] == ["v2v", "v2v"] and torch.equal(_video(got), _video(fed.run(2)))
+
+
+# -- 4. memory -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, CausalConfig(chunk_frames=3, window_frames=8, sink_frames=2, kv_dtype="int8", steps=2)],
+    ids=["bf16", "int8-sinks"],
+)
+def test_the_session_estimate_counts_the_clean_latents_exactly(wan, config):
+    session = _session(wan, config)
+    p = wan.params
+    parts = session_bytes(p, 1, H, W, config, session.dtype, 6, p.num_heads)
+    assert parts["clean latents"] == session.clean.nbytes == 4 * 16 * config.window_frames * 4 * 6
+    assert parts["KV window"] == session.cache.nbytes
+    before = session.clean.nbytes
+    session.prefill(_latents(config.chunk_frames))
+    session.run(4)  # past the window: a ring, never more
+    assert session.clean.nbytes == before
+
+
+def test_the_input_video_queue_is_bounded_and_refuses_over_capacity_whole(wan):
+    session = _session(wan, where=NODE)
+    capacity = MAX_QUEUED_CHUNKS * CONFIG.chunk_frames
+    assert session.feed(_latents(capacity - 1)) == capacity - 1
+    with pytest.raises(
+        InputError,
+        match=rf"^{NODE}: input 'input_video': 2 more input frames do not fit: {capacity - 1} of {capacity} are "
+        rf"queued \({MAX_QUEUED_CHUNKS} chunks ahead of the generation\); send them after the next chunks",
+    ):
+        session.feed(_latents(2))
+    assert len(session.inputs) == capacity - 1  # nothing of the refused input was queued
+    held = session.inputs.nbytes
+    assert held == (capacity - 1) * 16 * 4 * 6 * 4 and session.nbytes >= held  # counted with the session
+    session.feed(_latents(1))
+    session.set_strength(0.5)
+    session.run(1)
+    assert len(session.inputs) == capacity - CONFIG.chunk_frames  # a chunk takes its frames
+    assert session.feed(_latents(2)) == 2
+
+
+def test_a_session_whose_clean_latents_and_kv_do_not_fit_is_refused_before_allocating(wan, monkeypatch):
+    """A budget that holds everything but the clean latents: refused, with the clean latents listed."""
+    import fewstep.engine.preflight.budget as budget
+
+    p = wan.params
+    config = CausalConfig(chunk_frames=2, window_frames=200, steps=2)  # the KV window is the largest part
+    parts = session_bytes(p, 1, H, W, config, torch.float32, 6, p.num_heads)
+    total = sum(parts.values())
+
+    def small(usable):
+        return lambda device=None: types.SimpleNamespace(
+            usable=usable, device=torch.device("cpu"), holdings=()
+        )
+
+    monkeypatch.setattr(budget, "memory_budget", small(total - parts["clean latents"]))
+    with pytest.raises(
+        InputError,
+        match=rf"^{NODE}: input 'window_frames': this needs about .* \(KV window .*, clean latents .*\) but only "
+        r".* of available host memory can be used on cpu; refused before allocating",
+    ):
+        _session(wan, config, where=NODE)
+    with pytest.raises(InputError, match=r"clean latents"):
+        check_session_fits(parts, "cpu")
+    monkeypatch.setattr(budget, "memory_budget", small(total))
+    assert check_session_fits(parts, "cpu") == total
+    _session(wan, config)  # fits exactly
+
+
+def test_a_long_stream_with_recache_switches_and_input_video_keeps_rss_flat():
+    """50 chunks of one frame (window 2): every chunk restyles a fed input frame and switches the prompt with a
+    re-cache, every 3rd reseeds; resident memory settles once the window is full. An input queue,
+    a control log or a re-cache that kept its tensors would grow by far more than the margin."""
+    model = load_dit("dummy:wan-tiny", dtype=torch.float32, device="cpu", seed=2)
+    config = CausalConfig(chunk_frames=1, window_frames=2, sink_frames=1, steps=1)
+    prompts = [_ctx(seed, tokens=4) for seed in range(3)]
+    session = VideoSession(model, prompts[0], 32, 32, config, seed=0)
+    session.set_strength(0.7)
+    frame = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(3))
+    recaches = 0
+    for i in range(50):
+        session.feed(frame)
+        session.control("prompt", prompts[i % 3], recache=True)
+        if i % 3 == 2:
+            session.control("seed", i)
+        (chunk,) = session.run(1)
+        recaches += chunk.recache is not None
+        if i == 15:  # the window full, every buffer allocated
+            settled = settled_rss_mib()
+    grown = settled_rss_mib() - settled
+    assert recaches == 50 and session.stats.chunks_generated == 50 and len(session.inputs) == 0
+    assert len(session.controls.applied) == session.controls.applied.maxlen  # a bounded log
+    assert grown < 8, f"resident memory grew {grown:.1f} MiB over 34 chunks"

@@ -326,12 +326,14 @@ class VideoSession:
             self._ensure_weights()
             with torch.inference_mode():
                 t0 = time.perf_counter()
-                x_all = latents.to(self.device, torch.float32)
+                # a copy made here is an inference tensor, as a chunk's are: the caller's own tensor (which .to
+                # returns as is when already float32 on the device) would be a new guard for a compiled step
+                x_all = latents.to(self.device, torch.float32, copy=True)
                 start = 0
                 for n in blocks:
                     if before_forward is not None:
                         before_forward(0, None)
-                    x = x_all[:, :, start : start + n]
+                    x = x_all[:, :, start : start + n].contiguous()  # a chunk's strides: no new guard
                     model = self.model if n == self.config.chunk_frames else self.base_model
                     self._velocity(x, 0.0, start, model=model)
                     self.cache.commit()

@@ -13,13 +13,16 @@ import types
 
 import pytest
 import torch
+from compile_doubles import EMULATED
 from memory_probe import settled_rss_mib
 
-from fewstep.engine import InputError, load_dit
+from fewstep.engine import InputError, load_dit, open_model
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal.controls import AppliedControl
+from fewstep.engine.causal.recipe import open_session
 from fewstep.engine.causal.session import check_session_fits, session_bytes
 from fewstep.engine.causal.video_to_video import MAX_QUEUED_CHUNKS
+from fewstep.engine.compile import attach_compile
 
 H, W = 32, 48  # px: a 4x6 latent, 2x3 tokens per frame
 LATENT_HW = (H // 8, W // 8)
@@ -450,3 +453,60 @@ def test_a_long_stream_with_recache_switches_and_input_video_keeps_rss_flat():
     assert recaches == 50 and session.stats.chunks_generated == 50 and len(session.inputs) == 0
     assert len(session.controls.applied) == session.controls.applied.maxlen  # a bounded log
     assert grown < 8, f"resident memory grew {grown:.1f} MiB over 34 chunks"
+
+
+# -- 2. compile / CUDA-graph capture ---------------------------------------------------------------------------------
+def _interactive_stream(handle, interactive=True, config=CONFIG):
+    """Through ``open_session`` (the run composes the handle's compile feature): a prefill of a lone first frame
+    and a whole chunk, 3 chunks, a prompt switch with re-cache, 2 chunks, a queued re-cache switch, 1 chunk; not
+    ``interactive``: the same chunks and switches without the prefill and the re-caches; then 2 chunks of video
+    to video. Returns (latents of
+    every chunk, the compile run's telemetry or None)."""
+    session, run = open_session(handle, _ctx(), H, W, config, 3)
+    if interactive:
+        session.prefill(_latents(3))
+    chunks = session.run(3)
+    session.set_prompt(_ctx(5), recache=interactive)
+    chunks += session.run(2)
+    session.control("prompt", _ctx(6), recache=interactive)
+    chunks += session.run(1)
+    assert (chunks[-1].recache is not None) == interactive
+    session.feed(_latents(4, seed=8))  # then video to video, in both
+    session.control("strength", 0.6)
+    chunks += session.run(2)
+    assert [c.mode for c in chunks[-3:]] == ["t2v", "v2v", "v2v"]
+    return [c.latents for c in chunks], None if run is None else run.finish()
+
+
+def test_a_prefill_and_recaches_replay_the_captured_step_without_a_new_capture():
+    """CUDA graphs (emulated on the CPU, tests/compile_doubles.py): the whole-chunk prefill block and every chunk
+    replay the step captured for their key; the lone first frame and the re-caches run eagerly on the plain
+    model, so they add no key (nor does video to video, its own sigmas in the same step): the same warm-ups and captures as the stream without them (4: the filling and
+    the full window under the first prompt, the full window under each later one: a prompt's cross-attention
+    cache is part of the key), no miss, one replay more (the prefill's chunk block), and the video equals the
+    eager session's bit for bit."""
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    eager, _ = _interactive_stream(handle)
+    got, telemetry = _interactive_stream(attach_compile(handle, "off", "whole", graph_segments=EMULATED))
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
+    g = telemetry.graphs
+    _, plain = _interactive_stream(attach_compile(handle, "off", "whole", graph_segments=EMULATED), False)
+    p = plain.graphs
+    assert (g.warmups, g.captures, g.misses) == (p.warmups, p.captures, p.misses) == (4, 4, 0)
+    assert g.hits == p.hits + 1 and not g.refused and not p.refused
+
+
+@pytest.mark.slow
+def test_a_prefill_and_recaches_do_not_recompile_the_compiled_step():
+    """torch.compile of the whole step (static shapes): the interactive stream compiles the masked step and the
+    unmasked one once each, as a plain stream does, with no recompile (a lone frame or a re-cache through the
+    compiled step would be a new shape), and equals eager."""
+    torch._dynamo.reset()
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    eager, _ = _interactive_stream(handle)
+    got, telemetry = _interactive_stream(attach_compile(handle, "full", backend="eager", dynamic=False))
+    assert max((a - b).abs().max().item() for a, b in zip(got, eager)) <= 1e-4
+    assert [(f.name, f.recompile_reason) for f in telemetry.frames] == [
+        ("causal_step_filling", None), ("causal_step_full", None)
+    ]  # fmt: skip
+    assert telemetry.graph_breaks == {}

@@ -510,3 +510,48 @@ def test_a_prefill_and_recaches_do_not_recompile_the_compiled_step():
         ("causal_step_filling", None), ("causal_step_full", None)
     ]  # fmt: skip
     assert telemetry.graph_breaks == {}
+
+
+# -- 3. LoRA and a sharded run ---------------------------------------------------------------------------------------
+def _every_interactive_part(session, between=lambda: None):
+    """A prefill (lone frame and a chunk), a re-cache switch, a queued one, V2V chunks; ``between`` runs
+    before each of them (another handle using the shared model)."""
+    between()
+    session.prefill(_latents(3))
+    chunks = session.run(1)
+    between()
+    session.set_prompt(_ctx(5), recache=True)
+    chunks += session.run(1)
+    between()
+    session.feed(_latents(4, seed=8))
+    session.control("prompt", _ctx(6), recache=True)
+    session.control("strength", 0.6)
+    chunks += session.run(2)
+    assert [c.mode for c in chunks] == ["t2v", "t2v", "v2v", "v2v"] and chunks[2].recache is not None
+    return _video(chunks)
+
+
+def test_prefill_recache_and_v2v_of_a_lora_handle_use_the_merged_weights(tmp_path):
+    """The LoRA session equals a plain session on weights merged by hand, though the base handle runs the shared
+    model before each part (which restores the base weights): each part merges the LoRA again."""
+    from test_lora import write_lora
+
+    from fewstep.engine.lora import apply_lora
+
+    wan = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    deltas = write_lora(tmp_path / "w.safetensors", wan.model, scale=0.3)
+    merged = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    with torch.no_grad():
+        for key, delta in deltas.items():
+            merged.model.get_parameter(key).add_(delta)
+    want = _every_interactive_part(VideoSession(merged.model, _ctx(), H, W, CONFIG, 3))
+
+    def base_run():
+        base, _ = open_session(wan, _ctx(), H, W, CONFIG, 3)
+        base.run(1)
+
+    lora, _ = open_session(apply_lora(wan, tmp_path / "w.safetensors", 1.0), _ctx(), H, W, CONFIG, 3)
+    got = _every_interactive_part(lora, base_run)
+    assert (got - want).abs().max() <= 1e-5
+    base_only = _every_interactive_part(open_session(wan, _ctx(), H, W, CONFIG, 3)[0])  # restores the base
+    assert (got - base_only).abs().max() > 1e-3  # the LoRA changes the video

@@ -365,6 +365,8 @@ class VideoSession:
         self._check_alive()
         if kind == "prompt":
             check_context(self.model.params, value, self.batch, self.where)
+            if recache:  # now: refused at the boundary, it would be requeued and refused at every chunk
+                self._check_unsharded("a prompt switch with recache")
         elif kind == "strength":
             value = None if value is None else _located(check_strength, self.where)(value)
         elif kind == "seed":

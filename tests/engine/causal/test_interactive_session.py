@@ -555,3 +555,98 @@ def test_prefill_recache_and_v2v_of_a_lora_handle_use_the_merged_weights(tmp_pat
     assert (got - want).abs().max() <= 1e-5
     base_only = _every_interactive_part(open_session(wan, _ctx(), H, W, CONFIG, 3)[0])  # restores the base
     assert (got - base_only).abs().max() > 1e-3  # the LoRA changes the video
+
+
+# a rank of a two-process sequence-parallel run (gloo, CPU): the session every worker of a pool opens
+# (RunOptions.sharding), a whole-chunk prefill then chunks of video to video; rank 0 saves its latents
+_RANK = """
+import sys, torch, torch.distributed as dist
+from fewstep.engine import open_model
+from fewstep.engine.causal import CausalConfig
+from fewstep.engine.causal.recipe import open_session
+from fewstep.engine.parallel.mesh import SequenceMesh
+from fewstep.engine.parallel.sharding import CausalSharding
+from fewstep.engine.run import RunOptions
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+g = torch.Generator().manual_seed
+got = {}
+for degrees in ((2, 1), (1, 2)):
+    mesh = SequenceMesh.build(*degrees, torch.device("cpu"))
+    options = RunOptions(compile=False, step_cache=False, sharding=CausalSharding(mesh))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+    session, _ = open_session(handle, torch.randn(1, 9, 4096, generator=g(1)), 32, 48, config, 3, options=options)
+    session.prefill(torch.randn(1, 16, 4, 4, 6, generator=g(7)))
+    session.feed(torch.randn(1, 16, 6, 4, 6, generator=g(8)))
+    session.set_strength(0.6)
+    got[str(degrees)] = torch.cat([c.latents for c in session.chunks(3)], dim=2)
+if rank == 0:
+    torch.save(got, out)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_whole_chunk_prefill_and_video_to_video_on_two_ranks_equal_one_process(wan, tmp_path):
+    """Ulysses and ring over two gloo processes: each rank's session (its share of heads or tokens) takes the
+    start latent and the input video whole; rank 0's chunks equal the single-process session's."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store, out = tmp_path / "store", tmp_path / "out.pt"
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _RANK, str(rank), str(store), str(out)], env=env)
+        for rank in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=240) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    got = torch.load(out)
+    assert sorted(got) == ["(1, 2)", "(2, 1)"]
+    local = _session(wan)
+    local.prefill(_latents(4))
+    local.feed(_latents(6, seed=8))
+    local.set_strength(0.6)
+    want = _video(local.run(3))
+    for degrees, latents in got.items():
+        assert (latents - want).abs().max() <= 1e-4, degrees
+
+
+def _sharded_session(model_handle, where=NODE):
+    """A session on a run sharded over a one-rank mesh (in this process): what a worker's session checks."""
+    from fewstep.engine.parallel.mesh import SequenceMesh
+    from fewstep.engine.parallel.sharding import CausalSharding
+    from fewstep.engine.run import RunOptions
+
+    mesh = SequenceMesh(1, 1, 0, {}, torch.device("cpu"))
+    options = RunOptions(compile=False, step_cache=False, sharding=CausalSharding(mesh))
+    session, _ = open_session(model_handle, _ctx(), H, W, CONFIG, 3, where=where, options=options)
+    return session
+
+
+def test_a_sharded_session_refuses_a_lone_frame_prefill_and_a_recache_clearly():
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
+    session = _sharded_session(handle)
+    refusal = r"^{}: input 'session': {} runs a forward that is not a chunk's shape, which a sharded worker pool does not run; use one worker$"
+    with pytest.raises(
+        InputError, match=refusal.format(NODE, "a start latent of one frame more than whole chunks")
+    ):
+        session.prefill(_latents(3))
+    assert session.frames_generated == 0
+    session.run(1)
+    with pytest.raises(InputError, match=refusal.format(NODE, "a prompt switch with recache")):
+        session.set_prompt(_ctx(5), recache=True)
+    with pytest.raises(InputError, match=refusal.format(NODE, "a prompt switch with recache")):
+        session.control("prompt", _ctx(5), recache=True)  # refused when sent, not at every later chunk
+    assert session.controls.pending() == []
+    session.control("prompt", _ctx(5))  # a switch without re-cache is taken
+    (chunk,) = session.run(1)
+    assert [c.kind for c in chunk.controls] == ["prompt"]

@@ -330,15 +330,22 @@ class VideoSession:
                 # returns as is when already float32 on the device) would be a new guard for a compiled step
                 x_all = latents.to(self.device, torch.float32, copy=True)
                 start = 0
-                for n in blocks:
-                    if before_forward is not None:
-                        before_forward(0, None)
-                    x = x_all[:, :, start : start + n].contiguous()  # a chunk's strides: no new guard
-                    model = self.model if n == self.config.chunk_frames else self.base_model
-                    self._velocity(x, 0.0, start, model=model)
-                    self.cache.commit()
-                    self.clean.write(start, x)
-                    start += n
+                # interrupted (a Cancel between blocks): the session is left unstarted, as before the prefill
+                unstarted, clean_unstarted = self.cache.host_state(), list(self.clean.frames)
+                try:
+                    for n in blocks:
+                        if before_forward is not None:
+                            before_forward(0, None)
+                        x = x_all[:, :, start : start + n].contiguous()  # a chunk's strides: no new guard
+                        model = self.model if n == self.config.chunk_frames else self.base_model
+                        self._velocity(x, 0.0, start, model=model)
+                        self.cache.commit()
+                        self.clean.write(start, x)
+                        start += n
+                except BaseException:
+                    self.cache.load_host_state(unstarted)
+                    self.clean.frames = clean_unstarted
+                    raise
                 decoded = None
                 if self.decoder is not None:
                     raw = self.tiny_vae.raw_to_latent(WAN21.process_out(x_all))

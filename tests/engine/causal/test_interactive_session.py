@@ -650,3 +650,31 @@ def test_a_sharded_session_refuses_a_lone_frame_prefill_and_a_recache_clearly():
     session.control("prompt", _ctx(5))  # a switch without re-cache is taken
     (chunk,) = session.run(1)
     assert [c.kind for c in chunk.controls] == ["prompt"]
+
+
+@pytest.mark.parametrize("stop_at", [2, 3], ids=["after-the-lone-frame", "after-a-chunk-block"])
+@pytest.mark.parametrize(
+    "config", [CONFIG, CausalConfig(chunk_frames=2, window_frames=5, sink_frames=1, kv_dtype="int8", steps=2)]
+)
+def test_an_interrupted_prefill_leaves_the_session_unstarted_and_a_new_prefill_equals_an_uninterrupted_one(
+    wan, config, stop_at
+):
+    """A Cancel between the prefill's forwards (of a lone frame and two chunk blocks): the session is as before
+    the prefill (no frame, no clean latent kept), so the host can prefill it again; the video then equals an
+    uninterrupted one's (the sink's copy and the int8 tier are taken again)."""
+    session = _session(wan, config, where=NODE)
+    calls = []
+
+    def stop(chunk, step):
+        calls.append((chunk, step))
+        if len(calls) == stop_at:
+            raise StopError
+
+    with pytest.raises(StopError):
+        session.prefill(_latents(5), before_forward=stop)
+    assert calls == [(0, None)] * stop_at
+    assert session.frames_generated == 0 and session.clean.frames == [None] * config.window_frames
+    assert session.prefill(_latents(5)).blocks == (1, 2, 2)
+    uninterrupted = _session(wan, config)
+    uninterrupted.prefill(_latents(5))
+    assert torch.equal(_video(session.run(3)), _video(uninterrupted.run(3)))

@@ -478,7 +478,8 @@ def _interactive_stream(handle, interactive=True, config=CONFIG):
     return [c.latents for c in chunks], None if run is None else run.finish()
 
 
-def test_a_prefill_and_recaches_replay_the_captured_step_without_a_new_capture():
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4"])
+def test_a_prefill_and_recaches_replay_the_captured_step_without_a_new_capture(kv_dtype):
     """CUDA graphs (emulated on the CPU, tests/compile_doubles.py): the whole-chunk prefill block and every chunk
     replay the step captured for their key; the lone first frame and the re-caches run eagerly on the plain
     model, so they add no key (nor does video to video, its own sigmas in the same step): the same warm-ups and captures as the stream without them (4: the filling and
@@ -486,11 +487,14 @@ def test_a_prefill_and_recaches_replay_the_captured_step_without_a_new_capture()
     cache is part of the key), no miss, one replay more (the prefill's chunk block), and the video equals the
     eager session's bit for bit."""
     handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32, seed=2)
-    eager, _ = _interactive_stream(handle)
-    got, telemetry = _interactive_stream(attach_compile(handle, "off", "whole", graph_segments=EMULATED))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2, kv_dtype=kv_dtype)
+    eager, _ = _interactive_stream(handle, config=config)
+    graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)
+    got, telemetry = _interactive_stream(graphed, config=config)
     assert all(torch.equal(a, b) for a, b in zip(got, eager))
     g = telemetry.graphs
-    _, plain = _interactive_stream(attach_compile(handle, "off", "whole", graph_segments=EMULATED), False)
+    graphed = attach_compile(handle, "off", "whole", graph_segments=EMULATED)
+    _, plain = _interactive_stream(graphed, False, config)
     p = plain.graphs
     assert (g.warmups, g.captures, g.misses) == (p.warmups, p.captures, p.misses) == (4, 4, 0)
     assert g.hits == p.hits + 1 and not g.refused and not p.refused

@@ -323,7 +323,10 @@ class VideoSession:
                 "only taken before the first chunk (start a new session)", self.where,
             )  # fmt: skip
         self._check_latents(latents, name)
-        blocks = prefill_blocks(latents.shape[2], self.config.chunk_frames, name)
+        # located here: prefill_blocks knows the input, not the node or command that gave it
+        blocks = _located(lambda frames: prefill_blocks(frames, self.config.chunk_frames, name), self.where)(
+            latents.shape[2]
+        )
         if blocks[0] != self.config.chunk_frames:
             self._check_unsharded("a start latent of one frame more than whole chunks")
         self._claim()
@@ -332,7 +335,9 @@ class VideoSession:
             self._ensure_weights()
             with torch.inference_mode():
                 t0 = time.perf_counter()
-                x_all = latents.to(self.device, torch.float32)
+                # a copy made here is an inference tensor, as a chunk's are: the caller's own tensor (which .to
+                # returns as is when already float32 on the device) would be a new guard for a compiled step
+                x_all = latents.to(self.device, torch.float32, copy=True)
 
                 def forward(x, start, whole_chunk):
                     if before_forward is not None:
@@ -367,7 +372,8 @@ class VideoSession:
         ``seed``), checked now, applied at the next chunk boundary; returns its sequence number."""
         self._check_alive()
         value = check_control(self.model.params, kind, value, self.batch, self.where)
-        if kind == "prompt" and recache:
+        if kind == "prompt" and recache:  # now: refused at the boundary, it would be requeued at every chunk
+            self._check_unsharded("a prompt switch with recache")
             self._check_recache()
         return self.controls.put(kind, value, recache)
 
@@ -629,12 +635,19 @@ def commit_prefill(blocks, latents: torch.Tensor, chunk_frames: int, forward, ca
     block ``forward(x, start, whole_chunk)`` (one forward at timestep 0 writing the block's K/V), the commit, and
     its clean latents kept for a re-cache. Returns the frames committed."""
     start = 0
-    for n in blocks:
-        x = latents[:, :, start : start + n]
-        forward(x, start, n == chunk_frames)
-        cache.commit()
-        clean.write(start, x)
-        start += n
+    # interrupted (a Cancel between blocks): the session is left unstarted, as before the prefill
+    unstarted, clean_unstarted = cache.host_state(), list(clean.frames)
+    try:
+        for n in blocks:
+            x = latents[:, :, start : start + n].contiguous()  # a chunk's strides: no new guard when compiled
+            forward(x, start, n == chunk_frames)
+            cache.commit()
+            clean.write(start, x)
+            start += n
+    except BaseException:
+        cache.load_host_state(unstarted)
+        clean.frames = clean_unstarted
+        raise
     return start
 
 

@@ -9,13 +9,18 @@ sinks included) and after it (the ring's frames re-cached, the sinks kept), with
 (LongLive's config: a window of 12 frames, 3 sinks, chunks of 3), one and two switches, absolute RoPE (theirs) and
 one cache-RoPE stream without sinks (the same attention as absolute RoPE there).
 
-The control case: without a re-cache our video leaves theirs after the switch by far more than the tolerance (with
-a window of at least three chunks: at two chunks without sinks the next chunk sees only the chunk just before the
-switch, whose K/V both switches compute under the new prompt with the same attention, so the two videos agree to
-float rounding). LongLive's ``SwitchCausalInferencePipeline`` (``pipeline/switch_causal_inference.py``) is no
-reference for the switch without a re-cache: it runs the same ``_recache_after_switch`` (one switch, and with
-``global_sink`` false it zeroes the cached K/V before the re-cache); LongLive has no switch that leaves the
-self-attention cache as it is.
+The model is wan-tiny's widths with three layers (:func:`model`). The control case: without a re-cache (the
+CausVid switch) our video equals theirs up to the switch and leaves it after by far more than the tolerance
+(> 1e-2 where the next chunks read re-cached sinks or a ring of three chunks; ~3e-4 to ~7e-4 where they read,
+besides the sinks, only the chunk just before the switch, whose K/V both switches compute under the new prompt).
+
+The switch without a re-cache has no LongLive reference. Their ``SwitchCausalInferencePipeline``
+(``pipeline/switch_causal_inference.py``) runs the same ``_recache_after_switch`` (one switch; with ``global_sink``
+false it zeroes the cached K/V first): LongLive has no switch that leaves the self-attention cache as it is. And
+the two differ in one more point: every LongLive loop runs a chunk's clean-context pass with the prompt the chunk
+was generated with, while our CausVid switch defers it (as every chunk's) to the next chunk's start, so the chunk
+just before the switch is committed under the new prompt (a switch with a re-cache commits it under the old one
+first, as LongLive does).
 """
 
 from __future__ import annotations
@@ -67,9 +72,10 @@ def ll():
 
 @pytest.fixture(scope="module")
 def model():
-    """wan-tiny's widths with three layers: with two, the last layer's K/V come from the first layer's output,
-    whose attention reads only prompt-free K/V (a layer's K/V see the prompt from the next layer on), so a
-    re-cache changes what a chunk reads only through frames the CausVid switch commits under the old prompt."""
+    """wan-tiny's widths with three layers. A layer's K/V see the prompt only through the layers before it (the
+    first layer's not at all): with two layers, re-cached frames differ from their commit only in the last
+    layer's K/V, which no layer of theirs reads, so where the next chunk reads besides the sinks only the chunk
+    just before the switch a re-cache and the CausVid switch give the same video; with three they differ."""
     model = Wan(replace(PRESETS["wan-tiny"], num_layers=LAYERS)).to(torch.float32)
     dummy_init_(model, 0)
     return model.eval().requires_grad_(False)

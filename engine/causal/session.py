@@ -297,8 +297,7 @@ class VideoSession:
             self._commit(chunk_index or 0, before_forward)  # the pending chunk's K/V under the old prompt
         self._context = self.model.embed_context(context.to(self.device))
         # every layer's text K/V now, outside the steps (a step only reads them: no host branch on it)
-        self.cross.reset()
-        self.cross.fill(self.model.blocks, self._context, self.backends)
+        self.cross.fill(self.model.blocks, self._context, self.backends)  # in place: a captured step replays
         if not recache:
             return None
         if before_forward is not None:

@@ -408,11 +408,7 @@ STRENGTH_INPUT = (
 
 
 def _input_video_inputs(sampler: bool) -> dict:
-    where = (
-        "FewStepCausalVideoSampler's tiny_vae"
-        if sampler
-        else "the session's tiny VAE (the sampler's tiny_vae)"
-    )
+    where = "this node's tiny_vae (taew2_1)" if sampler else "the sampler's tiny_vae (taew2_1)"
     return {
         "input_latent": (
             "LATENT",
@@ -424,8 +420,8 @@ def _input_video_inputs(sampler: bool) -> dict:
         "input_images": (
             "IMAGE",
             {
-                "tooltip": f"Video to video: IMAGE frames to restyle, encoded by {where} (taew2_1; 4 frames per "
-                "latent frame), at the video's width and height. Instead of input_latent."
+                "tooltip": f"Video to video: IMAGE frames to restyle, encoded by {where}, 4 frames per latent "
+                "frame, at the video's width and height. Instead of input_latent."
             },
         ),
         "strength": STRENGTH_INPUT,

@@ -349,7 +349,7 @@ def _run(session: VideoSession, chunks: int, node: str, inputs=None, strength=No
     extra = []
     if prefill is not None:
         extra.append(
-            f"prefill: {prefill.frames} start latent frames in {prefill.seconds:.2f} s "
+            f"prefill: {_count(prefill.frames, 'start latent frame')} in {prefill.seconds:.2f} s "
             f"({prefill.seconds_per_frame:.3f} s/frame, forwards of {'+'.join(map(str, prefill.blocks))} frames)"
         )
     if recache is not None:
@@ -361,10 +361,14 @@ def _run(session: VideoSession, chunks: int, node: str, inputs=None, strength=No
     if inputs is not None:
         used = chunks * session.config.chunk_frames
         extra.append(
-            f"video to video: {chunks} chunks restyled at strength {strength:g} ({steps} step{'s' if steps > 1 else ''} each), "
-            f"{used} of the input's {inputs.shape[2]} latent frames used"
+            f"video to video: {_count(chunks, 'chunk')} restyled at strength {strength:g} "
+            f"({_count(steps, 'step')} each), {used} of the input's {inputs.shape[2]} latent frames used"
         )
     return latent, images, "\n".join([report, *extra])
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _report(session: VideoSession, recent: list[ChunkTiming]) -> str:

@@ -63,7 +63,7 @@ def test_start_latent_equals_the_engine_prefill_and_leads_the_outputs(pack, vide
     decoded = torch.cat([prefill.decoded, *(c.frames for c in chunks)], dim=1)
     assert torch.equal(out[1], decoded.flatten(0, 1).permute(0, 2, 3, 1))
     assert out[2].position == frames + 4
-    assert f"prefill: {frames} start latent frames in " in out[3]
+    assert f"prefill: {frames} start latent frame{'s' if frames > 1 else ''} in " in out[3]
 
 
 def test_input_latent_equals_the_engine_feed_and_makes_the_chunks_it_covers(pack, video):

@@ -10,7 +10,7 @@ from test_workflows import load, run_in_process
 # name -> (sampler title, its latent frames, its decoded video frames, lines its report holds)
 SAMPLERS = {
     "wan_causal_image_to_video_dummy": (
-        "FewStep Causal Video Sampler (image to video)", 7, 25, ("prefill: 1 start latent frames in ",),
+        "FewStep Causal Video Sampler (image to video)", 7, 25, ("prefill: 1 start latent frame in ",),
     ),
     "wan_causal_extend_video_dummy": (
         "FewStep Causal Video Sampler (extension)", 8, 29, ("prefill: 4 start latent frames in ", "2+2 frames"),

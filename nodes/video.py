@@ -19,6 +19,25 @@ in the temp folder and a ``fewstep.chunk`` websocket event).
 
 Cancel is checked before every DiT forward (each denoising step and each clean-context pass), and the progress
 bar advances per denoising step; each chunk's last frame is the preview.
+
+Interactive inputs (engine.causal: prefill, video_to_video, prompt_switch):
+
+* ``start_latent`` (sampler): a Wan 2.1 LATENT (core VAEEncode with the Wan 2.1 VAE, or FewStepTinyVAEEncode with
+  taew2_1) of ``k x chunk_frames`` or ``1 + k x chunk_frames`` latent frames, committed to the KV cache before the
+  first chunk (image to video, video extension). The outputs start with it: its latent frames lead the LATENT and
+  its decoded frames the IMAGE, as Self-Forcing's output includes its initial latent.
+* ``input_latent`` / ``input_images`` + ``strength`` (sampler and Continue): video to video. Two inputs because
+  ComfyUI takes one type per input: a LATENT as VAEEncode gives it, or IMAGE frames that the session's tiny VAE
+  (taew2_1) encodes. Each chunk restyles the next ``chunk_frames`` latent frames, fed one chunk ahead as a live
+  source would; an input covering fewer whole chunks than ``num_chunks`` makes fewer chunks (the leftover frames of
+  a partial chunk are not used; the report says how many were). ``strength`` 0.7 by default: StreamDiffusionV2's
+  single-stream driver's ``noise_scale`` (``streamv2v/inference_wo_batch.py``); with wan-dmd-4step it runs 2 of the
+  4 steps. After the run the session is back to text to video.
+* ``recache`` (Continue, with a new ``positive``): the LongLive switch, the window's K/V recomputed under the new
+  prompt; off (the default) keeps the CausVid switch that saved workflows were made with.
+
+A reference whose session used any of them is rebuilt by replaying its node runs (the start, each run's switch,
+chunks and input video), so a stale or freed reference gives the same video as the first run.
 """
 
 from __future__ import annotations
@@ -74,9 +93,8 @@ class Segment:
     chunks: int
     context: torch.Tensor | None = field(default=None, repr=False)  # [B, L, 4096] on the CPU
     recache: bool = False
-    inputs: torch.Tensor | None = field(
-        default=None, repr=False
-    )  # model latent space, CPU, chunks x chunk_frames
+    # the input video restyled (model latent space, CPU): chunk_frames latent frames per chunk
+    inputs: torch.Tensor | None = field(default=None, repr=False)
     strength: float | None = None
 
 
@@ -445,7 +463,9 @@ class FewStepCausalVideoSampler(ReturnsVideoChunks):
         "Autoregressive video (CausVid / Self-Forcing on Wan 2.1): chunks of latent frames, each denoised in a few "
         "steps while attending to earlier chunks through a rolling KV cache (sink frames kept, oldest frames "
         "evicted), so memory stays flat however long the video runs. Outputs the LATENT video, decoded frames "
-        "when a tiny VAE (taew2_1) is given, and a session that FewStepCausalContinue extends."
+        "when a tiny VAE (taew2_1) is given, and a session that FewStepCausalContinue extends. Optional: a "
+        "start_latent to begin from (image to video, video extension) and an input video to restyle chunk by "
+        "chunk (input_latent or input_images, with strength)."
     )
     CATEGORY = f"{CATEGORY}/video"
     FUNCTION = "generate"
@@ -612,7 +632,8 @@ class FewStepCausalVideoSampler(ReturnsVideoChunks):
 class FewStepCausalContinue(ReturnsVideoChunks):
     DESCRIPTION = (
         "Continues a causal video session for more chunks, optionally with a new prompt (only the "
-        "cross-attention cache is rebuilt, as in CausVid's prompt switching). Outputs the new chunks."
+        "cross-attention cache is rebuilt, as in CausVid's prompt switching; with recache the window's KV cache "
+        "is recomputed under it, as in LongLive) or restyling an input video. Outputs the new chunks."
     )
     CATEGORY = f"{CATEGORY}/video"
     FUNCTION = "extend"

@@ -230,7 +230,8 @@ def _input_video(
         try:
             raw = tiny_vae.encode_raw(frames).float().cpu()
         except InputError as err:
-            err.input_name = "input_images"
+            # a tiny VAE loaded without its encoder is the tiny_vae's fault, not the frames'
+            err.input_name = "tiny_vae" if err.input_name == "vae" else "input_images"
             raise
         input_latent, input_name = {"samples": raw}, "input_images"
     elif input_latent is not None:

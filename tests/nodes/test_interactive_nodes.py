@@ -193,6 +193,8 @@ def test_interactive_input_errors_name_the_node_and_the_input(pack, video):
              input_images=frames, **base)  # fmt: skip
     _refused(sampler, images + r"frames of 64x32 px; this video is 48x32 px", tiny_vae=vae,
              input_images=torch.rand(12, 32, 64, 3), **base)  # fmt: skip
+    _refused(sampler, images + r"image values must be in \[0, 1\]; got \[2.000, 2.000\]", tiny_vae=vae,
+             input_images=torch.full((12, 32, 48, 3), 2.0), **base)  # fmt: skip
     _refused(sampler, images + "give the input video once: input_latent or input_images, not both", tiny_vae=vae,
              input_images=frames, input_latent={"samples": _raw(3)}, **base)  # fmt: skip
     _refused(sampler, r"^FewStepCausalVideoSampler: input 'strength': expected a finite number in \[0.01, 1.0\]",

@@ -5,6 +5,7 @@ engine's session API driven by hand, and their bad inputs refused naming the nod
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 import torch
@@ -204,3 +205,17 @@ def test_interactive_input_errors_name_the_node_and_the_input(pack, video):
              session=session, num_chunks=1, input_images=frames)  # fmt: skip
     _refused(m["FewStepCausalContinue"], r"^FewStepCausalContinue: input 'input_latent': a latent of 48x64 px",
              session=session, num_chunks=1, input_latent={"samples": _raw(3, h=8)})  # fmt: skip
+
+
+def test_interactive_inputs_are_refused_on_a_worker_pool(pack):
+    """A session placed on a worker pool (parallel) takes no start latent, input video or re-cache yet: refused
+    before the pool is asked for anything."""
+    video_nodes = sys.modules[f"{pack.__name__}.nodes.video"]
+    errors = sys.modules[f"{pack.__name__}.engine.errors"]
+    on_pool, here = types.SimpleNamespace(in_process=False), types.SimpleNamespace(in_process=True)
+    latent = torch.zeros(1, 16, 1, 4, 6)
+    video_nodes._refuse_on_pool(here, latent, latent, True)  # in this process: all taken
+    video_nodes._refuse_on_pool(on_pool, None, None, False)  # nothing interactive: the pool runs it
+    with pytest.raises(errors.InputError, match=r"^input 'parallel': start_latent and recache run in this "
+                       r"process only; a session on a worker pool does not take them yet"):  # fmt: skip
+        video_nodes._refuse_on_pool(on_pool, latent, None, True)

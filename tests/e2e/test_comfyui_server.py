@@ -75,6 +75,12 @@ EXPECTED_TEXT = {
     "zimage_turbo_stream_batch_dummy.api.json": ("4 of 6 frames skipped",),
     "flux_dev_hyper_lora_dummy.api.json": ("euler, 8 steps", "8 DiT forwards", "hyper-flux.1-dev-8step"),
     "wan_causal_lora_dummy.api.json": ("4 steps", "causvid-wan2.1-4step"),
+    "wan_causal_image_to_video_dummy.api.json": ("prefill: 1 start latent frame in ",),
+    "wan_causal_extend_video_dummy.api.json": ("prefill: 4 start latent frames in ",),
+    "wan_causal_video_to_video_dummy.api.json": ("video to video: 3 chunks restyled at strength 0.7",),
+    "wan_causal_prompt_recache_dummy.api.json": (
+        "re-cache: 4 window frames recomputed under the new prompt",
+    ),
 }
 
 

@@ -53,6 +53,8 @@ def test_each_workflow_with_a_deprecated_core_node_says_why_in_its_note():
         "flux_schnell_stream_batch_dummy.api.json",
         "wan_causal_continue.api.json",
         "wan_causal_continue_dummy.api.json",
+        "wan_causal_prompt_recache.api.json",
+        "wan_causal_prompt_recache_dummy.api.json",
         "zimage_turbo_stream_batch_dummy.api.json",
     }
     for name in users:

@@ -523,6 +523,20 @@ EXPECTED_MODELS = {
          "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/taew2_1.safetensors"),
     },
 }  # fmt: skip
+# The interactive causal video workflows: the Self-Forcing student's files, and the Wan 2.1 VAE that encodes the input
+_SELF_FORCING_FILES = {
+    ("self_forcing_dmd.pt", "diffusion_models",
+     "https://huggingface.co/gdhe17/Self-Forcing/resolve/main/checkpoints/self_forcing_dmd.pt"),
+    ("umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoders",
+     "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
+     "umt5_xxl_fp8_e4m3fn_scaled.safetensors"),
+    ("taew2_1.safetensors", "vae_approx", "https://huggingface.co/Kijai/WanVideo_comfy/resolve/main/taew2_1.safetensors"),
+}  # fmt: skip
+_WAN_VAE = ("wan_2.1_vae.safetensors", "vae",
+            "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/vae/wan_2.1_vae.safetensors")  # fmt: skip
+for _name in ("wan_causal_image_to_video", "wan_causal_extend_video", "wan_causal_video_to_video"):
+    EXPECTED_MODELS[f"{_name}.json"] = _SELF_FORCING_FILES | {_WAN_VAE}
+EXPECTED_MODELS["wan_causal_prompt_recache.json"] = _SELF_FORCING_FILES
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_MODELS))

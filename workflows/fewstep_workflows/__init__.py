@@ -6,7 +6,19 @@ register their workflows with ``@workflow``. Importing this package registers al
 files, so the order does not matter). Only ``workflows/build_workflows.py`` and the tests import it; the pack never does.
 """
 
-from . import cache, causal_video, compile, flux2_zimage, image, lora, parallel, plan, stream, tiny_vae  # noqa: F401
+from . import (  # noqa: F401
+    cache,
+    causal_video,
+    compile,
+    flux2_zimage,
+    image,
+    interactive_video,
+    lora,
+    parallel,
+    plan,
+    stream,
+    tiny_vae,
+)
 from .graph import WORKFLOWS
 
 __all__ = ["WORKFLOWS"]

@@ -62,6 +62,7 @@ def continue_graph(
     chunks: tuple,
     window: int,
     prefix: str,
+    recache: bool = False,
 ) -> None:
     video = g.add(
         "FewStepCausalVideoSampler",
@@ -77,13 +78,15 @@ def continue_graph(
         seed=7,
         tiny_vae=tiny,
     )
+    switch = {"recache": True} if recache else {}  # off is the input's default (the CausVid switch)
     more = g.add(
         "FewStepCausalContinue",
-        "Continue: second prompt",
+        "Continue: second prompt" + (" (KV re-cache)" if recache else ""),
         3,
         session=video[2],
         num_chunks=chunks[1],
         positive=second,
+        **switch,
     )
     frames = g.add("ImageBatch", "Join the frames", 4, image1=video[1], image2=more[1])
     g.add("PreviewAny", "Report (continuation)", 4, ui_height=200, source=more[3])

@@ -75,6 +75,11 @@ MODELS = {
         "vae_approx",
         "https://huggingface.co/madebyollin/taef2/resolve/main/taef2.safetensors",
     ),
+    # the Wan 2.1 VAE, for core VAEEncode of a start image / input video (ComfyUI's Wan templates name this copy)
+    "wan_2.1_vae.safetensors": (
+        "vae",
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/vae/wan_2.1_vae.safetensors",
+    ),
 }
 
 # The step-distillation LoRAs (folder loras, as ComfyUI's LoraLoader reads them) and the Wan base they patch

@@ -197,6 +197,25 @@ CORE_NODES = {
         }
     ),
     "ImageBatch": core({"image1": ("IMAGE",), "image2": ("IMAGE",)}, outputs={"IMAGE": "IMAGE"}),
+    "VAEEncode": core({"pixels": ("IMAGE",), "vae": ("VAE",)}, outputs={"LATENT": "LATENT"}),
+    "ImageScale": core(
+        {
+            "image": ("IMAGE",),
+            "upscale_method": (["nearest-exact", "bilinear", "area", "bicubic", "lanczos"],),
+            "width": ("INT", {"default": 512, "min": 0, "max": 16384, "step": 1}),
+            "height": ("INT", {"default": 512, "min": 0, "max": 16384, "step": 1}),
+            "crop": (["disabled", "center"],),
+        },
+        outputs={"IMAGE": "IMAGE"},
+    ),
+    "ImageFromBatch": core(
+        {
+            "image": ("IMAGE",),
+            "batch_index": ("INT", {"default": 0, "min": 0, "max": 4095}),
+            "length": ("INT", {"default": 1, "min": 1, "max": 4096}),
+        },
+        outputs={"IMAGE": "IMAGE"},
+    ),
     "LoadImage": core(
         {"image": ([], {"model_files": "input", "image_upload": True})},
         outputs={"IMAGE": "IMAGE", "MASK": "MASK"},

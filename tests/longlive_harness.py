@@ -194,26 +194,14 @@ def reference_pipeline(
                 size = kv_cache_size_override
             else:
                 size = self.local_attn_size * self.frame_seq_length if self.local_attn_size != -1 else 32760
-            self.kv_cache1 = [
-                {
-                    "k": torch.zeros([batch_size, size, p.num_heads, p.head_dim], dtype=dtype, device=device),
-                    "v": torch.zeros([batch_size, size, p.num_heads, p.head_dim], dtype=dtype, device=device),
-                    "global_end_index": torch.tensor([0], dtype=torch.long, device=device),
-                    "local_end_index": torch.tensor([0], dtype=torch.long, device=device),
-                }
-                for _ in range(self.num_transformer_blocks)
-            ]
+            shape = [batch_size, size, p.num_heads, p.head_dim]
+            self.kv_cache1 = sfh.kv_cache_dicts(self.num_transformer_blocks, shape, dtype, device)
 
         def _initialize_crossattn_cache(self, batch_size, dtype, device):
             shape = [batch_size, p.text_len, p.num_heads, p.head_dim]
-            self.crossattn_cache = [
-                {
-                    "k": torch.zeros(shape, dtype=dtype, device=device),
-                    "v": torch.zeros(shape, dtype=dtype, device=device),
-                    "is_init": False,
-                }
-                for _ in range(self.num_transformer_blocks)
-            ]
+            self.crossattn_cache = sfh.crossattn_cache_dicts(
+                self.num_transformer_blocks, shape, dtype, device
+            )
 
     model_kwargs = types.SimpleNamespace(
         local_attn_size=window_frames, sink_size=sink_frames, timestep_shift=TIMESTEP_SHIFT

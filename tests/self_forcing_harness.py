@@ -230,6 +230,30 @@ class _IdentityVAE:
         return latent
 
 
+def kv_cache_dicts(layers: int, shape: list[int], dtype, device, **extra) -> list[dict]:
+    """Their self-attention cache (CausVid's layout, shared by Self-Forcing, LongLive and StreamDiffusionV2):
+    per layer ``k`` / ``v`` of ``shape`` and the end indices (``extra``: fields a fork adds)."""
+    return [
+        {
+            "k": torch.zeros(shape, dtype=dtype, device=device),
+            "v": torch.zeros(shape, dtype=dtype, device=device),
+            "global_end_index": torch.tensor([0], dtype=torch.long, device=device),
+            "local_end_index": torch.tensor([0], dtype=torch.long, device=device),
+            **extra,
+        }
+        for _ in range(layers)
+    ]
+
+
+def crossattn_cache_dicts(layers: int, shape: list[int], dtype, device) -> list[dict]:
+    """Their cross-attention cache: per layer ``k`` / ``v`` of ``shape``, not yet filled."""
+    return [
+        {"k": torch.zeros(shape, dtype=dtype, device=device), "v": torch.zeros(shape, dtype=dtype, device=device),
+         "is_init": False}
+        for _ in range(layers)
+    ]  # fmt: skip
+
+
 def reference_pipeline(sf: SelfForcing, ours: nn.Module, context: torch.Tensor, chunk_frames: int,
                        window_frames: int, tokens_per_frame: int, sink_frames: int = 0, context_noise: float = 0.0,
                        independent_first_frame: bool = False):  # fmt: skip
@@ -241,26 +265,12 @@ def reference_pipeline(sf: SelfForcing, ours: nn.Module, context: torch.Tensor, 
         # theirs with Wan-1.3B's 12 heads x 128 and 512 text tokens replaced by this model's sizes
         def _initialize_kv_cache(self, batch_size, dtype, device):
             size = self.local_attn_size * self.frame_seq_length if self.local_attn_size != -1 else 32760
-            self.kv_cache1 = [
-                {
-                    "k": torch.zeros([batch_size, size, p.num_heads, p.head_dim], dtype=dtype, device=device),
-                    "v": torch.zeros([batch_size, size, p.num_heads, p.head_dim], dtype=dtype, device=device),
-                    "global_end_index": torch.tensor([0], dtype=torch.long, device=device),
-                    "local_end_index": torch.tensor([0], dtype=torch.long, device=device),
-                }
-                for _ in range(self.num_transformer_blocks)
-            ]
+            shape = [batch_size, size, p.num_heads, p.head_dim]
+            self.kv_cache1 = kv_cache_dicts(self.num_transformer_blocks, shape, dtype, device)
 
         def _initialize_crossattn_cache(self, batch_size, dtype, device):
             shape = [batch_size, p.text_len, p.num_heads, p.head_dim]
-            self.crossattn_cache = [
-                {
-                    "k": torch.zeros(shape, dtype=dtype, device=device),
-                    "v": torch.zeros(shape, dtype=dtype, device=device),
-                    "is_init": False,
-                }
-                for _ in range(self.num_transformer_blocks)
-            ]
+            self.crossattn_cache = crossattn_cache_dicts(self.num_transformer_blocks, shape, dtype, device)
 
     args = types.SimpleNamespace(
         denoising_step_list=list(DENOISING_STEP_LIST), warp_denoising_step=True, num_frame_per_block=chunk_frames,

@@ -58,6 +58,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import self_forcing_harness as sfh
 import torch
 from self_forcing_harness import StreamNoise, _TorchWithNoise
 from torch import nn
@@ -227,30 +228,20 @@ def reference_pipeline(sd: StreamDiffusionV2, ours: nn.Module, context: torch.Te
     class Sized(base):
         # theirs with Wan-1.3B's 128-wide heads and 512 text tokens replaced by this model's sizes
         def _initialize_kv_cache(self, batch_size, dtype, device):
-            self.kv_cache1 = []
-            for i in range(self.num_transformer_blocks):
-                self.generator.model.blocks[i].self_attn.sink_size = self.num_sink_tokens
-                self.generator.model.blocks[i].self_attn.adapt_sink_thr = self.adapt_sink_threshold
-                shape = [batch_size, self.kv_cache_length, self.num_heads, head_dim]
-                self.kv_cache1.append({
-                    "k": torch.zeros(shape, dtype=dtype, device=device),
-                    "v": torch.zeros(shape, dtype=dtype, device=device),
-                    "global_end_index": torch.tensor([0], dtype=torch.long, device=device),
-                    "local_end_index": torch.tensor([0], dtype=torch.long, device=device),
-                    "total_steps": len(self.denoising_step_list),
-                    "current_step": len(self.denoising_step_list),
-                })  # fmt: skip
+            for block in self.generator.model.blocks[: self.num_transformer_blocks]:
+                block.self_attn.sink_size = self.num_sink_tokens
+                block.self_attn.adapt_sink_thr = self.adapt_sink_threshold
+            shape = [batch_size, self.kv_cache_length, self.num_heads, head_dim]
+            steps = len(self.denoising_step_list)
+            self.kv_cache1 = sfh.kv_cache_dicts(
+                self.num_transformer_blocks, shape, dtype, device, total_steps=steps, current_step=steps
+            )
 
         def _initialize_crossattn_cache(self, batch_size, dtype, device):
             shape = [batch_size, p.text_len, self.num_heads, head_dim]
-            self.crossattn_cache = [
-                {
-                    "k": torch.zeros(shape, dtype=dtype, device=device),
-                    "v": torch.zeros(shape, dtype=dtype, device=device),
-                    "is_init": False,
-                }
-                for _ in range(self.num_transformer_blocks)
-            ]
+            self.crossattn_cache = sfh.crossattn_cache_dicts(
+                self.num_transformer_blocks, shape, dtype, device
+            )
 
     # their --step N: the first N non-zero timesteps, then the 0 that t2v: false drops again
     step_list = [t for t in DENOISING_STEP_LIST if t][:steps] + [0]

@@ -742,3 +742,78 @@ def test_a_padding_mask_reaches_the_workers(pool):
     assert (out - reference).abs().max() <= TOL
     dp, _ = parallel_sample(pool, handle, [masked], latent, seed=2, steps=2, mode="dp")
     assert (dp - reference).abs().max() <= TOL
+
+
+def _latents(frames: int, seed: int) -> torch.Tensor:
+    return torch.randn(1, 16, frames, 4, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_pool_session_takes_a_whole_chunk_prefill_video_to_video_and_controls_as_one_process(pool, wan):
+    """Prefill (the start job), V2V chunks whose input is fed one chunk ahead (a job per run of queued input, as
+    the nodes feed it), then controls (strength off, a seed, a prompt without re-cache) sent with the next job:
+    the chunks, their mode / strength / applied controls and the positions equal the in-process session's."""
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(1, 5, 4096, generator=torch.Generator().manual_seed(2))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+    start, inputs = _latents(4, 7), _latents(6, 8)
+
+    def drive(session):
+        prefill = session.prefill(start)
+        session.set_strength(0.6)
+        session.feed(inputs[:, :, :2])
+        chunks = []
+        for i, chunk in enumerate(session.chunks(3)):
+            if i < 2:
+                session.feed(inputs[:, :, 2 * (i + 1) : 2 * (i + 2)])
+            chunks.append(chunk)
+        session.control("strength", None)
+        session.control("seed", 11)
+        session.control("prompt", other)
+        chunks += session.run(2)
+        return prefill, chunks
+
+    local_prefill, local = drive(VideoSession(wan.model, ctx, 32, 48, config, seed=3))
+    remote = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3)
+    prefill, got = drive(remote)
+    assert (prefill.frames, prefill.blocks) == (local_prefill.frames, local_prefill.blocks) == (4, (2, 2))
+    torch.testing.assert_close(prefill.latents, start, rtol=0, atol=0)
+    assert (
+        torch.cat([c.latents for c in got], 2) - torch.cat([c.latents for c in local], 2)
+    ).abs().max() <= TOL
+    assert [(c.index, c.start_frame, c.mode, c.strength) for c in got] == [
+        (c.index, c.start_frame, c.mode, c.strength) for c in local
+    ]
+    assert [c.mode for c in got] == ["v2v"] * 3 + ["t2v"] * 2
+    assert [[(a.kind, a.chunk, a.detail) for a in c.controls] for c in got] == [
+        [(a.kind, a.chunk, a.detail) for a in c.controls] for c in local
+    ]
+    assert [a.kind for a in got[3].controls] == ["prompt", "strength", "seed"]
+    assert remote.frames_generated == local[-1].start_frame + 2 == 14
+    assert len(remote.inputs) == 0 and remote.strength is None and remote.seed == 11
+
+
+def test_a_pool_session_refuses_what_a_sharded_session_cannot_run_before_any_job(pool, wan):
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+    remote = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3, where="Node")
+    refusal = (
+        r"^Node: input 'session': {} runs a forward that is not a chunk's shape, which a sharded worker pool does "
+        r"not run; use one worker$"
+    )
+    jobs = pool._jobs
+    with pytest.raises(
+        InputError, match=refusal.format("a start latent of one frame more than whole chunks")
+    ):
+        remote.prefill(_latents(3, 7))
+    with pytest.raises(InputError, match=refusal.format("a prompt switch with recache")):
+        remote.set_prompt(ctx, recache=True)
+    with pytest.raises(InputError, match=refusal.format("a prompt switch with recache")):
+        remote.control("prompt", ctx, recache=True)
+    with pytest.raises(InputError, match=r"^Node: input 'start_latent': latents of batch 1 and 4x4 latent"):
+        remote.prefill(torch.zeros(1, 16, 2, 4, 4))
+    remote.set_strength(0.5)
+    with pytest.raises(
+        InputError, match=r"^Node: input 'input_video': chunk 0 restyles an input chunk .* 0 of"
+    ):
+        next(iter(remote.chunks(1)))
+    assert pool._jobs == jobs and not remote.started and remote.controls.pending() == []

@@ -607,6 +607,24 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     assert (remote[0]["samples"] - local[0]["samples"]).abs().max() <= TOL
     more = m["FewStepCausalContinue"]().extend(remote[2], 1)
     assert more[0]["samples"].shape[2] == 2
+    # interactive inputs on the pool: a whole-chunk start and an input video, on the sampler and on Continue
+    cont = m["FewStepCausalContinue"]()
+    iargs = dict(vargs, start_latent={"samples": _latents(2, 7)}, input_latent={"samples": _latents(4, 8)},
+                 strength=0.6)  # fmt: skip
+    restyle = dict(input_latent={"samples": _latents(2, 9)}, strength=0.5)
+    local_i = video.generate(**iargs)
+    local_c = cont.extend(local_i[2], 1, **restyle)  # in this process first: the pool's model is loaded last
+    remote_i = video.generate(**iargs, parallel=config)
+    assert remote_i[0]["samples"].shape[2] == 2 + 4 and remote_i[2].position == 6
+    assert (remote_i[0]["samples"] - local_i[0]["samples"]).abs().max() <= TOL
+    remote_c = cont.extend(remote_i[2], 1, **restyle)
+    assert (remote_c[0]["samples"] - local_c[0]["samples"]).abs().max() <= TOL
+    with pytest.raises(pack_input_error, match=r"^FewStepCausalContinue: input 'parallel': recache runs in this "
+                       "process only"):  # fmt: skip
+        cont.extend(remote_c[2], 1, positive=wcond, recache=True)
+    with pytest.raises(pack_input_error, match=r"^FewStepCausalVideoSampler: input 'start_latent': 3 latent "
+                       "frames: on a worker pool a start takes whole chunks of 2"):  # fmt: skip
+        video.generate(**vargs, parallel=config, start_latent={"samples": _latents(3, 7)})
 
     (on_detach,) = callbacks[("on_detach_after", "fewstep-parallel")]
     assert (
@@ -619,6 +637,9 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     # its pool is gone: the Continue rebuilds the session on a new pool (as the sampler would, run again)
     again = m["FewStepCausalContinue"]().extend(remote[2], 1)
     assert (again[0]["samples"] - more[0]["samples"]).abs().max() <= TOL
+    # an interactive reference is rebuilt on the new pool by replaying its start and input video
+    again_i = cont.extend(remote_c[2], 1)
+    assert (again_i[0]["samples"] - cont.extend(local_c[2], 1)[0]["samples"]).abs().max() <= TOL
     restarted = pools.get_pool(config)
     assert restarted is not pool and restarted.alive
     restarted_pids = restarted.pids()

@@ -540,11 +540,14 @@ class RemoteVideoSession:
     def _run_job(self, n: int, before_forward, prefill: torch.Tensor | None = None):
         job = {"kind": "video", "model": model_spec(self.handle), "key": self.key, "chunks": int(n),
                "degrees": list(self.degrees), "strength": self.strength}  # fmt: skip
+        new_prompt = self._new_prompt
+        if new_prompt is not None:  # a prompt set before the first job is the one the session starts with
+            self._context = new_prompt
         if not self.started:
             job.update(start=True, context=self._context, height=self.height, width=self.width, seed=self.seed,
                        config=dataclasses.asdict(self.config))  # fmt: skip
-        elif self._new_prompt is not None:
-            job["context"] = self._new_prompt
+        elif new_prompt is not None:
+            job["context"] = new_prompt
         if prefill is not None:
             job["prefill"] = prefill
         if n:

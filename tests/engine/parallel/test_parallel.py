@@ -813,6 +813,26 @@ def test_a_pool_session_takes_a_whole_chunk_prefill_video_to_video_and_controls_
     assert len(remote.inputs) == 0 and remote.strength is None and remote.seed == 11
 
 
+def test_a_pool_session_restyles_every_queued_input_chunk_in_one_job_and_starts_with_a_prompt_set_first(
+    pool, wan
+):
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(1, 5, 4096, generator=torch.Generator().manual_seed(2))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+
+    def drive(session):
+        session.set_prompt(other)  # before the first chunk: the session starts with it
+        session.feed(_latents(4, 8))
+        session.set_strength(0.6)
+        return torch.cat([c.latents for c in session.run(2)], 2)
+
+    want = drive(VideoSession(wan.model, ctx, 32, 48, config, seed=3))
+    jobs = pool._jobs
+    got = drive(RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3))
+    assert pool._jobs == jobs + 1  # both queued input chunks went with the one job
+    assert (got - want).abs().max() <= TOL
+
+
 def test_a_pool_session_refuses_what_a_sharded_session_cannot_run_before_any_job(pool, wan):
     ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
     config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)

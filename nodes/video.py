@@ -36,6 +36,11 @@ Interactive inputs (engine.causal: prefill, video_to_video, prompt_switch):
 * ``recache`` (Continue, with a new ``positive``): the LongLive switch, the window's K/V recomputed under the new
   prompt; off (the default) keeps the CausVid switch that saved workflows were made with.
 
+On a worker pool (``parallel``): a start latent of whole chunks and an input video run there (its workers
+commit the start in the session's start job; the input is fed as far ahead as the session's queue allows, so
+a job restyles up to 8 chunks); ``recache`` and a start with a lone first frame (an image, or 1 + whole chunks)
+are refused, naming ``parallel`` / ``start_latent``: the sharded workers run only a chunk's shape.
+
 A reference whose session used any of them is rebuilt by replaying its node runs (the start, each run's switch,
 chunks and input video), so a stale or freed reference gives the same video as the first run.
 """
@@ -52,7 +57,7 @@ from ..engine.causal.kv_cache import KV_DTYPES
 from ..engine.causal.prefill import prefill_blocks
 from ..engine.causal.recipe import SessionRecipe
 from ..engine.causal.session import ChunkTiming
-from ..engine.causal.video_to_video import v2v_sigmas
+from ..engine.causal.video_to_video import MAX_QUEUED_CHUNKS, v2v_sigmas
 from ..engine.errors import InputError
 from ..engine.latent_formats import WAN21, WAN22
 from ..engine.preflight.budget import check_fits
@@ -257,13 +262,24 @@ def _generate(session, chunks: int, inputs, strength, before_forward, on_chunk=N
     """``chunks`` chunks of ``session``; with ``inputs`` (model latent space), each restyles its ``chunk_frames``
     of them at ``strength``, fed one chunk ahead as a live source would (the session's queue is bounded)."""
     c = session.config.chunk_frames
+    # on a worker pool each job carries the input chunks queued when it is sent: queued as far ahead as the
+    # session's bounded queue allows, a job makes up to that many chunks (one ahead would be one job per chunk)
+    ahead = 1 if isinstance(session, VideoSession) else MAX_QUEUED_CHUNKS
+    fed = 0
+
+    def feed_until(count: int) -> None:
+        nonlocal fed
+        while fed < min(count, chunks):
+            session.feed(inputs[:, :, fed * c : (fed + 1) * c])
+            fed += 1
+
     if inputs is not None:
         session.set_strength(strength)
-        session.feed(inputs[:, :, :c])
+        feed_until(ahead)
     try:
         for i, chunk in enumerate(session.chunks(chunks, before_forward=before_forward)):
-            if inputs is not None and i + 1 < chunks:
-                session.feed(inputs[:, :, (i + 1) * c : (i + 2) * c])
+            if inputs is not None:
+                feed_until(i + 1 + ahead)
             if on_chunk is not None:
                 on_chunk(i, chunk)
     finally:
@@ -304,17 +320,24 @@ def _session_batch(recipe: SessionRecipe, context) -> int:
     return 1 if context is None else context.shape[0]
 
 
-def _refuse_on_pool(options, start, inputs, recache: bool) -> None:
+def _refuse_on_pool(options, start, chunk_frames: int, recache: bool) -> None:
+    """What a session on a worker pool cannot run (its sharded workers run only a chunk's shape), refused before
+    the pool is asked for anything: a re-cache, and a start latent with a lone first frame."""
     if options.in_process:
         return
-    used = [n for n, v in (("start_latent", start), ("input_latent / input_images", inputs)) if v is not None]
     if recache:
-        used.append("recache")
-    if used:
         raise InputError(
             "parallel",
-            f"{' and '.join(used)} run in this process only; a session on a worker pool does not take them yet "
-            "(disconnect parallel)",
+            "recache runs in this process only: a session on a worker pool switches the prompt without it "
+            "(its sharded workers do not run the re-cache's forward); disconnect parallel, or turn recache off",
+        )
+    if start is not None and start.shape[2] % chunk_frames:
+        frames = start.shape[2]
+        raise InputError(
+            "start_latent",
+            f"{_count(frames, 'latent frame')}: on a worker pool a start takes whole chunks of {chunk_frames} "
+            f"({chunk_frames}, {2 * chunk_frames}, ... frames); a lone first frame (an image, or one frame more "
+            "than whole chunks) runs in this process only (disconnect parallel)",
         )
 
 
@@ -610,7 +633,7 @@ class FewStepCausalVideoSampler(ReturnsVideoChunks):
                            0 if start is None else start.shape[2])  # fmt: skip
         # in this process, or on the connected pool (the engine opens the session there: engine.run.placement)
         options = run_options(parallel, where)
-        _refuse_on_pool(options, start, inputs, False)
+        _refuse_on_pool(options, start, chunk_frames, False)
         if options.in_process:  # with a pool the workers hold the model; this process does not run it
             load_for_run(model)
         recipe = _recipe(model, width, height, config, seed, tiny_vae, context.cpu(), options)
@@ -681,7 +704,7 @@ class FewStepCausalContinue(ReturnsVideoChunks):
                               recipe.config.chunk_frames)  # fmt: skip
         chunks = _restyled_chunks(num_chunks, inputs, recipe.config.chunk_frames)
         if recipe.options is not None:
-            _refuse_on_pool(recipe.options, None, inputs, recache)
+            _refuse_on_pool(recipe.options, None, recipe.config.chunk_frames, recache)
         if recipe.in_process:  # with a pool the workers hold the model
             load_for_run(recipe.model)
         live = SESSIONS.get(key, where) if SESSIONS.alive(key) else None

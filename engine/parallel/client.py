@@ -21,22 +21,27 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..causal.controls import AppliedControl, ControlQueue
 from ..causal.kv_cache import (
     KV_LAYOUTS,
     check_kv_head_dim,
     kv_bytes_per_token,
     kv_cache_bytes,
 )
+from ..causal.prefill import PrefillResult, prefill_blocks
 from ..causal.session import (
     CausalConfig,
     ChunkResult,
     SessionStats,
     VideoSession,
     check_context,
+    check_control,
+    check_latents,
     check_size,
     check_tiny_vae,
     claim,
 )
+from ..causal.video_to_video import InputFrames, check_strength
 from ..compile.feature import COMPILE_FEATURE
 from ..conditioning import TextCondition
 from ..errors import InputError
@@ -293,7 +298,16 @@ class RemoteCacheInfo:
 
 class RemoteVideoSession:
     """A causal video session computed by a pool (sequence parallel): the interface of ``VideoSession`` that
-    the video nodes use. Each rank holds its share of the KV cache; rank 0 streams the chunks back."""
+    the video nodes use. Each rank holds its share of the KV cache; rank 0 streams the chunks back.
+
+    Interactive inputs, as ``VideoSession`` takes them, except what a sharded session refuses (a forward that is
+    not a chunk's shape: a start latent with a lone first frame, a prompt switch with re-cache; refused here, with
+    the engine's message, before any job): :meth:`prefill` with whole chunks is the session's start job (the
+    workers commit the frames before any chunk); :meth:`feed` / :meth:`set_strength` keep the input queue here,
+    and each job carries exactly the input chunks its chunks restyle (a job makes as many chunks as are queued, the
+    next job takes what was fed meanwhile), which the workers feed one chunk ahead; :meth:`control` queues here
+    and is sent with the next job, whose first chunk applies it (a control sent while a job runs waits for the
+    next job, not only the next chunk)."""
 
     _keys = itertools.count(1)
 
@@ -347,8 +361,14 @@ class RemoteVideoSession:
         self.cache_decision = None
         self.frames_generated = 0
         self.started = False
+        self.latent_hw = (height // 8, width // 8)
+        # video to video: the input queue lives here (bounded as a session's); jobs carry what their chunks take
+        self.inputs = InputFrames(self.batch, p.in_dim, self.latent_hw, config.chunk_frames)
+        self.strength: float | None = None
+        self.controls = ControlQueue()
         self._context = context.float().cpu()
         self._new_prompt = None
+        self._taken: dict = {}  # kind -> (control, replaced) sent with the running job, not yet reported applied
         self._disposed = False
         self._in_use = threading.Lock()  # held by the one caller generating
 
@@ -372,14 +392,87 @@ class RemoteVideoSession:
         ulysses, ring = self.degrees
         return ulysses * ring * self.kv_bytes_per_rank
 
-    def set_prompt(self, context: torch.Tensor) -> None:
+    def set_prompt(self, context: torch.Tensor, recache: bool = False) -> None:
+        """The next job's prompt (only the cross-attention cache changes, CausVid); ``recache`` is refused as a
+        sharded session refuses it."""
         self._check_alive()
         check_context(self.handle.params, context, self.batch, self.where)
+        if recache:
+            self._refuse_sharded("a prompt switch with recache")
         claim(self._in_use, self.where)  # not while a job runs: its prompt is already sent
         try:
             self._new_prompt = context.float().cpu()
         finally:
             self._in_use.release()
+
+    def _refuse_sharded(self, what: str) -> None:
+        # the words of VideoSession._check_unsharded: the workers' sessions would refuse it so
+        raise InputError(
+            "session",
+            f"{what} runs a forward that is not a chunk's shape, which a sharded worker pool does not run; "
+            "use one worker",
+            self.where,
+        )
+
+    def prefill(self, latents: torch.Tensor, before_forward=None) -> PrefillResult:
+        """``VideoSession.prefill`` on the pool: the start job commits the clean frames ``[B, C, F, h, w]`` (a
+        whole number of chunks) on every rank before any chunk; the start frames are decoded here, as the chunks
+        are. ``before_forward(0, None)`` runs here for each prefill forward the workers report."""
+        self._check_alive()
+        name = "start_latent"
+        if self.started or self.frames_generated:
+            raise InputError(
+                name, f"the session has generated {self.frames_generated} frames already; a start latent is "
+                "only taken before the first chunk (start a new session)", self.where,
+            )  # fmt: skip
+        check_latents(self.handle.params, latents, self.latent_hw, self.batch, name, self.where)
+        try:
+            blocks = prefill_blocks(latents.shape[2], self.config.chunk_frames, name)
+        except InputError as err:
+            raise (err.located(self.where) if self.where else err) from None
+        if blocks[0] != self.config.chunk_frames:
+            self._refuse_sharded("a start latent of one frame more than whole chunks")
+        claim(self._in_use, self.where)
+        try:
+            start = latents.detach().float().cpu().clone()
+            hook = None if before_forward is None else (lambda _chunk, _step: before_forward(0, None))
+            done = _run_to_end(self._run_job(0, hook, prefill=start))
+            info = done["prefill"]
+            decoded = None
+            if self.decoder is not None:
+                with torch.inference_mode():
+                    raw = self.tiny_vae.raw_to_latent(WAN21.process_out(start))
+                    decoded = self.decoder.push(raw).float().cpu()
+                self.stats.frames_decoded += decoded.shape[1]
+            return PrefillResult(int(info["frames"]), tuple(info["blocks"]), start, decoded, info["seconds"])
+        finally:
+            self._in_use.release()
+
+    def feed(self, latents: torch.Tensor) -> int:
+        """Queue input latent frames ``[B, C, F, h, w]`` (model latent space) for video to video, here; each
+        chunk's job carries its ``chunk_frames`` of them. Returns the frames queued now."""
+        self._check_alive()
+        return self.inputs.push(latents, self.where)
+
+    def set_strength(self, strength: float | None) -> None:
+        """Video to video from the next chunk at ``strength`` (0, 1] (None: text to video)."""
+        if strength is not None:
+            try:
+                strength = check_strength(strength)
+            except InputError as err:
+                raise (err.located(self.where) if self.where else err) from None
+        self.strength = strength
+
+    def control(self, kind: str, value, recache: bool = False) -> int:
+        """Queue a control (``prompt`` without re-cache, ``strength``, ``seed``), checked now; sent with the
+        next job, applied at its first chunk. Returns its sequence number."""
+        self._check_alive()
+        value = check_control(self.handle.params, kind, value, self.batch, self.where)
+        if kind == "prompt":
+            if recache:
+                self._refuse_sharded("a prompt switch with recache")
+            value = value.float().cpu()
+        return self.controls.put(kind, value, recache)
 
     def dispose(self) -> None:
         if not self._disposed and not self.pool.closed:
@@ -408,25 +501,69 @@ class RemoteVideoSession:
 
         ``before_forward(chunk, None)`` runs on this host each time the workers report a forward (they report one
         before every DiT forward): an exception it raises (ComfyUI's Cancel) cancels the job, and the workers stop
-        within one forward, as an in-process :class:`VideoSession` does."""
+        within one forward, as an in-process :class:`VideoSession` does. Text to video is one job; video to video
+        one job per run of queued input chunks (what is fed while a job's chunks are yielded goes with the next)."""
         self._check_alive()
         if n < 1:
             raise InputError("chunks", f"expected at least 1 chunk, got {n}", self.where)
         claim(self._in_use, self.where)  # one caller at a time, as an in-process session
         try:
-            yield from self._run_job(n, before_forward)
+            left = n
+            while left:
+                count = self._job_chunks(left)
+                yield from self._run_job(count, before_forward)
+                left -= count
         finally:
             self._in_use.release()
 
-    def _run_job(self, n: int, before_forward):
+    def _job_chunks(self, left: int) -> int:
+        """How many of ``left`` chunks the next job makes: all of them in text to video, else as many as the
+        queued input covers (the engine's refusal when it covers none)."""
+        strength = self.strength
+        for control in self.controls.pending():  # a strength control takes effect at the job's first chunk
+            if control.kind == "strength":
+                strength = control.value
+        if strength is None:
+            return left
+        c = self.config.chunk_frames
+        ready = len(self.inputs) // c
+        if not ready:
+            raise InputError(
+                "input_video",
+                f"chunk {self.stats.chunks_generated} restyles an input chunk (video to video at strength "
+                f"{strength:g}) but {len(self.inputs)} of its {c} input latent frames are queued; feed the input "
+                "first",
+                self.where,
+            )
+        return min(left, ready)
+
+    def _run_job(self, n: int, before_forward, prefill: torch.Tensor | None = None):
         job = {"kind": "video", "model": model_spec(self.handle), "key": self.key, "chunks": int(n),
-               "degrees": list(self.degrees)}  # fmt: skip
+               "degrees": list(self.degrees), "strength": self.strength}  # fmt: skip
+        new_prompt = self._new_prompt
+        if new_prompt is not None:  # a prompt set before the first job is the one the session starts with
+            self._context = new_prompt
         if not self.started:
             job.update(start=True, context=self._context, height=self.height, width=self.width, seed=self.seed,
                        config=dataclasses.asdict(self.config))  # fmt: skip
-        elif self._new_prompt is not None:
-            job["context"] = self._new_prompt
-        check_local_workers_fit(self.pool, job["model"])
+        elif new_prompt is not None:
+            job["context"] = new_prompt
+        if prefill is not None:
+            job["prefill"] = prefill
+        if n:
+            taken = self.controls.take()
+            job["controls"] = [{"kind": c.kind, "value": c.value, "recache": c.recache} for c, _ in taken]
+            strength = next((c.value for c, _ in taken if c.kind == "strength"), self.strength)
+            if strength is not None:  # the input chunks this job's chunks restyle, oldest first
+                job["inputs"] = torch.stack(self.inputs.state()[: n * self.config.chunk_frames], dim=2)
+        else:
+            taken = []
+        self._taken = {c.kind: (c, replaced) for c, replaced in taken}  # reported back with the chunks
+        try:
+            check_local_workers_fit(self.pool, job["model"])
+        except BaseException:
+            self._requeue_controls()
+            raise
         pool = self.pool
         n_job = pool.submit(job, self._chunk_limit())
         self.started, self._new_prompt = True, None
@@ -438,7 +575,7 @@ class RemoteVideoSession:
                     kind, payload = next(events)
                 except StopIteration as done:
                     self.frames_generated = done.value["frames_generated"]
-                    return
+                    return done.value
                 if kind == "chunk":
                     yield self._chunk(payload)
                 elif kind == "progress" and before_forward is not None:
@@ -452,11 +589,17 @@ class RemoteVideoSession:
             self._disposed = True
             raise
         except InputError:
+            self._requeue_controls()  # the session goes on: what did not take effect is sent again
             raise
         except BaseException:
             pool.cancel(n_job)
             self._disposed = True
             raise
+
+    def _requeue_controls(self) -> None:
+        taken, self._taken = self._taken, {}
+        if taken:
+            self.controls.requeue(list(taken.values()))
 
     def _chunk(self, payload: dict) -> ChunkResult:
         latents = payload["latents"]
@@ -465,13 +608,42 @@ class RemoteVideoSession:
             raw = WAN21.process_out(latents.float())
             with torch.inference_mode():
                 frames = self.decoder.push(self.tiny_vae.raw_to_latent(raw)).float().cpu()
+        controls = tuple(self._applied(item) for item in payload.get("controls", ()))
+        mode = payload.get("mode", "t2v")
         chunk = ChunkResult(
             index=payload["index"], start_frame=payload["start_frame"], latents=latents, frames=frames,
             seconds=payload["seconds"], commit_seconds=payload["commit_seconds"], kv_bytes=payload["kv_bytes"],
-            kv_bytes_used=payload["kv_bytes_used"],
+            kv_bytes_used=payload["kv_bytes_used"], mode=mode, strength=payload.get("strength"),
+            controls=controls,
         )  # fmt: skip
+        if mode == "v2v":
+            self.inputs.drop()  # restyled: its input frames leave the queue
         self.frames_generated = chunk.start_frame + self.config.chunk_frames
         self.stats.record(chunk)  # bounded: timings only, the chunk goes to the caller
         return chunk
 
+    def _applied(self, item: dict) -> AppliedControl:
+        """A control the workers applied, under this host's sequence number; its effect mirrored here."""
+        control, replaced = self._taken.pop(item["kind"])
+        if control.kind == "strength":
+            self.strength = control.value
+        elif control.kind == "seed":
+            self.seed = control.value
+        else:
+            self._context = control.value
+        applied = AppliedControl(
+            control.kind, control.sequence, item["chunk"], control.recache, replaced, item["detail"]
+        )
+        self.controls.record(applied)
+        return applied
+
     run = VideoSession.run  # the same loop over ``self.chunks(n)``
+
+
+def _run_to_end(job):
+    """Run a job generator that yields no chunk to its end; its result."""
+    try:
+        while True:
+            next(job)
+    except StopIteration as done:
+        return done.value

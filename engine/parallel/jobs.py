@@ -383,8 +383,10 @@ def _wait_part(ctx: WorkerContext, rank: int, limit: int) -> dict:
 
 
 def run_video(ctx: WorkerContext, job: dict) -> dict | None:
-    """Causal video on a sequence-parallel session: ``start`` a session, or continue one (``key``), optionally
-    with a new prompt; rank 0 streams each chunk to the host as soon as it is denoised."""
+    """Causal video on a sequence-parallel session: ``start`` a session (with ``prefill``: its clean start
+    frames, whole chunks), or continue one (``key``), optionally with a new prompt; then ``chunks`` chunks (none: a
+    prefill alone) with the job's ``strength``, ``inputs`` (video to video) and ``controls``; rank 0 streams each
+    chunk to the host as soon as it is denoised."""
     handle = ctx.model(job["model"])
     mesh = ctx.mesh(job.get("degrees"))
     key = job["key"]
@@ -421,24 +423,51 @@ def run_video(ctx: WorkerContext, job: dict) -> dict | None:
         if mesh.agree(ctx.cancel_requested()):
             raise JobCancelledError
 
+    result = {}
+    if job.get("prefill") is not None:  # the start job of a session that starts from clean frames
+        prefill = session.prefill(job["prefill"], before_forward=before_forward)
+        result["prefill"] = {
+            "frames": prefill.frames,
+            "blocks": list(prefill.blocks),
+            "seconds": prefill.seconds,
+        }
+    if job["chunks"]:
+        _generate_video(ctx, mesh, session, job, before_forward)
+    if ctx.rank != 0:
+        return None
+    return {
+        **result, "frames_generated": session.frames_generated, "seconds": time.perf_counter() - t0,
+        "comm": mesh.stats.snapshot(), "kv_bytes_per_token": session.cache.bytes_per_token(),
+        "kv_tokens_per_frame": session.cache.tokens_per_frame,
+    }  # fmt: skip
+
+
+def _generate_video(ctx: WorkerContext, mesh, session: VideoSession, job: dict, before_forward) -> None:
+    """The job's chunks: its strength and controls first, its input chunks (video to video) fed one ahead so the
+    session's bounded queue holds at most two; rank 0 streams each chunk to the host."""
+    session.inputs.clear()  # an earlier job that stopped with an error may have left its input queued
+    session.set_strength(job.get("strength"))
+    for control in job.get("controls") or ():
+        value = control["value"]
+        session.control(control["kind"], value.to(ctx.device) if control["kind"] == "prompt" else value,
+                        control["recache"])  # fmt: skip
+    inputs, c = job.get("inputs"), session.config.chunk_frames
+    if inputs is not None:
+        session.feed(inputs[:, :, :c])
     for i, chunk in enumerate(session.chunks(job["chunks"], before_forward=before_forward)):
+        if inputs is not None and (i + 1) * c < inputs.shape[2]:
+            session.feed(inputs[:, :, (i + 1) * c : (i + 2) * c])
         ctx.progress(step=False)
         if ctx.rank == 0:
             transport.put(ctx.store, f"chunk/{ctx.job}/{i}", {
                 "index": chunk.index, "start_frame": chunk.start_frame, "latents": chunk.latents,
                 "seconds": chunk.seconds, "commit_seconds": chunk.commit_seconds, "kv_bytes": chunk.kv_bytes,
-                "kv_bytes_used": chunk.kv_bytes_used,
+                "kv_bytes_used": chunk.kv_bytes_used, "mode": chunk.mode, "strength": chunk.strength,
+                "controls": [{"kind": a.kind, "chunk": a.chunk, "detail": a.detail} for a in chunk.controls],
             })  # fmt: skip
             ctx.event()
         if mesh.agree(ctx.cancel_requested()):
             raise JobCancelledError
-    if ctx.rank != 0:
-        return None
-    return {
-        "frames_generated": session.frames_generated, "seconds": time.perf_counter() - t0,
-        "comm": mesh.stats.snapshot(), "kv_bytes_per_token": session.cache.bytes_per_token(),
-        "kv_tokens_per_frame": session.cache.tokens_per_frame,
-    }  # fmt: skip
 
 
 def run_task(ctx: WorkerContext, job: dict):

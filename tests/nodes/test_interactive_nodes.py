@@ -208,14 +208,20 @@ def test_interactive_input_errors_name_the_node_and_the_input(pack, video):
 
 
 def test_interactive_inputs_are_refused_on_a_worker_pool(pack):
-    """A session placed on a worker pool (parallel) takes no start latent, input video or re-cache yet: refused
-    before the pool is asked for anything."""
+    """A session placed on a worker pool (parallel) takes a start latent of whole chunks and an input video, but
+    no re-cache and no lone first frame (its sharded workers run only a chunk's shape): refused before the pool
+    is asked for anything."""
     video_nodes = sys.modules[f"{pack.__name__}.nodes.video"]
     errors = sys.modules[f"{pack.__name__}.engine.errors"]
     on_pool, here = types.SimpleNamespace(in_process=False), types.SimpleNamespace(in_process=True)
-    latent = torch.zeros(1, 16, 1, 4, 6)
-    video_nodes._refuse_on_pool(here, latent, latent, True)  # in this process: all taken
-    video_nodes._refuse_on_pool(on_pool, None, None, False)  # nothing interactive: the pool runs it
-    with pytest.raises(errors.InputError, match=r"^input 'parallel': start_latent and recache run in this "
-                       r"process only; a session on a worker pool does not take them yet"):  # fmt: skip
-        video_nodes._refuse_on_pool(on_pool, latent, None, True)
+    image, chunks = torch.zeros(1, 16, 1, 4, 6), torch.zeros(1, 16, 4, 4, 6)
+    video_nodes._refuse_on_pool(here, image, 2, True)  # in this process: all taken
+    video_nodes._refuse_on_pool(on_pool, None, 2, False)  # nothing interactive: the pool runs it
+    video_nodes._refuse_on_pool(on_pool, chunks, 2, False)  # whole chunks: the pool's start job commits them
+    with pytest.raises(errors.InputError, match=r"^input 'parallel': recache runs in this process only: a session "
+                       r"on a worker pool switches the prompt without it"):  # fmt: skip
+        video_nodes._refuse_on_pool(on_pool, None, 2, True)
+    with pytest.raises(errors.InputError, match=r"^input 'start_latent': 1 latent frame: on a worker pool a start "
+                       r"takes whole chunks of 2 \(2, 4, \.\.\. frames\); a lone first frame \(an image, or one "
+                       r"frame more than whole chunks\) runs in this process only \(disconnect parallel\)$"):  # fmt: skip
+        video_nodes._refuse_on_pool(on_pool, image, 2, False)

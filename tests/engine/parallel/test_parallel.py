@@ -607,6 +607,24 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     assert (remote[0]["samples"] - local[0]["samples"]).abs().max() <= TOL
     more = m["FewStepCausalContinue"]().extend(remote[2], 1)
     assert more[0]["samples"].shape[2] == 2
+    # interactive inputs on the pool: a whole-chunk start and an input video, on the sampler and on Continue
+    cont = m["FewStepCausalContinue"]()
+    iargs = dict(vargs, start_latent={"samples": _latents(2, 7)}, input_latent={"samples": _latents(4, 8)},
+                 strength=0.6)  # fmt: skip
+    restyle = dict(input_latent={"samples": _latents(2, 9)}, strength=0.5)
+    local_i = video.generate(**iargs)
+    local_c = cont.extend(local_i[2], 1, **restyle)  # in this process first: the pool's model is loaded last
+    remote_i = video.generate(**iargs, parallel=config)
+    assert remote_i[0]["samples"].shape[2] == 2 + 4 and remote_i[2].position == 6
+    assert (remote_i[0]["samples"] - local_i[0]["samples"]).abs().max() <= TOL
+    remote_c = cont.extend(remote_i[2], 1, **restyle)
+    assert (remote_c[0]["samples"] - local_c[0]["samples"]).abs().max() <= TOL
+    with pytest.raises(pack_input_error, match=r"^FewStepCausalContinue: input 'parallel': recache runs in this "
+                       "process only"):  # fmt: skip
+        cont.extend(remote_c[2], 1, positive=wcond, recache=True)
+    with pytest.raises(pack_input_error, match=r"^FewStepCausalVideoSampler: input 'start_latent': 3 latent "
+                       "frames: on a worker pool a start takes whole chunks of 2"):  # fmt: skip
+        video.generate(**vargs, parallel=config, start_latent={"samples": _latents(3, 7)})
 
     (on_detach,) = callbacks[("on_detach_after", "fewstep-parallel")]
     assert (
@@ -619,6 +637,9 @@ def test_parallel_nodes_match_the_single_process_nodes_and_comfyui_free_stops_th
     # its pool is gone: the Continue rebuilds the session on a new pool (as the sampler would, run again)
     again = m["FewStepCausalContinue"]().extend(remote[2], 1)
     assert (again[0]["samples"] - more[0]["samples"]).abs().max() <= TOL
+    # an interactive reference is rebuilt on the new pool by replaying its start and input video
+    again_i = cont.extend(remote_c[2], 1)
+    assert (again_i[0]["samples"] - cont.extend(local_c[2], 1)[0]["samples"]).abs().max() <= TOL
     restarted = pools.get_pool(config)
     assert restarted is not pool and restarted.alive
     restarted_pids = restarted.pids()
@@ -742,3 +763,98 @@ def test_a_padding_mask_reaches_the_workers(pool):
     assert (out - reference).abs().max() <= TOL
     dp, _ = parallel_sample(pool, handle, [masked], latent, seed=2, steps=2, mode="dp")
     assert (dp - reference).abs().max() <= TOL
+
+
+def _latents(frames: int, seed: int) -> torch.Tensor:
+    return torch.randn(1, 16, frames, 4, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_pool_session_takes_a_whole_chunk_prefill_video_to_video_and_controls_as_one_process(pool, wan):
+    """Prefill (the start job), V2V chunks whose input is fed one chunk ahead (a job per run of queued input, as
+    the nodes feed it), then controls (strength off, a seed, a prompt without re-cache) sent with the next job:
+    the chunks, their mode / strength / applied controls and the positions equal the in-process session's."""
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(1, 5, 4096, generator=torch.Generator().manual_seed(2))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+    start, inputs = _latents(4, 7), _latents(6, 8)
+
+    def drive(session):
+        prefill = session.prefill(start)
+        session.set_strength(0.6)
+        session.feed(inputs[:, :, :2])
+        chunks = []
+        for i, chunk in enumerate(session.chunks(3)):
+            if i < 2:
+                session.feed(inputs[:, :, 2 * (i + 1) : 2 * (i + 2)])
+            chunks.append(chunk)
+        session.control("strength", None)
+        session.control("seed", 11)
+        session.control("prompt", other)
+        chunks += session.run(2)
+        return prefill, chunks
+
+    local_prefill, local = drive(VideoSession(wan.model, ctx, 32, 48, config, seed=3))
+    remote = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3)
+    prefill, got = drive(remote)
+    assert (prefill.frames, prefill.blocks) == (local_prefill.frames, local_prefill.blocks) == (4, (2, 2))
+    torch.testing.assert_close(prefill.latents, start, rtol=0, atol=0)
+    assert (
+        torch.cat([c.latents for c in got], 2) - torch.cat([c.latents for c in local], 2)
+    ).abs().max() <= TOL
+    assert [(c.index, c.start_frame, c.mode, c.strength) for c in got] == [
+        (c.index, c.start_frame, c.mode, c.strength) for c in local
+    ]
+    assert [c.mode for c in got] == ["v2v"] * 3 + ["t2v"] * 2
+    assert [[(a.kind, a.chunk, a.detail) for a in c.controls] for c in got] == [
+        [(a.kind, a.chunk, a.detail) for a in c.controls] for c in local
+    ]
+    assert [a.kind for a in got[3].controls] == ["prompt", "strength", "seed"]
+    assert remote.frames_generated == local[-1].start_frame + 2 == 14
+    assert len(remote.inputs) == 0 and remote.strength is None and remote.seed == 11
+
+
+def test_a_pool_session_restyles_every_queued_input_chunk_in_one_job_and_starts_with_a_prompt_set_first(
+    pool, wan
+):
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(1, 5, 4096, generator=torch.Generator().manual_seed(2))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+
+    def drive(session):
+        session.set_prompt(other)  # before the first chunk: the session starts with it
+        session.feed(_latents(4, 8))
+        session.set_strength(0.6)
+        return torch.cat([c.latents for c in session.run(2)], 2)
+
+    want = drive(VideoSession(wan.model, ctx, 32, 48, config, seed=3))
+    jobs = pool._jobs
+    got = drive(RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3))
+    assert pool._jobs == jobs + 1  # both queued input chunks went with the one job
+    assert (got - want).abs().max() <= TOL
+
+
+def test_a_pool_session_refuses_what_a_sharded_session_cannot_run_before_any_job(pool, wan):
+    ctx = torch.randn(1, 9, 4096, generator=torch.Generator().manual_seed(1))
+    config = CausalConfig(chunk_frames=2, window_frames=6, sink_frames=1, steps=2)
+    remote = RemoteVideoSession(pool, wan, ctx, 32, 48, config, seed=3, where="Node")
+    refusal = (
+        r"^Node: input 'session': {} runs a forward that is not a chunk's shape, which a sharded worker pool does "
+        r"not run; use one worker$"
+    )
+    jobs = pool._jobs
+    with pytest.raises(
+        InputError, match=refusal.format("a start latent of one frame more than whole chunks")
+    ):
+        remote.prefill(_latents(3, 7))
+    with pytest.raises(InputError, match=refusal.format("a prompt switch with recache")):
+        remote.set_prompt(ctx, recache=True)
+    with pytest.raises(InputError, match=refusal.format("a prompt switch with recache")):
+        remote.control("prompt", ctx, recache=True)
+    with pytest.raises(InputError, match=r"^Node: input 'start_latent': latents of batch 1 and 4x4 latent"):
+        remote.prefill(torch.zeros(1, 16, 2, 4, 4))
+    remote.set_strength(0.5)
+    with pytest.raises(
+        InputError, match=r"^Node: input 'input_video': chunk 0 restyles an input chunk .* 0 of"
+    ):
+        next(iter(remote.chunks(1)))
+    assert pool._jobs == jobs and not remote.started and remote.controls.pending() == []

@@ -250,7 +250,11 @@ def run(args) -> int:
                     step_bar.update(step - step_bar.n)  # the steps done before this forward
 
             driver.before_chunk(0)  # what a live client sends before the first chunk (input frames, a switch)
-            for run_chunk, chunk in enumerate(session.chunks(n_chunks, before_forward=before_forward)):
+            # counted by hand: enumerate keeps its last (index, chunk) tuple for reuse, which would hold the
+            # previous chunk alive while the next one is generated
+            run_chunk = -1
+            for chunk in session.chunks(n_chunks, before_forward=before_forward):
+                run_chunk += 1
                 step_bar.update(step_bar.total - step_bar.n)
                 chunk_bar.update()
                 fields, switch_note = driver.chunk_fields(run_chunk, chunk)

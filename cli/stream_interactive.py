@@ -101,29 +101,17 @@ def requested(args) -> bool:
     return any(getattr(args, dest) for dest in INTERACTIVE_FLAGS) or args.strength is not None
 
 
-def pool_supports_interactive() -> bool:
-    """Whether this engine's session pool takes a start, input frames and controls per session."""
-    from ..engine.causal.session_pool import SessionPool
-
-    return all(hasattr(SessionPool, name) for name in ("prefill", "feed", "set_strength", "control"))
-
-
 def check_combinations(args, pool: bool) -> None:
     """Before anything is read: the flags these three cannot go with, and ``--strength`` without an input."""
     if not requested(args):
         return
-    if pool:
-        for dest, flag in {**INTERACTIVE_FLAGS, "strength": "--strength"}.items():
-            if getattr(args, dest) in (None, []):
-                continue
-            if not pool_supports_interactive():
-                raise InputError(flag, "cannot be combined with a session pool (--sessions, --join-every, "
-                                 "--swap-every, --max-sessions, --buckets): this engine's pool sessions start "
-                                 "from noise under one prompt; run a single stream")  # fmt: skip
-        if args.init_latents and args.max_sessions is not None and args.max_sessions < args.sessions:
-            raise InputError("--init-latents", f"a start is committed into a session's slot when it joins; "
-                             f"--max-sessions {args.max_sessions} below --sessions {args.sessions} makes sessions "
-                             "wait for a slot (give every session one, or leave --init-latents out)")  # fmt: skip
+    if pool and args.init_latents and args.max_sessions is not None and args.max_sessions < args.sessions:
+        raise InputError(
+            "--init-latents",
+            f"a start is committed into a session's slot when it joins; --max-sessions {args.max_sessions} below "
+            f"--sessions {args.sessions} makes sessions wait for a slot (give every session one, or leave "
+            "--init-latents out)",
+        )
     if args.init_latents and args.resume:
         raise InputError(
             "--init-latents", "starts a new stream from its frames; a resumed stream is past its start (leave "

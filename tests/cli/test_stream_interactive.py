@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from fewstep.cli import main
 from fewstep.cli.stream import synthetic_prompt
-from fewstep.cli.stream_interactive import parse_switch, pool_supports_interactive
+from fewstep.cli.stream_interactive import parse_switch
 from fewstep.engine.causal import CausalConfig
 from fewstep.engine.causal.recipe import open_session
 from fewstep.engine.causal.session import VideoSession
@@ -284,28 +284,6 @@ def test_bad_input_is_one_line_naming_the_flag(capsys, files, argv, message):
     assert message.format(**files) in err, err
 
 
-POOL_ONLY = pytest.mark.skipif(
-    not pool_supports_interactive(), reason="this engine's session pool takes no start, input or controls"
-)
-
-
-@pytest.mark.skipif(pool_supports_interactive(), reason="this engine's session pool takes them")
-@pytest.mark.parametrize("flag", ["--init-latents", "--input-video", "--prompt-switch"])
-def test_without_pool_support_the_flags_are_refused_with_sessions(capsys, files, flag):
-    value = {
-        "--init-latents": files["ok4"],
-        "--input-video": files["ok4"],
-        "--prompt-switch": f"1:{files['cond']}",
-    }
-    extra = ["--strength", "0.5"] if flag == "--input-video" else []
-    err = _error(capsys, flag, value[flag], *extra, "--sessions", "2")
-    assert (
-        f"input '{flag}': cannot be combined with a session pool (--sessions, --join-every, --swap-every, "
-        in err
-    )
-
-
-@POOL_ONLY
 @pytest.mark.parametrize("kind", ["start-and-switches", "video-to-video"])
 def test_each_pool_session_writes_what_a_single_stream_of_its_seed_writes(capsys, tmp_path, kind):
     if kind == "start-and-switches":
@@ -334,7 +312,6 @@ def test_each_pool_session_writes_what_a_single_stream_of_its_seed_writes(capsys
             assert [(r["mode"], r["strength"]) for r in rows] == [("v2v", 0.5)] * 3
 
 
-@POOL_ONLY
 def test_a_pool_start_needs_a_slot_for_every_session(capsys, files):
     err = _error(capsys, "--init-latents", files["ok4"], "--sessions", "2", "--max-sessions", "1")
     assert (

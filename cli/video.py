@@ -50,10 +50,10 @@ class Mp4Writer:
         self._stream = self._container.add_stream(codec, rate=fps)
         self._stream.width, self._stream.height, self._stream.pix_fmt = width, height, "yuv420p"
         if codec == "libx264":
-            self._stream.options = {
-                "crf": "12",
-                "preset": "fast",
-            }  # near-transparent: dummy weights give noise
+            # crf 12: near-transparent (dummy weights give noise). One encoder thread: x264's frame threads made
+            # the same frames encode to different files now and then (seen as a flaky test); one thread keeps a
+            # run's video reproducible and still encodes 480p far faster than a stream generates it
+            self._stream.options = {"crf": "12", "preset": "fast", "threads": "1"}
 
     def append(self, frames: torch.Tensor) -> None:
         import av

@@ -7,8 +7,9 @@ on one FewStep Live Video node, and the realtime metrics they get.
 
 The script starts its own ComfyUI (``--comfyui`` or ``$COMFYUI_DIR``, default the 0.3.64 snapshot of this machine;
 its ``../venv`` interpreter) on a free port with this pack linked into a temporary base directory, queues the live
-node's dummy workflow (``workflows/wan_live_video_dummy.api.json``: wan-tiny, dummy weights, the tiny VAE, no text
-encoder: prompts get the synthetic text embedding), waits until ``GET /fewstep/live`` lists the node, then for each
+node's dummy workflow (``workflows/live_video_dummy.api.json``: wan-tiny at 96x64, chunks of 2 latent frames, dummy
+weights, the tiny VAE, no text encoder: prompts get the synthetic text embedding; ``max_sessions`` raised to the
+most clients, no time or idle limit), waits until ``GET /fewstep/live`` lists the node, then for each
 client count runs that many clients at once, each in its own thread as a separate client would: its own websocket
 (``/ws?clientId=...``), ``POST /fewstep/live/sessions`` (its own prompt and seed, ``chunks`` chunks: the session
 closes after them), and the events until its session is closed. Finally ``POST /fewstep/live/stop`` ends the node.
@@ -63,7 +64,7 @@ from fewstep.engine.plan import plan_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_COMFYUI = Path("/root/.cache/fewstep-comfyui/ComfyUI")
-WORKFLOW = ROOT / "workflows" / "wan_live_video_dummy.api.json"
+WORKFLOW = ROOT / "workflows" / "live_video_dummy.api.json"
 LIVE_NODE = "FewStepLiveVideo"
 QUICK = {"clients": "1,2", "chunks": 3}
 CLOSING_METRICS_S = 3.0  # how long a client waits after its session closed for the closing metrics event

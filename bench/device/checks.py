@@ -877,6 +877,10 @@ def live_summary(run: dict, chunk_video_s: float) -> dict:
     }
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
 def live(ctx: Context) -> dict:
     """Issue 33's live sessions through the engine's LiveService (in-process transport, every event read at
     once): 1, 2 and 4 clients opening a session each at once, on the Wan model of the setup (Wan2.1-1.3B at
@@ -926,8 +930,8 @@ def live(ctx: Context) -> dict:
                 f"{got['ttfc_s']:.3f} s, {got['inter_chunk_p50_s']:.3f} / {got['inter_chunk_p99_s']:.3f} s, "
                 f"{got['realtime_factor']:.2f}x ({got['steady_realtime_factor']:.2f}x), "
                 f"{got['deadline_attainment']:.0%}, {got['viewer_stalls']}, {got['batch_sizes']} "
-                f"({pred['first_chunk_seconds']:.3f} s, {pred['interval_seconds']:.3f} s, "
-                f"{pred['realtime_factor']:.2f}x)"))  # fmt: skip
+                f"({_ms(pred['first_chunk_seconds'])}, {_ms(pred['interval_seconds'])}, "
+                f"{pred['realtime_factor']:.3g}x)"))  # fmt: skip
         if preset != s.wan_preset:
             del handle
             free_memory(s)

@@ -242,3 +242,19 @@ def test_live_summary_of_the_closing_metrics():
         "realtime_factor": 1.0, "steady_realtime_factor": 0.75 / 0.6, "deadline_attainment": 0.5,
         "viewer_stalls": 2, "stall_events": 1, "batch_sizes": {"1": 1, "2": 6},
     }  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+@pytest.mark.slow  # ~10 s on 2 idle cores (interpreter start, 3 pools), over 20 s when they are shared
+def test_live_check_alone(tmp_path):
+    """``--only live``: 1, 2 and 4 clients on the engine's LiveService, every session's 3 chunks and closing
+    metrics; the planner's H200 prediction beside them."""
+    r = _run("--smoke", "--only", "live", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (check,) = json.loads((tmp_path / "device.json").read_text())["checks"]
+    assert check["status"] == "ok" and len(check["summary"]) == 3
+    runs = check["results"]["runs"]["wan-tiny"]
+    for n in ("1", "2", "4"):
+        assert [s["chunks"] for s in runs[n]["sessions"]] == [3] * int(n)
+        assert all(s["metrics"]["chunks"] == 3 for s in runs[n]["sessions"])
+        assert runs[n]["why_stopped"] == "the device check is done"

@@ -393,7 +393,8 @@ def main() -> int:
         finally:
             request(server.url + STOP_ROUTE, "POST", {})
         history = wait_history(host, prompt_id)
-    print()
+    env["loadavg_1min_at_end"] = os.getloadavg()[0]
+    print(f"\n1-min load average at the end {env['loadavg_1min_at_end']:.2f}\n")
     print(table(rows))
     print("\nPlanner prediction, Wan2.1-1.3B 832x480, chunks of 3, window 21, 4 steps, taew2_1, MFU 0.5:\n")
     print(prediction_table(planned))

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fewstep.engine import load_dit, load_tiny_vae
+from fewstep.engine import InputError, load_dit, load_tiny_vae
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal.session_pool import SessionPool
 from fewstep.engine.latent_formats import WAN21
@@ -256,6 +256,9 @@ def test_the_open_answer_and_public_status(wan):
     assert (
         err.value.text == "client_id: this client has 1 open sessions; at most 1 per client: close one first"
     )
+    service.close(answer["session"], answer["secret"])  # counts no more at once (closes apply before joins)
+    service.open({"client_id": "c1", "prompt": "y"})
+    assert service.status()["sessions"] == 2  # until the serve loop applies the close
     service.stop()
     report = service.serve()
     assert report.why_stopped == "stopped by a client" and service.status()["slots"] == 0
@@ -713,3 +716,16 @@ def test_metrics_events_come_every_metrics_seconds_and_once_at_close(wan):
                                 "inter_chunk_p99_s", "realtime_factor", "deadline_attainment", "viewer_stalls",
                                 "viewer_stall_seconds", "batch_sizes", "chunks", "video_seconds", "seconds"}  # fmt: skip
     assert metrics[-1]["batch_sizes"] == {"1": 2} and metrics[-1]["video_seconds"] == round(13 / 16, 6)
+
+
+def test_limits_are_checked(wan):
+    pool = SessionPool(wan, H, W, CONFIG, max_sessions=1)
+    with pytest.raises(InputError) as err:
+        LiveService(pool, FakeTransport(), encoder_for(wan), LiveLimits(max_sessions_per_client=0))
+    assert (
+        str(err.value)
+        == "FewStep Live Video: input 'max_sessions_per_client': expected an integer >= 1, got 0"
+    )
+    with pytest.raises(InputError, match="input 'idle_seconds': expected seconds >= 0 or None, got -1"):
+        LiveService(pool, FakeTransport(), encoder_for(wan), LiveLimits(idle_seconds=-1))
+    pool.close()

@@ -260,6 +260,37 @@ def run_clients(url: str, n: int, chunks: int, timeout: float) -> list[dict]:
     return outs
 
 
+def run_cli_clients(url: str, n: int, chunks: int, timeout: float, workdir: Path) -> list[dict]:
+    """``n`` clients at once, each a ``python -m fewstep live --script FILE --out DIR --quiet`` process (the
+    user's client: it also downloads every chunk's latents and clip); each one's ``DIR/live.json`` gives its
+    session's chunks, closing metrics and stall events (no arrival times: no client view)."""
+    procs = []
+    for i in range(n):
+        folder = workdir / f"{n}clients_{i}"
+        folder.mkdir(parents=True)
+        script = folder / "script.json"
+        script.write_text(
+            json.dumps({"prompt": f"a live stream for client {i}", "seed": i, "chunks": chunks})
+        )
+        cmd = [sys.executable, "-m", "fewstep", "live", "--server", url, "--script", str(script), "--out",
+               str(folder / "out"), "--quiet", "--timeout", str(timeout)]  # fmt: skip
+        procs.append(
+            (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), folder)
+        )
+    outs, errors = [], []
+    for proc, folder in procs:
+        text, _ = proc.communicate(timeout=timeout + 60)
+        if proc.returncode != 0:
+            errors.append(f"fewstep live exited with {proc.returncode}: {text.strip()[-1000:]}")
+            continue
+        report = json.loads((folder / "out" / "live.json").read_text())
+        outs.append({"metrics": report["metrics"], "arrivals": [], "chunk_events": report["chunks"],
+                     "states": [("closed", report["closed"])], "stall_events": report["stalls"]})  # fmt: skip
+    if errors:
+        raise RuntimeError(f"{n} clients: " + "; ".join(errors))
+    return outs
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (as the service's metrics)."""
     ordered = sorted(values)
@@ -283,9 +314,10 @@ def summarize(outs: list[dict]) -> dict:
     intervals = [[b - a for a, b in zip(o["arrivals"], o["arrivals"][1:])] for o in outs]
     client_p50 = [percentile(x, 50) for x in intervals if x]
     client_p99 = [percentile(x, 99) for x in intervals if x]
+    firsts = [o["arrivals"][0] for o in outs if o["arrivals"]]  # the `live` CLI's clients record no arrivals
     return {
         "clients": len(outs),
-        "chunks": [len(o["arrivals"]) for o in outs],
+        "chunks": [len(o["chunk_events"]) for o in outs],
         "ttfc_s": statistics.median(m["time_to_first_chunk_s"] for m in ms),
         "ttfc_max_s": max(m["time_to_first_chunk_s"] for m in ms),
         "inter_chunk_p50_s": statistics.median(m["inter_chunk_p50_s"] for m in ms),
@@ -294,7 +326,7 @@ def summarize(outs: list[dict]) -> dict:
         "deadline_attainment": min(m["deadline_attainment"] for m in ms),
         "viewer_stalls": sum(m["viewer_stalls"] for m in ms),
         "batch_sizes": dict(sorted(batches.items(), key=lambda kv: int(kv[0]))),
-        "client_ttfc_s": statistics.median(o["arrivals"][0] for o in outs),
+        "client_ttfc_s": statistics.median(firsts) if firsts else None,
         "client_inter_chunk_p50_s": statistics.median(client_p50) if client_p50 else None,
         "client_inter_chunk_p99_s": max(client_p99) if client_p99 else None,
         "stall_events": sum(o["stall_events"] for o in outs),
@@ -359,6 +391,10 @@ def main() -> int:
     ap.add_argument("--workflow", default=str(WORKFLOW), help="the live node's API-format workflow")
     ap.add_argument("--clients", default="1,2,4", help="client counts, one run each (default 1,2,4)")
     ap.add_argument("--chunks", type=int, default=6, help="chunks per session (default 6)")
+    ap.add_argument("--client", choices=("threads", "cli"), default="threads",
+                    help="threads: each client a thread of this script with its own websocket (the client view "
+                    "columns); cli: each client a `python -m fewstep live` process saving its chunks (--out), "
+                    "the user's client (server metrics only)")  # fmt: skip
     ap.add_argument("--port", type=int, default=None, help="the server's port (default: a free one)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a client waits for its session")
     ap.add_argument("--out", default=None, help="JSON report (default bench/results/live_video.json)")
@@ -385,7 +421,11 @@ def main() -> int:
             node = wait_for_node(server.url, server.proc)
             print(f"live node: {json.dumps(node)}\n")
             for n in counts:
-                rows.append(summarize(run_clients(server.url, n, args.chunks, args.timeout)))
+                if args.client == "cli":
+                    outs = run_cli_clients(server.url, n, args.chunks, args.timeout, server.base / "clients")
+                else:
+                    outs = run_clients(server.url, n, args.chunks, args.timeout)
+                rows.append(summarize(outs))
                 print(f"{n} client{'s' if n > 1 else ''}: done", flush=True)
         except BaseException:
             print(server.log_tail(), file=sys.stderr)
@@ -398,8 +438,8 @@ def main() -> int:
     print(table(rows))
     print("\nPlanner prediction, Wan2.1-1.3B 832x480, chunks of 3, window 21, 4 steps, taew2_1, MFU 0.5:\n")
     print(prediction_table(planned))
-    report = {"quick": args.quick, "environment": env, "comfyui": str(comfyui), "workflow": args.workflow,
-              "node": node, "chunks_per_session": args.chunks, "rows": rows, "planner": planned,
+    report = {"quick": args.quick, "client": args.client, "environment": env, "comfyui": str(comfyui),
+              "workflow": args.workflow, "node": node, "chunks_per_session": args.chunks, "rows": rows, "planner": planned,
               "node_status": history.get("status"),
               "summary": [summary_row(f"{r['clients']} clients: TTFC, inter-chunk p50 / p99, RTF, deadline "
                                       "attainment, stalls",

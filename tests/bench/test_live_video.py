@@ -28,7 +28,7 @@ def _client(ttfc, p50, p99, rtf, attained, stalls, batches, arrivals, stall_even
                "realtime_factor": rtf, "deadline_attainment": attained, "viewer_stalls": stalls,
                "batch_sizes": batches, "chunks": len(arrivals)}  # fmt: skip
     return {"metrics": metrics, "arrivals": arrivals, "states": [("opened", ""), ("closed", "done")],
-            "chunk_events": [], "stall_events": stall_events}  # fmt: skip
+            "chunk_events": [{"chunk": k} for k in range(len(arrivals))], "stall_events": stall_events}  # fmt: skip
 
 
 def test_a_row_is_the_clients_metrics_combined(lv):
@@ -52,6 +52,10 @@ def test_a_row_is_the_clients_metrics_combined(lv):
         "| 2 | 1.500 (2.000) | 0.600 / 0.900 | 1.20x | 67% | 1 (1) | 1: 1, 2: 5 | 1.600, 0.625 / 0.994 |"
         in table
     )
+    # the `live` CLI's clients (--client cli) record no arrival times: no client view, the rest the same
+    cli = lv.summarize([{**o, "arrivals": []} for o in outs])
+    assert cli["client_ttfc_s"] is cli["client_inter_chunk_p50_s"] is cli["client_inter_chunk_p99_s"] is None
+    assert cli["chunks"] == [3, 3] and cli["ttfc_s"] == 1.5 and "| -, - / - |" in lv.table([cli])
     with pytest.raises(RuntimeError, match="without a fewstep.metrics event"):
         lv.summarize([{**outs[0], "metrics": None}])
 

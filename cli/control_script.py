@@ -184,7 +184,7 @@ def parse_script(data, path: str, flag: str = "--script", require_chunks: bool =
     if input_video is not None and strength is None:
         raise refuse("", "'input_video' needs 'strength': the share of noise in (0, 1] each input chunk is restyled "
                      "from")  # fmt: skip
-    controls = _controls(data.get("controls", []), chunks, refuse)
+    controls = _controls(data.get("controls", []), chunks, input_video is not None, refuse)
     return ControlScript(path, prompt, seed, chunks, start_image, strength, input_video, controls)
 
 
@@ -249,7 +249,7 @@ def _video(value, folder: str, refuse) -> str:
     return resolved
 
 
-def _controls(value, chunks: int | None, refuse) -> tuple[ScriptControl, ...]:
+def _controls(value, chunks: int | None, has_input: bool, refuse) -> tuple[ScriptControl, ...]:
     if not isinstance(value, list):
         raise refuse("", f"'controls' must be a list of objects, got {_shown(value)}")
     if len(value) > MAX_CONTROLS:
@@ -293,6 +293,9 @@ def _controls(value, chunks: int | None, refuse) -> tuple[ScriptControl, ...]:
             val = check_prompt(item["prompt"], "prompt", field_refuse)
         elif kind == "strength":
             val = check_strength_value(item["strength"], "strength", field_refuse, allow_none=True)
+            if val is not None and not has_input:
+                raise bad("a 'strength' control restyles the input video: give 'input_video' too (null goes back "
+                          "to text to video)")  # fmt: skip
         elif kind == "seed":
             val = check_seed_value(item["seed"], "seed", field_refuse)
         else:

@@ -17,6 +17,7 @@ from ..engine.errors import InputError
 from ..engine.handle import open_model
 from ..engine.models.registry import FAMILIES, all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from ..engine.prompt_embeddings import seeded_text_embedding
 from ..engine.units import format_bytes
 from ..engine.vae import load_tiny_vae
 from . import stream_interactive, stream_pool, stream_script
@@ -170,7 +171,7 @@ def chunk_count(args) -> int:
 
 def synthetic_prompt(seed: int, text_tokens: int, text_dim: int) -> torch.Tensor:
     """The seeded synthetic umT5 prompt a stream of ``seed`` uses without --cond."""
-    return torch.randn(1, text_tokens, text_dim, generator=torch.Generator().manual_seed((seed + 1) % 2**64))
+    return seeded_text_embedding(seed, text_tokens, text_dim)
 
 
 def open_stream_parts(args, compiling):

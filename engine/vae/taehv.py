@@ -343,6 +343,29 @@ class TAEHVStreamDecoder:
         return frames
 
 
+class TAEHVStreamEncoder:
+    """Encodes a video chunk by chunk (a live client's input frames): ``push(frames [N, 4k, 3, H, W])`` returns
+    ``[N, k, C, h, w]``, and the chunks pushed one after the other equal ``encode_video`` of the whole video.
+
+    Each TPool merges groups of frames that never straddle a multiple of 4, so only the encoder MemBlocks' last
+    input frames carry over between chunks (``memory``). The model is only read: several streams can share it.
+    """
+
+    def __init__(self, taehv: TAEHV):
+        self.taehv = taehv
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new video."""
+        self.memory: Memory | None = None
+        self.frames_encoded = 0
+        self._frame_shape: tuple[int, int, int] | None = None  # batch, height, width of the video
+
+    @torch.no_grad()
+    def push(self, frames: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
 @functools.cache
 def _layout(name: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):

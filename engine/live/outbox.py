@@ -1,0 +1,92 @@
+"""One live session's events on their way to its client: a bounded queue the generation thread fills and the
+host's sender drains (``nodes/live_routes.py``: the websocket sender). The generation never waits for a reader."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from .protocol import EVENT_STALL
+
+
+class OutboxFullError(Exception):
+    """The outbox was full of events that may not be dropped: its session must close."""
+
+
+class SessionOutbox:
+    """Bounded FIFO of ``(event, data)``.
+
+    Full, and the new event droppable (a chunk event): the OLDEST queued droppable event is dropped (its chunk
+    index recorded) and one coalesced ``fewstep.stall`` event (``{"dropped": n, "chunks": [indices]}``) becomes
+    pending: it is handed out before anything queued after the drop, counting every drop since the last stall
+    event handed out. Full with no droppable event queued: :class:`OutboxFullError` (the service closes the session:
+    "its client reads too slowly").
+    """
+
+    def __init__(self, max_events: int = 16, tags: dict | None = None):
+        if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events < 1:
+            raise ValueError(f"max_events: expected an integer >= 1, got {max_events!r}")
+        self.max_events = max_events
+        self.tags = dict(tags or {})  # merged into the stall events it makes (session, node, prompt_id)
+        self._events: deque[tuple[str, dict, bool]] = deque()
+        self._lock = threading.Lock()
+        self._listener: Callable[[], None] | None = None
+        self._closed = False
+        self.dropped = 0  # chunk events dropped over the outbox's life
+        self._stall: list[int] = []  # chunk indices dropped since the last stall event handed out
+        self._stall_at = 0  # the stall event is handed out before the event at this queue position
+
+    def put(self, event: str, data: dict, droppable: bool = False) -> None:
+        """Queue an event (never blocks). Raises :class:`OutboxFullError` when full of undroppable events; a put
+        after :meth:`close` is ignored."""
+        with self._lock:
+            if self._closed:
+                return
+            if len(self._events) >= self.max_events:
+                oldest = next((i for i, (_, _, d) in enumerate(self._events) if d), None)
+                if oldest is None:
+                    raise OutboxFullError(f"{len(self._events)} events queued, none of them droppable")
+                _, dropped, _ = self._events[oldest]
+                del self._events[oldest]
+                if not self._stall:
+                    self._stall_at = oldest
+                else:
+                    self._stall_at = min(self._stall_at, oldest)
+                self._stall.append(dropped.get("chunk", -1))
+                self.dropped += 1
+            self._events.append((event, data, droppable))
+            listener = self._listener
+        if listener is not None:
+            listener()
+
+    def pop(self) -> tuple[str, dict] | None:
+        """The next event, or None (never blocks)."""
+        with self._lock:
+            if self._stall and self._stall_at <= 0:
+                chunks, self._stall = self._stall, []
+                return EVENT_STALL, {**self.tags, "dropped": len(chunks), "chunks": chunks}
+            if not self._events:
+                return None
+            event, data, _ = self._events.popleft()
+            if self._stall:
+                self._stall_at -= 1
+            return event, data
+
+    def set_listener(self, listener: Callable[[], None] | None) -> None:
+        """``listener()`` is called after each put, on the putting thread (a host wakes its sender with it)."""
+        with self._lock:
+            self._listener = listener
+
+    def close(self) -> None:
+        """No more puts; what is queued can still be popped."""
+        with self._lock:
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events) + bool(self._stall)

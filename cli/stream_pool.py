@@ -166,8 +166,11 @@ class PoolStream:
                 if self.driver and self.script is None and self.driver.inter.switches
                 else {}
             ),
-            **({} if self.script is None else {"script": {"path": self.script.path,
-                                                          "controls": self.driver.switch_rows}}),
+            **(
+                {}
+                if self.script is None
+                else {"script": {"path": self.script.path, "controls": self.driver.switch_rows}}
+            ),
         }
 
 

@@ -25,7 +25,7 @@ def _options(parser: argparse.ArgumentParser):
 
 def test_every_command_is_registered():
     assert set(_subparsers(build_parser())) == set(COMMANDS) == {
-        "generate", "stream", "queue", "plan", "worker", "demo",
+        "generate", "stream", "queue", "live", "plan", "worker", "demo",
     }  # fmt: skip
 
 

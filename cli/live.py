@@ -94,6 +94,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--script",
         metavar="FILE",
+        action="append",
         required=True,
         help="the control script (JSON, the format stream --script runs): prompt, seed, chunks, start_image, "
         "input_video + strength, controls sent at their chunks; it needs 'chunks' or a stop control "
@@ -184,7 +185,10 @@ def read_live_script(path: str) -> ControlScript:
 
 
 def _run_command(args) -> int:
-    script = read_live_script(args.script)  # bad input: one line, exit 2 (main)
+    if len(args.script) != 1:
+        raise InputError("--script", f"{len(args.script)} scripts; live runs one session: give one --script (one "
+                         "live client per script, they may run at once)")  # fmt: skip
+    script = read_live_script(args.script[0])  # bad input: one line, exit 2 (main)
     start_image = None
     if script.start_image is not None:
         with open(script.start_image, "rb") as f:
@@ -728,9 +732,11 @@ def write_outputs(live: LiveRun) -> None:
 
     from .stream import ChunkedSafetensors
 
-    done = sorted(
-        n for n, row in live.chunks.items() if any(p.endswith(".safetensors") for p in row["files"])
-    )
+    saved = {n for n, row in live.chunks.items() if any(p.endswith(".safetensors") for p in row["files"])}
+    done = list(range(next(n for n in range(len(saved) + 1) if n not in saved)))  # 0, 1, ... up to a gap
+    if len(done) < len(saved):
+        print(f"error: latents.safetensors holds chunks 0 to {len(done) - 1} only: chunk {len(done)} was not "
+              f"saved; the later ones are in {os.path.join(live.out, 'chunks')}", file=sys.stderr)  # fmt: skip
     if done:
         shape = latent_shape(live)
         # the chunks in order, each read back and written at once: memory holds one chunk

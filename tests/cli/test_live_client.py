@@ -14,8 +14,11 @@ import io
 import json
 import re
 import struct
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -402,3 +405,51 @@ def test_an_unreachable_server_is_exit_5(tmp_path, capsys):
     path.write_text(json.dumps({"prompt": "a fox", "chunks": 2}))
     assert main(["live", "--server", "127.0.0.1:9", "--script", str(path), "--timeout", "5"]) == 5
     assert "is ComfyUI running?" in capsys.readouterr().err
+
+
+# -- the client example of docs/live-video.md ------------------------------------------------------------------------
+
+LIVE_DOC = Path(__file__).resolve().parents[2] / "docs" / "live-video.md"
+EXAMPLE_HEADING = "## A client in 40 lines"
+
+
+def _doc_example(doc: Path) -> str | None:
+    """The ```python block right under EXAMPLE_HEADING (no other heading between), or None."""
+    text = doc.read_text() if doc.exists() else ""
+    _, found, rest = ("\n" + text).partition(f"\n{EXAMPLE_HEADING}\n")
+    start = rest.find("```python\n")
+    if not found or start < 0 or re.search(r"^#{1,6} ", rest[:start], re.M):
+        return None
+    return rest[start + len("```python\n") :].split("\n```", 1)[0] + "\n"
+
+
+def test_the_documented_live_client_example_follows_its_script(live_node, tmp_path):
+    code = _doc_example(LIVE_DOC)
+    # the page is shipped with the pack: a lost heading or code block is a documentation bug, not a skip
+    assert code is not None, f"{LIVE_DOC} has no ```python block under {EXAMPLE_HEADING!r}"
+    assert len(code.splitlines()) <= 50
+    pytest.importorskip("websocket", reason="the docs/live-video.md example needs websocket-client")
+    fake = live_node(5, expect_controls=3)
+    (tmp_path / "live_client.py").write_text(code)
+    (tmp_path / "script.json").write_text(json.dumps(SCRIPT))
+    r = subprocess.run(
+        [sys.executable, "live_client.py", fake.url, "script.json", "chunks"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [opened] = fake.open_bodies
+    assert fake.ws_client_ids == [opened["client_id"]]
+    assert fake.control_bodies == [
+        {"prompt": "a red fox running through a forest", "recache": True, "at_chunk": 2},
+        {"seed": 11, "at_chunk": 3},
+        {"strength": None, "at_chunk": 4},
+    ]
+    assert set(fake.secrets_seen) == {SECRET} and not any(SECRET in p for p in fake.paths)
+    for n in range(5):
+        saved = load_file(str(tmp_path / "chunks" / f"chunk_{n:04d}.safetensors"))["latent"]
+        assert torch.equal(saved, chunk_latents(n))
+    assert [line for line in r.stdout.splitlines() if line.startswith("control ")] == [
+        "control 1 (prompt) applied at chunk 2",
+        "control 2 (seed) applied at chunk 3",
+        "control 3 (strength) applied at chunk 4",
+    ]

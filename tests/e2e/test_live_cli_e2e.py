@@ -1,0 +1,126 @@
+"""``python -m fewstep live`` against a real ComfyUI server: the dummy live workflow queued once, two ``live``
+clients run at the same time, each with its own control script; each one's latents (``--out
+DIR/latents.safetensors``) equal what ``stream --sessions 2 --script a --script b`` writes for that session, and
+each one's files and events are its own session's."""
+
+# ruff: noqa: F811 - the tests take the imported ``server`` fixture as an argument
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from comfy_server import requires_comfyui, server  # noqa: F401
+
+import fewstep
+
+pytestmark = requires_comfyui
+WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(fewstep.__file__))
+SHAPE = dict(width=48, height=32, chunk_frames=2, window_frames=6, sink_frames=1)
+STREAM_SHAPE = ["--width", "48", "--height", "32", "--chunk-frames", "2", "--window-frames", "6", "--sink-frames", "1",
+                "--schedule", "wan-dmd-4step", "--steps", "4"]  # fmt: skip
+WAIT = 120  # seconds any one expected thing may take on a loaded CI machine (a bound, not an assertion)
+TOLERANCE = 1e-5  # the live node batches the two sessions as it finds them due; the GEMMs round per batch
+# controls from chunk 2 on: each client schedules them right after its open, long before chunk 2 starts
+SCRIPTS = {
+    "a": {"prompt": "a red fox running through snow", "seed": 3, "chunks": 6,
+          "controls": [{"chunk": 2, "prompt": "a red fox running through a forest", "recache": True},
+                       {"chunk": 4, "seed": 11}, {"chunk": 5, "prompt": "a red fox at night"}]},
+    "b": {"prompt": "a corgi on a beach", "seed": 5, "chunks": 7,
+          "controls": [{"chunk": 2, "prompt": "a corgi in the waves"}, {"chunk": 3, "seed": 2},
+                       {"chunk": 5, "prompt": "a corgi at sunset", "recache": True}, {"chunk": 6, "stop": True}]},
+}  # fmt: skip
+
+
+def http(server, method: str, path: str, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(server["url"] + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _cli(*args) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "fewstep", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def live(server):
+    """The dummy live workflow at the test's size, running; stopped at the end."""
+    graph = json.loads((WORKFLOWS / "live_video_dummy.api.json").read_text())
+    node = next(n for n in graph.values() if n["class_type"] == "FewStepLiveVideo")
+    node["inputs"].update(SHAPE, max_seconds=300.0, idle_seconds=120.0)
+    status, answer = http(server, "POST", "/prompt", {"prompt": graph, "client_id": "queuer"})
+    assert status == 200 and not answer.get("node_errors"), answer
+    deadline = time.monotonic() + WAIT
+    while http(server, "GET", "/fewstep/live")[1] == []:
+        assert time.monotonic() < deadline, "the live node did not start"
+        time.sleep(0.1)
+    yield answer["prompt_id"]
+    http(server, "POST", "/fewstep/live/stop", {})
+    deadline = time.monotonic() + WAIT
+    while http(server, "GET", "/fewstep/live")[1] != [] and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_two_live_clients_at_once_write_what_stream_sessions_writes(server, live, tmp_path):
+    from safetensors.torch import load_file
+
+    paths = {}
+    for name, script in SCRIPTS.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(script))
+    clients = {
+        name: _cli(
+            "live",
+            "--server",
+            server["url"],
+            "--script",
+            str(path),
+            "--out",
+            str(tmp_path / name),
+            "--timeout",
+            str(3 * WAIT),
+        )  # fmt: skip
+        for name, path in paths.items()
+    }
+    results = {name: proc.communicate(timeout=4 * WAIT) for name, proc in clients.items()}
+    for name, proc in clients.items():
+        out, err = results[name]
+        assert proc.returncode == 0, (name, out, err)
+        assert "came too late" not in out + err
+        assert out.splitlines()[-1].startswith("metrics: time to first chunk ")
+    engine = subprocess.run(
+        [sys.executable, "-m", "fewstep", "stream", "--model", "wan-tiny", *STREAM_SHAPE, "--sessions", "2",
+         "--script", str(paths["a"]), "--script", str(paths["b"]), "--out", str(tmp_path / "engine")],
+        capture_output=True, text=True, timeout=4 * WAIT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    assert engine.returncode == 0, engine.stderr
+    for i, name in enumerate(SCRIPTS):
+        got = load_file(str(tmp_path / name / "latents.safetensors"))["latent"]
+        want = load_file(str(tmp_path / "engine" / f"session_{i}" / "latents.safetensors"))["latent"]
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE)
+        report = json.loads((tmp_path / name / "live.json").read_text())
+        assert [c["applied"] for c in report["controls"] if c["kind"] != "stop"] == [
+            c["chunk"] for c in SCRIPTS[name]["controls"] if "stop" not in c
+        ]
+        assert report["metrics"]["chunks"] == len(report["chunks"])
+        # each client's files are of its own session
+        assert {c["chunk"] for c in report["chunks"]} == set(range(got.shape[2] // SHAPE["chunk_frames"]))
+    sessions = {json.loads((tmp_path / n / "live.json").read_text())["session"]["session"] for n in SCRIPTS}
+    assert len(sessions) == 2

@@ -80,7 +80,8 @@ MAX_LATENT_HEADER_BYTES = 64 << 10  # a chunk's safetensors header (one tensor: 
 MAX_JPEG_BYTES = 8 << 20  # one inline JPEG frame
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 MAX_SECRET_CHARS = 512
-CLOSE_WAIT_SECONDS = 3.0  # after the session closed: how long the final metrics event may take to arrive
+CLOSE_WAIT_SECONDS = 3.0
+CLOSE_TIMEOUT_SECONDS = 10.0  # closing the session at the end, whatever ended the run  # after the session closed: how long the final metrics event may take to arrive
 FRAMES_AHEAD = 2  # input chunks of frames sent ahead of the chunk being made (the server queues at most 8)
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
@@ -236,6 +237,7 @@ def _run(live: LiveRun, args, start_image: bytes | None, frames) -> int:
     client, script = live.client, live.script
     client_id = uuid.uuid4().hex
     ws = client.websocket(client_id)  # first: the session's first events go to this client id
+    interrupted = False
     try:
         body = {
             "client_id": client_id,
@@ -264,17 +266,22 @@ def _run(live: LiveRun, args, start_image: bytes | None, frames) -> int:
                 send_control(live, control)
         except ServerError as exc:
             if 400 <= exc.status < 500:
-                close_session(live)
                 return _fail(2, _server_error(exc))
             raise
         feeder = None if frames is None else FrameFeeder(live, frames, answer["frames_per_chunk"])
         if feeder is not None:
             feeder.send_until(FRAMES_AHEAD)
         follow(live, ws, feeder)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         ws.close()
-    if live.closed_why is None:
-        close_session(live)
+        if live.session and live.closed_why is None:  # however the run ends: free the session's slot
+            close_session(live)
+    if interrupted:
+        print("interrupted: the session was closed", file=sys.stderr)
+        finish(live)
+        return 130
     return finish(live)
 
 
@@ -320,12 +327,18 @@ def send_control(live: LiveRun, control) -> None:
 
 
 def close_session(live: LiveRun) -> None:
-    """DELETE the session (a session the server already closed answers 404 / 409: nothing left to do)."""
+    """DELETE the session, under a deadline of its own (the command's may be spent: a timeout, a Ctrl-C). A
+    session the server already closed answers 404 / 409: nothing left to do; a failure is one line."""
+    closer = ComfyClient(live.client.server, timeout=CLOSE_TIMEOUT_SECONDS)
     try:
-        live.client._request(live.route(SESSION_ROUTE), method="DELETE", headers=live.headers)
+        closer._request(live.route(SESSION_ROUTE), method="DELETE", headers=live.headers)
+        live.closed_why = "closed by this client"
     except ServerError as exc:
         if exc.status not in (404, 409):
-            raise
+            print(f"error: could not close the session: {_server_error(exc)}", file=sys.stderr)
+    except (UnreachableError, ProtocolError, DeadlineError) as exc:
+        print(f"error: could not close the session ({exc}); the server closes it once this client is gone for "
+              "its disconnect time", file=sys.stderr)  # fmt: skip
 
 
 # -- events ----------------------------------------------------------------------------------------------------------

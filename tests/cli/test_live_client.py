@@ -453,3 +453,13 @@ def test_the_documented_live_client_example_follows_its_script(live_node, tmp_pa
         "control 2 (seed) applied at chunk 3",
         "control 3 (strength) applied at chunk 4",
     ]
+
+
+def test_a_timeout_is_exit_4_and_the_session_is_closed(live_node, tmp_path, capsys):
+    fake = live_node(3, expect_controls=99)  # waits for controls that never come: no chunk is sent
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"prompt": "a fox", "chunks": 3}))
+    assert main(["live", "--server", fake.url, "--script", str(path), "--timeout", "1.5"]) == 4
+    assert capsys.readouterr().err.startswith("error: fewstep live: no end of the session within 1.5 s")
+    assert fake.deletes == [f"/fewstep/live/sessions/{SESSION}"]  # its slot freed, with the secret
+    assert set(fake.secrets_seen) == {SECRET}

@@ -108,6 +108,9 @@ def prompt_encoder(model, clip, where: str = NODE):
 
     def encode(text: str) -> torch.Tensor:
         conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(text))
+        # ComfyUI loads the text encoder for this, and may have offloaded the video model to make room for it:
+        # the model goes back on its device before the next forward (a no-op when it stayed loaded)
+        load_for_run(model)
         refusal = "the text encoder gave several entries for one prompt; a live session takes one"
         return single_prompt(conditioning, "clip", refusal).context.float().cpu()
 

@@ -363,7 +363,33 @@ class TAEHVStreamEncoder:
 
     @torch.no_grad()
     def push(self, frames: Tensor) -> Tensor:
-        raise NotImplementedError
+        """RGB frames ``[N, 4k, 3, H, W]`` in [0, 1] that follow the ones pushed before -> their latents
+        ``[N, k, C, H / (8p), W / (8p)]``. The frame count must be a multiple of 4 (a latent frame is made of 4
+        frames; ``encode_video`` pads only the end of a whole video)."""
+        taehv = self.taehv
+        taehv.check_frames(frames)
+        batch, count, _, height, width = frames.shape
+        group = taehv.t_downscale
+        if count % group:
+            raise InputError(
+                "frames",
+                f"a chunk of {count} frames; a stream is encoded {group} frames per latent frame, so each push "
+                f"takes a multiple of {group} frames (4 x the chunk's latent frames)",
+            )
+        if self._frame_shape not in (None, (batch, height, width)):
+            raise InputError(
+                "frames",
+                f"this chunk has batch {batch} and {height}x{width} frames, but the video being encoded has batch "
+                f"{self._frame_shape[0]} and {self._frame_shape[1]}x{self._frame_shape[2]}; call reset() before "
+                "encoding another video",
+            )
+        x = taehv._to_weights(frames)
+        if taehv.patch_size > 1:
+            x = F.pixel_unshuffle(x, taehv.patch_size)
+        latents, self.memory = run_frames(taehv.encoder, x, self.memory)
+        self._frame_shape = (batch, height, width)
+        self.frames_encoded += count
+        return latents
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from .protocol import EVENT_STALL
+from .protocol import EVENT_CHUNK, EVENT_STALL
 
 
 class OutboxFullError(Exception):
@@ -17,11 +17,12 @@ class OutboxFullError(Exception):
 class SessionOutbox:
     """Bounded FIFO of ``(event, data)``.
 
-    Full, and the new event droppable (a chunk event): the OLDEST queued droppable event is dropped (its chunk
-    index recorded) and one coalesced ``fewstep.stall`` event (``{"dropped": n, "chunks": [indices]}``) becomes
-    pending: it is handed out before anything queued after the drop, counting every drop since the last stall
-    event handed out. Full with no droppable event queued: :class:`OutboxFullError` (the service closes the session:
-    "its client reads too slowly").
+    Full, and the new event droppable (a chunk event, a deadline miss): the OLDEST queued droppable event is
+    dropped, and for a chunk event one coalesced ``fewstep.stall`` event (``{"dropped": n, "chunks": [indices]}``)
+    becomes pending: it is handed out where the first dropped event was, counting every chunk event dropped since
+    the last stall event handed out (a dropped deadline miss is not counted: its chunk event says the same). Full
+    with no droppable event queued: :class:`OutboxFullError` (the service closes the session: "its client reads
+    too slowly").
     """
 
     def __init__(self, max_events: int = 16, tags: dict | None = None):
@@ -37,24 +38,24 @@ class SessionOutbox:
         self._stall: list[int] = []  # chunk indices dropped since the last stall event handed out
         self._stall_at = 0  # the stall event is handed out before the event at this queue position
 
-    def put(self, event: str, data: dict, droppable: bool = False) -> None:
+    def put(self, event: str, data: dict, droppable: bool = False, force: bool = False) -> None:
         """Queue an event (never blocks). Raises :class:`OutboxFullError` when full of undroppable events; a put
-        after :meth:`close` is ignored."""
+        after :meth:`close` is ignored. ``force``: past the bound (a session's last events, as it closes)."""
         with self._lock:
             if self._closed:
                 return
-            if len(self._events) >= self.max_events:
+            if len(self._events) >= self.max_events and not force:
                 oldest = next((i for i, (_, _, d) in enumerate(self._events) if d), None)
                 if oldest is None:
                     raise OutboxFullError(f"{len(self._events)} events queued, none of them droppable")
-                _, dropped, _ = self._events[oldest]
+                lost, dropped, _ = self._events[oldest]
                 del self._events[oldest]
-                if not self._stall:
-                    self._stall_at = oldest
-                else:
-                    self._stall_at = min(self._stall_at, oldest)
-                self._stall.append(dropped.get("chunk", -1))
-                self.dropped += 1
+                if lost == EVENT_CHUNK:  # a viewer misses a chunk: announced by the stall event
+                    self._stall_at = oldest if not self._stall else min(self._stall_at, oldest)
+                    self._stall.append(dropped.get("chunk", -1))
+                    self.dropped += 1
+                elif self._stall and oldest < self._stall_at:
+                    self._stall_at -= 1  # the stall keeps its place among the events that stay
             self._events.append((event, data, droppable))
             listener = self._listener
         if listener is not None:

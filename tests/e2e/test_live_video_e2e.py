@@ -1,0 +1,385 @@
+"""FewStep Live Video through a real ComfyUI server: the dummy live workflow queued once, two websocket clients each
+steering its own session with its own control script while the node runs.
+
+* each client's chunk latents (GET .../chunks/<n>.safetensors) equal an in-process engine SessionPool run with the
+  same seed, the synthetic embedding of the same prompt texts and the same controls applied at the chunks the
+  ``fewstep.control_applied`` events name;
+* isolation: client B never gets an event of A's session; A's session, payloads and controls without its secret,
+  with a wrong one or with B's are answered 404, exactly like an unknown id;
+* a client that disconnects has its session suspended, and resumed when it reconnects with the same clientId; the
+  video goes on equal to the engine's;
+* POST /fewstep/live/stop ends the node cleanly and its report (the history's output) has each session's metrics;
+  POST /interrupt ends it within one forward: the prompt ends interrupted and GET /fewstep/live is [] again.
+"""
+
+# ruff: noqa: F811 - the tests take the imported ``server`` fixture as an argument
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from comfy_server import requires_comfyui, server  # noqa: F401
+
+pytestmark = requires_comfyui
+WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
+SHAPE = dict(width=48, height=32, chunk_frames=2, window_frames=6, sink_frames=1)
+WAIT = 120  # seconds any one expected thing may take on a loaded CI machine (a bound, not an assertion)
+NO_SESSION = {"error": "no live session with this id and secret"}
+
+
+# -- the HTTP and websocket clients ---------------------------------------------------------------------------------
+
+
+def http(server, method: str, path: str, body=None, secret: str | None = None, raw: bytes | None = None,
+         content_type: str = "application/json"):  # fmt: skip
+    """(status, JSON answer or bytes) of one request."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": content_type} if data is not None else {}
+    if secret is not None:
+        headers["X-FewStep-Secret"] = secret
+    request = urllib.request.Request(server["url"] + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            status, payload, kind = r.status, r.read(), r.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as err:
+        status, payload, kind = err.code, err.read(), err.headers.get("Content-Type", "")
+    return status, json.loads(payload) if kind.startswith("application/json") else payload
+
+
+class Client:
+    """A websocket client (clientId ``client_id``) collecting the fewstep.* events it is sent."""
+
+    def __init__(self, server, client_id: str):
+        import websocket  # websocket-client, in the test extra
+
+        self.server, self.client_id = server, client_id
+        url = server["url"].replace("http://", "ws://") + f"/ws?clientId={client_id}"
+        self.ws = websocket.create_connection(url, timeout=WAIT)
+        self.events: list[tuple[str, dict]] = []
+        self.changed = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.ws.recv()
+            except Exception:  # noqa: BLE001 - closed by close() or by the server
+                return
+            if isinstance(message, str):
+                event = json.loads(message)
+                if event.get("type", "").startswith("fewstep."):
+                    with self.changed:
+                        self.events.append((event["type"], event["data"]))
+                        self.changed.notify_all()
+
+    def wait_for(self, predicate, what: str):
+        """The first collected event ``(type, data)`` for which ``predicate`` holds, waiting for it."""
+        deadline = time.monotonic() + WAIT
+        with self.changed:
+            while True:
+                found = next((e for e in self.events if predicate(*e)), None)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"{self.client_id}: no {what} in {WAIT} s; events: {self.events[-20:]}"
+                    )
+                self.changed.wait(left)
+
+    def of(self, session: str, kind: str) -> list[dict]:
+        with self.changed:
+            return [d for t, d in self.events if t == kind and d.get("session") == session]
+
+    def close(self) -> None:
+        self.ws.close()
+        self.reader.join(10)
+
+    def open(self, **body) -> dict:
+        status, answer = http(
+            self.server, "POST", "/fewstep/live/sessions", {"client_id": self.client_id, **body}
+        )
+        assert status == 201, answer
+        return answer
+
+
+def session_state(client: Client, session: str, state: str):
+    return client.wait_for(
+        lambda t, d: t == "fewstep.session" and d.get("session") == session and d.get("state") == state,
+        f"'{state}' event of {session}",
+    )
+
+
+# -- the node -----------------------------------------------------------------------------------------------------
+
+
+def live_graph(**widgets) -> dict:
+    graph = json.loads((WORKFLOWS / "live_video_dummy.api.json").read_text())
+    live = next(n for n in graph.values() if n["class_type"] == "FewStepLiveVideo")
+    live["inputs"].update(SHAPE, max_seconds=300.0, idle_seconds=120.0, disconnect_seconds=60.0, **widgets)
+    return graph
+
+
+def queue_live(server, **widgets) -> str:
+    status, answer = http(server, "POST", "/prompt", {"prompt": live_graph(**widgets), "client_id": "queuer"})
+    assert status == 200 and not answer.get("node_errors"), answer
+    deadline = time.monotonic() + WAIT
+    while http(server, "GET", "/fewstep/live")[1] == []:
+        assert time.monotonic() < deadline, "the live node did not start"
+        time.sleep(0.1)
+    return answer["prompt_id"]
+
+
+def finished(server, prompt_id: str) -> dict:
+    """The prompt's history entry once it is written."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        entry = http(server, "GET", f"/history/{prompt_id}")[1].get(prompt_id)
+        if entry and entry.get("status", {}).get("completed") is not None:
+            return entry
+        assert time.monotonic() < deadline, f"prompt {prompt_id} did not finish"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def live(server):
+    """The live node of the module's tests, running (stopped at the end if a test left it running)."""
+    prompt_id = queue_live(server)
+    yield prompt_id
+    if http(server, "GET", "/fewstep/live")[1]:
+        http(server, "POST", "/fewstep/live/stop", {})
+        finished(server, prompt_id)
+
+
+# -- the engine's reference -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """``run(prompt, seed, chunks, controls_at)``: the chunks' raw latents of an in-process SessionPool session
+    (``controls_at``: chunk -> [(kind, value, recache)], queued before that chunk is made)."""
+    from fewstep.engine import open_model
+    from fewstep.engine.causal import CausalConfig, open_session_pool
+    from fewstep.engine.prompt_embeddings import synthetic_text_embedding
+
+    handle = open_model("dummy:wan-tiny", device="cpu", dtype=torch.float32)
+    config = CausalConfig(chunk_frames=SHAPE["chunk_frames"], window_frames=SHAPE["window_frames"],
+                          sink_frames=SHAPE["sink_frames"], schedule="wan-dmd-4step", steps=4)  # fmt: skip
+
+    def embed(text: str) -> torch.Tensor:
+        return synthetic_text_embedding(text, text_tokens=handle.params.text_len)
+
+    def run(prompt: str, seed: int, chunks: int, controls_at: dict) -> list[torch.Tensor]:
+        pool, _ = open_session_pool(handle, SHAPE["height"], SHAPE["width"], config, max_sessions=1)
+        try:
+            session = pool.join(embed(prompt), seed=seed, chunks=chunks)
+            out = []
+            for index in range(chunks):
+                for kind, value, recache in controls_at.get(index, []):
+                    pool.control(session, kind, embed(value) if kind == "prompt" else value, recache=recache)
+                pool.tick()
+                out.append(session.take().raw.float())
+            return out
+        finally:
+            pool.close()
+
+    with torch.inference_mode():
+        yield run
+
+
+def latents(client: Client, session: dict, index: int) -> torch.Tensor:
+    from safetensors.torch import load
+
+    path = f"/fewstep/live/sessions/{session['session']}/chunks/{index}.safetensors"
+    status, payload = http(client.server, "GET", path, secret=session["secret"])
+    assert status == 200, payload
+    return load(bytes(payload))["latent"]
+
+
+def applied_controls(client: Client, session: dict) -> dict:
+    """chunk -> [(kind, value, recache)] as the session's control_applied events say they were applied."""
+    sent = session["sent"]  # control seq -> (kind, value, recache)
+    out: dict[int, list] = {}
+    for event in client.of(session["session"], "fewstep.control_applied"):
+        out.setdefault(event["chunk"], []).append(sent[event["control"]])
+    return out
+
+
+def control(client: Client, session: dict, **body) -> int:
+    status, answer = http(client.server, "POST", f"/fewstep/live/sessions/{session['session']}/control", body,
+                          secret=session["secret"])  # fmt: skip
+    assert status == 202, answer
+    kind = answer["kind"]
+    value = body.get(kind)
+    session.setdefault("sent", {})[answer["control"]] = (kind, value, bool(body.get("recache", False)))
+    return answer["control"]
+
+
+# -- the tests --------------------------------------------------------------------------------------------------------
+
+
+def test_before_a_live_node_runs_the_status_is_empty_and_opening_is_refused(server):
+    assert http(server, "GET", "/fewstep/live") == (200, [])
+    status, answer = http(server, "POST", "/fewstep/live/sessions", {"client_id": "x", "prompt": "a fox"})
+    assert (status, answer) == (503, {"error": "no FewStep Live Video node is running: queue a workflow with one "
+                                                "first"})  # fmt: skip
+
+
+SCRIPTS = {
+    "A": dict(prompt="a red fox running through snow", seed=3, chunks=6,
+              controls=[dict(at_chunk=2, prompt="a red fox running through a forest", recache=True),
+                        dict(at_chunk=4, seed=11)]),
+    "B": dict(prompt="a corgi on a beach", seed=5, chunks=6,
+              controls=[dict(at_chunk=1, prompt="a corgi in the waves"), dict(at_chunk=3, seed=2),
+                        dict(at_chunk=5, prompt="a corgi at sunset", recache=True)]),
+}  # fmt: skip
+
+
+def test_two_clients_steer_their_own_sessions_and_get_the_engines_video(server, live, reference):
+    status = http(server, "GET", "/fewstep/live")[1]
+    assert len(status) == 1 and status[0]["prompt_id"] == live and "secret" not in json.dumps(status)
+    clients = {name: Client(server, f"client-{name}-{uuid.uuid4().hex[:6]}") for name in SCRIPTS}
+    try:
+        sessions = {}
+        for name, script in SCRIPTS.items():
+            script = dict(script)
+            controls = script.pop("controls")
+            opened = clients[name].open(**script)
+            assert {"session", "secret", "width", "height", "chunk_frames", "node", "prompt_id"} <= set(
+                opened
+            )
+            assert (opened["width"], opened["height"], opened["prompt_id"]) == (48, 32, live)
+            sessions[name] = opened
+            for c in controls:
+                control(clients[name], opened, **c)
+        for name, client in clients.items():
+            session_state(client, sessions[name]["session"], "closed")
+        for name, client in clients.items():
+            script, session = SCRIPTS[name], sessions[name]
+            chunks = client.of(session["session"], "fewstep.chunk")
+            assert [c["chunk"] for c in chunks] == list(range(script["chunks"])), chunks
+            assert all(c["latents"].endswith(f"/chunks/{c['chunk']}.safetensors") for c in chunks)
+            applied = applied_controls(client, session)
+            assert sorted(kind for at in applied.values() for kind, _, _ in at) == sorted(
+                next(k for k in ("prompt", "seed") if k in c) for c in script["controls"]
+            )
+            expected = reference(script["prompt"], script["seed"], script["chunks"], applied)
+            for index, want in enumerate(expected):
+                got = latents(client, session, index)
+                assert got.shape == want.shape and torch.equal(got, want), (name, index)
+        # isolation: no event of one client's session reached the other
+        a, b = sessions["A"]["session"], sessions["B"]["session"]
+        assert all(d.get("session") != a for _, d in clients["B"].events)
+        assert all(d.get("session") != b for _, d in clients["A"].events)
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def test_a_session_without_its_secret_is_answered_as_an_unknown_one(server, live):
+    owner, other = (
+        Client(server, "owner-" + uuid.uuid4().hex[:6]),
+        Client(server, "other-" + uuid.uuid4().hex[:6]),
+    )
+    try:
+        mine = owner.open(prompt="a fox", seed=1, chunks=None)
+        theirs = other.open(prompt="a corgi", seed=2, chunks=None)
+        owner.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == mine["session"], "a chunk")
+        sid = mine["session"]
+        for secret in (None, "", "wrong", theirs["secret"]):
+            assert http(server, "POST", f"/fewstep/live/sessions/{sid}/control", {"seed": 9}, secret=secret) == (
+                404, NO_SESSION)  # fmt: skip
+            assert http(server, "GET", f"/fewstep/live/sessions/{sid}/chunks/0.safetensors", secret=secret) == (
+                404, NO_SESSION)  # fmt: skip
+            assert http(server, "DELETE", f"/fewstep/live/sessions/{sid}", secret=secret) == (404, NO_SESSION)
+        assert http(server, "POST", "/fewstep/live/sessions/s999/control", {"seed": 9}, secret=mine["secret"]) == (
+            404, NO_SESSION)  # fmt: skip
+        # bad bodies: the field named, the right status
+        status, answer = http(server, "POST", f"/fewstep/live/sessions/{sid}/control", {"seed": -1},
+                              secret=mine["secret"])  # fmt: skip
+        assert (status, answer["error"]) == (400, "seed: expected an integer 0..9223372036854775807, got -1")
+        status, answer = http(server, "POST", "/fewstep/live/sessions", raw=b"{}", content_type="text/plain")
+        assert (status, answer) == (400, {"error": "Content-Type: expected application/json, got text/plain"})
+        status, _ = http(server, "POST", "/fewstep/live/sessions", raw=b" " * (12 * 2**20))
+        assert status == 413
+        assert all(d.get("session") != sid for _, d in other.events)
+        assert http(server, "DELETE", f"/fewstep/live/sessions/{sid}", secret=mine["secret"]) == (
+            200,
+            {"closed": sid},
+        )
+        assert (
+            http(server, "DELETE", f"/fewstep/live/sessions/{theirs['session']}", secret=theirs["secret"])[0]
+            == 200
+        )
+    finally:
+        owner.close()
+        other.close()
+
+
+def test_a_client_that_disconnects_is_suspended_and_resumed_and_its_video_goes_on(server, live, reference):
+    client_id = "wanderer-" + uuid.uuid4().hex[:6]
+    client = Client(server, client_id)
+    session = client.open(prompt="a fox in the rain", seed=21, chunks=None)
+    sid = session["session"]
+    client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == sid, "a first chunk")
+    client.close()  # gone: the service sees it at its next loop and suspends the session
+    client = Client(server, client_id)  # back, with the same clientId
+    try:
+        session_state(client, sid, "resumed")
+        states = [d["state"] for d in client.of(sid, "fewstep.session")]
+        assert states.index("suspended") < states.index("resumed"), states
+        resumed = len(client.events)
+        after = client.wait_for(
+            lambda t, d: (
+                t == "fewstep.chunk" and d.get("session") == sid and client.events.index((t, d)) > resumed
+            ),
+            "a chunk after the resume",
+        )[1]["chunk"]
+        expected = reference("a fox in the rain", 21, after + 1, {})
+        got = {index: latents(client, session, index) for index in range(max(0, after - 3), after + 1)}
+        assert http(server, "DELETE", f"/fewstep/live/sessions/{sid}", secret=session["secret"]) == (
+            200,
+            {"closed": sid},
+        )
+        for index, latent in got.items():
+            assert torch.equal(latent, expected[index]), index
+    finally:
+        client.close()
+
+
+def test_stop_ends_the_node_and_its_report_has_each_sessions_metrics(server, live):
+    status, answer = http(server, "POST", "/fewstep/live/stop", {})
+    assert status == 200, answer
+    entry = finished(server, live)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    (report,) = [o["text"][0] for o in entry["outputs"].values() if "text" in o][:1]
+    for expected in ("time to first chunk", "p50", "p99", "real-time factor", "deadline", "stall", "batch"):
+        assert expected in report, report
+    assert http(server, "GET", "/fewstep/live") == (200, [])
+
+
+def test_interrupt_ends_the_node_within_a_forward_and_frees_it(server):
+    prompt_id = queue_live(server)
+    client = Client(server, "interrupted-" + uuid.uuid4().hex[:6])
+    try:
+        session = client.open(prompt="a fox", seed=4, chunks=None)
+        client.wait_for(
+            lambda t, d: t == "fewstep.chunk" and d.get("session") == session["session"], "a chunk"
+        )
+        assert http(server, "POST", "/interrupt", {})[0] == 200
+        entry = finished(server, prompt_id)
+        messages = [m[0] for m in entry["status"].get("messages", [])]
+        assert "execution_interrupted" in messages, entry["status"]
+        assert http(server, "GET", "/fewstep/live") == (200, [])
+        status, answer = http(server, "POST", "/fewstep/live/sessions", {"client_id": "x", "prompt": "a fox"})
+        assert status == 503, answer
+    finally:
+        client.close()

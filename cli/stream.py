@@ -231,6 +231,15 @@ def run(args) -> int:
             handle, context, args.height, args.width, config, args.seed, vae, "stream"
         )
     prefill = None
+    media = None
+    if script is not None:  # the start image prefilled as the live node prefills it
+        media = stream_script.ScriptMedia(script, args.width, args.height)
+        start = media.start_latents(vae) if script.start_image is not None else None
+        if start is not None:
+            started = session.prefill(start)
+            prefill = stream_interactive.prefill_report(started, script.start_image)
+            if not args.json:
+                say(stream_interactive.prefill_line(prefill))
     if interactive is not None:
         stream_interactive.check_with_session(interactive, session)
         if interactive.init_latents is not None:
@@ -239,7 +248,7 @@ def run(args) -> int:
             if not args.json:
                 say(stream_interactive.prefill_line(prefill))
     if script is not None:
-        driver = stream_script.ScriptDriver(script, session, embed)
+        driver = stream_script.ScriptDriver(script, session, embed, media, vae, args.chunk_frames)
     else:
         driver = stream_interactive.Driver(interactive, session, args.chunk_frames)
     first_frame = 4 * session.frames_generated  # video frames before this run's (0 for a new stream)

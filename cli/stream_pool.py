@@ -226,10 +226,22 @@ class PoolRun:
 
     def start_script(self, s: PoolStream) -> None:
         """A joined session's script driver, and the controls its script sends before the first chunk."""
-        from .stream_interactive import PoolSessionCalls
-        from .stream_script import ScriptDriver
+        from .stream_interactive import PoolSessionCalls, prefill_line, prefill_report
+        from .stream_script import ScriptDriver, ScriptMedia
 
-        s.driver = ScriptDriver(s.script, PoolSessionCalls(self.pool, s.session), self.embed)
+        a = self.args
+        media = ScriptMedia(s.script, a.width, a.height)
+        vae = self.pool.tiny_vae
+        start = media.start_latents(vae) if s.script.start_image is not None else None
+        if start is not None:  # the start image prefilled into its slot, as the live node does at the join
+            started = self.pool.prefill(s.session, start)
+            s.prefill = prefill_report(started, s.script.start_image)
+            if s.output is not None:
+                s.output.start(started.decoded)
+            if not a.json:
+                say(f"session {s.index}: " + prefill_line(s.prefill))
+        s.driver = ScriptDriver(s.script, PoolSessionCalls(self.pool, s.session), self.embed, media, vae,
+                                a.chunk_frames)  # fmt: skip
         s.driver.before_chunk(0)
 
     def start_interactive(self, s: PoolStream) -> None:
@@ -256,6 +268,8 @@ class PoolRun:
         # what StreamOutput reads of a session (a pool session starts a new stream: no frame before its first)
         start = self.interactive.init_latents if self.interactive is not None else None
         frames_before = 0 if start is None else start.shape[2]  # a prefilled session is past its first frame
+        if s.script is not None:
+            frames_before = 0 if s.script.start_image is None else 1  # a start image is one latent frame
         one = SimpleNamespace(batch=1, latent_hw=self.pool.latent_hw, frames_generated=frames_before)
         channels = self.pool.model.params.in_dim
         return StreamOutput(out, one, channels, self.chunks_of(s), a.chunk_frames, self.pool.tiny_vae is not None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -148,4 +149,115 @@ def test_the_flags_a_script_replaces_and_a_wrong_count_are_refused(capsys, tmp_p
     bad = _script(tmp_path, "b.json", prompt="a fox", chunks=2, controls=[{"chunk": -1, "seed": 1}])
     assert _error(capsys, "--script", bad) == (
         f"error: fewstep stream: input '--script': {bad}: controls[0]: 'chunk' must be an integer >= 0, got -1"
+    )
+
+
+# -- a start image and an input video, encoded as the live node encodes them -----------------------------------------
+
+
+def _png(path, seed: int, size=(60, 40)) -> str:
+    """A PNG of noise, larger than the stream (48x32) and of another aspect: scaled to cover and cropped."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return str(path)
+
+
+def _node_vae():
+    from fewstep.engine.vae import load_tiny_vae
+
+    return load_tiny_vae("dummy:taew2_1", device="cpu")
+
+
+def test_a_start_image_is_prefilled_as_the_node_encodes_it(capsys, tmp_path):
+    from fewstep.engine.live.media import decode_image
+
+    image = _png(tmp_path / "start.png", 1)
+    script = _script(tmp_path, "s.json", prompt="a fox", seed=2, chunks=3, start_image="start.png",
+                     controls=[{"chunk": 1, "prompt": "a fox at night"}])  # fmt: skip
+    out = _run(capsys, "--script", script, "--tiny-vae", "dummy:taew2_1", "--out", str(tmp_path / "script"))
+    assert "start: 1 latent frames of " in out
+    # the reference: the node's decode (cover + crop) and encode_raw, given as --init-latents
+    with open(image, "rb") as f:
+        frame = decode_image(f.read(), 48, 32, "start_image")
+    raw = _node_vae().encode_raw(frame[None, None].clamp(0, 1))
+    assert raw.shape == (1, 16, 1, 4, 6)
+    save_file({"latent": raw.float().contiguous()}, str(tmp_path / "start.safetensors"))
+    _run(capsys, "--cond", _cond(tmp_path, "a fox"), "--seed", "2", "--chunks", "3", "--init-latents",
+         str(tmp_path / "start.safetensors"), "--prompt-switch", f"1:{_cond(tmp_path, 'a fox at night')}",
+         "--tiny-vae", "dummy:taew2_1", "--out", str(tmp_path / "flags"))  # fmt: skip
+    assert torch.equal(_latent(tmp_path / "script"), _latent(tmp_path / "flags"))
+
+
+def test_an_input_video_is_fed_chunk_by_chunk_as_the_node_encodes_it(capsys, tmp_path):
+    from fewstep.engine.live.media import decode_image
+    from fewstep.engine.vae.taehv import TAEHVStreamEncoder
+
+    (tmp_path / "frames").mkdir()
+    paths = [
+        _png(tmp_path / "frames" / f"{i:03d}.png", 10 + i) for i in range(8 * 3 + 5)
+    ]  # 3 chunks + a rest
+    script = _script(tmp_path, "v.json", prompt="a fox", seed=4, chunks=3, input_video="frames", strength=0.6,
+                     controls=[{"chunk": 2, "strength": 1.0}])  # fmt: skip
+    out = _run(capsys, "--script", script, "--tiny-vae", "dummy:taew2_1", "--out", str(tmp_path / "script"))
+    assert "video to video at strength 0.6" in out and "video to video at strength 1" in out
+    # the reference: every frame decoded as the node decodes it, encoded by one stream encoder, chunk by chunk
+    vae = _node_vae()
+    encoder = TAEHVStreamEncoder(vae.video)
+    chunks = []
+    for c in range(3):
+        frames = torch.stack([decode_image(Path(p).read_bytes(), 48, 32) for p in paths[8 * c : 8 * c + 8]])
+        with torch.inference_mode():
+            chunks.append(vae.latent_to_raw(encoder.push(frames[None]).transpose(1, 2).float()))
+    save_file({"latent": torch.cat(chunks, dim=2).contiguous()}, str(tmp_path / "in.safetensors"))
+    _run(capsys, "--cond", _cond(tmp_path, "a fox"), "--seed", "4", "--chunks", "2", "--input-video",
+         str(tmp_path / "in.safetensors"), "--strength", "0.6", "--out", str(tmp_path / "flags"))  # fmt: skip
+    scripted = _latent(tmp_path / "script")
+    assert torch.equal(scripted[:, :, :4], _latent(tmp_path / "flags"))  # the two chunks at strength 0.6
+    assert scripted.shape == (1, 16, 6, 4, 6)
+
+
+def test_scripted_starts_and_inputs_in_a_pool_write_what_single_runs_write(capsys, tmp_path):
+    _png(tmp_path / "start.png", 1)
+    (tmp_path / "frames").mkdir()
+    for i in range(8 * 3):
+        _png(tmp_path / "frames" / f"{i:03d}.png", 10 + i)
+    a = _script(tmp_path, "a.json", prompt="a fox", seed=2, chunks=3, start_image="start.png")
+    b = _script(tmp_path, "b.json", prompt="a cat", seed=6, chunks=3, input_video="frames", strength=0.5,
+                controls=[{"chunk": 1, "prompt": "a cat at night", "recache": True}])  # fmt: skip
+    _run(capsys, "--sessions", "2", "--script", a, "--script", b, "--tiny-vae", "dummy:taew2_1",
+         "--out", str(tmp_path / "pool"))  # fmt: skip
+    for i, script in enumerate((a, b)):
+        _run(
+            capsys, "--script", script, "--tiny-vae", "dummy:taew2_1", "--out", str(tmp_path / f"single_{i}")
+        )
+        torch.testing.assert_close(
+            _latent(tmp_path / "pool" / f"session_{i}"),
+            _latent(tmp_path / f"single_{i}"),
+            rtol=0,
+            atol=TOLERANCE,
+        )
+
+
+def test_media_need_the_tiny_vae_and_enough_input(capsys, tmp_path):
+    _png(tmp_path / "start.png", 1)
+    script = _script(tmp_path, "s.json", prompt="a fox", chunks=2, start_image="start.png")
+    assert _error(capsys, "--script", script) == (
+        f"error: fewstep stream: input '--script': {script}: 'start_image' is encoded with the tiny VAE, as the live "
+        "node encodes it: give --tiny-vae (dummy:taew2_1 with dummy weights, taew2_1.pth)"
+    )
+    (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    bad = _script(tmp_path, "b.json", prompt="a fox", chunks=2, start_image="bad.png")
+    assert _error(capsys, "--script", bad, "--tiny-vae", "dummy:taew2_1").startswith(
+        f"error: fewstep stream: input '--script': {bad}: 'start_image': "
+    )
+    (tmp_path / "frames").mkdir()
+    for i in range(12):
+        _png(tmp_path / "frames" / f"{i:03d}.png", i)
+    short = _script(tmp_path, "v.json", prompt="a fox", chunks=3, input_video="frames", strength=0.5)
+    assert _error(capsys, "--script", short, "--tiny-vae", "dummy:taew2_1") == (
+        f"error: fewstep stream: input '--script': {short}: 'input_video' holds 12 frames: 1 chunks of 8 (4 x "
+        "--chunk-frames); the script makes 3 chunks (chunk 1 has no input)"
     )

@@ -76,11 +76,13 @@ def live(server):
         time.sleep(0.1)
 
 
-def test_two_live_clients_at_once_write_what_stream_sessions_writes(server, live, tmp_path):
+def _run_and_compare(server, tmp_path, scripts: dict, *stream_flags) -> None:
+    """Run one ``live`` client per script at once, then ``stream --sessions N --script ...``; each client's latents
+    equal its session's."""
     from safetensors.torch import load_file
 
     paths = {}
-    for name, script in SCRIPTS.items():
+    for name, script in scripts.items():
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(script))
     clients = {
@@ -104,23 +106,52 @@ def test_two_live_clients_at_once_write_what_stream_sessions_writes(server, live
         assert "came too late" not in out + err
         assert out.splitlines()[-1].startswith("metrics: time to first chunk ")
     engine = subprocess.run(
-        [sys.executable, "-m", "fewstep", "stream", "--model", "wan-tiny", *STREAM_SHAPE, "--sessions", "2",
-         "--script", str(paths["a"]), "--script", str(paths["b"]), "--out", str(tmp_path / "engine")],
+        [sys.executable, "-m", "fewstep", "stream", "--model", "wan-tiny", *STREAM_SHAPE, "--sessions",
+         str(len(paths)), *(a for p in paths.values() for a in ("--script", str(p))), *stream_flags,
+         "--out", str(tmp_path / "engine")],
         capture_output=True, text=True, timeout=4 * WAIT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
     assert engine.returncode == 0, engine.stderr
-    for i, name in enumerate(SCRIPTS):
+    for i, name in enumerate(scripts):
         got = load_file(str(tmp_path / name / "latents.safetensors"))["latent"]
         want = load_file(str(tmp_path / "engine" / f"session_{i}" / "latents.safetensors"))["latent"]
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE)
         report = json.loads((tmp_path / name / "live.json").read_text())
         assert [c["applied"] for c in report["controls"] if c["kind"] != "stop"] == [
-            c["chunk"] for c in SCRIPTS[name]["controls"] if "stop" not in c
+            c["chunk"] for c in scripts[name].get("controls", []) if "stop" not in c
         ]
         assert report["metrics"]["chunks"] == len(report["chunks"])
         # each client's files are of its own session
         assert {c["chunk"] for c in report["chunks"]} == set(range(got.shape[2] // SHAPE["chunk_frames"]))
-    sessions = {json.loads((tmp_path / n / "live.json").read_text())["session"]["session"] for n in SCRIPTS}
-    assert len(sessions) == 2
+    sessions = {json.loads((tmp_path / n / "live.json").read_text())["session"]["session"] for n in scripts}
+    assert len(sessions) == len(scripts)
+
+
+def test_two_live_clients_at_once_write_what_stream_sessions_writes(server, live, tmp_path):
+    _run_and_compare(server, tmp_path, SCRIPTS)
+
+
+def _png(path: Path, seed: int, size=(60, 40)) -> None:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+
+
+def test_a_start_image_and_video_to_video_through_the_node_equal_the_engine(server, live, tmp_path):
+    """The start image (base64 in the open body) and the input frames (POST .../frames, PNG) are decoded and
+    encoded by the node's tiny VAE as ``stream --script --tiny-vae`` encodes them."""
+    _png(tmp_path / "start.png", 1)
+    (tmp_path / "frames").mkdir()
+    for i in range(8 * 5):
+        _png(tmp_path / "frames" / f"{i:03d}.png", 10 + i)
+    scripts = {
+        "i2v": {"prompt": "a fox", "seed": 2, "chunks": 4, "start_image": "start.png",
+                "controls": [{"chunk": 2, "prompt": "a fox at night", "recache": True}]},
+        "v2v": {"prompt": "a cat", "seed": 6, "chunks": 5, "input_video": "frames", "strength": 0.6,
+                "controls": [{"chunk": 2, "strength": 1.0}, {"chunk": 3, "prompt": "a cat in rain"}]},
+    }  # fmt: skip
+    _run_and_compare(server, tmp_path, scripts, "--tiny-vae", "dummy:taew2_1")

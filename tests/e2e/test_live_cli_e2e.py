@@ -85,6 +85,7 @@ def _run_and_compare(server, tmp_path, scripts: dict, *stream_flags) -> None:
     for name, script in scripts.items():
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(script))
+    first = next(iter(scripts))  # the first client also asks for the frames inline as JPEG
     clients = {
         name: _cli(
             "live",
@@ -96,6 +97,7 @@ def _run_and_compare(server, tmp_path, scripts: dict, *stream_flags) -> None:
             str(tmp_path / name),
             "--timeout",
             str(3 * WAIT),
+            *(["--jpeg"] if name == first else []),
         )  # fmt: skip
         for name, path in paths.items()
     }
@@ -125,6 +127,10 @@ def _run_and_compare(server, tmp_path, scripts: dict, *stream_flags) -> None:
         assert report["metrics"]["chunks"] == len(report["chunks"])
         # each client's files are of its own session
         assert {c["chunk"] for c in report["chunks"]} == set(range(got.shape[2] // SHAPE["chunk_frames"]))
+    jpegs = sorted((tmp_path / first / "jpeg").iterdir())
+    rows = json.loads((tmp_path / first / "live.json").read_text())["chunks"]
+    assert len(jpegs) == sum(r["frames"][1] - r["frames"][0] + 1 for r in rows)  # every frame of every chunk
+    assert all(p.read_bytes()[:2] == b"\xff\xd8" for p in jpegs)
     sessions = {json.loads((tmp_path / n / "live.json").read_text())["session"]["session"] for n in scripts}
     assert len(sessions) == len(scripts)
 
@@ -155,3 +161,30 @@ def test_a_start_image_and_video_to_video_through_the_node_equal_the_engine(serv
                 "controls": [{"chunk": 2, "strength": 1.0}, {"chunk": 3, "prompt": "a cat in rain"}]},
     }  # fmt: skip
     _run_and_compare(server, tmp_path, scripts, "--tiny-vae", "dummy:taew2_1")
+
+
+def test_the_documented_client_example_gets_the_engines_latents(server, live, tmp_path):
+    """docs/live-video.md's "A client in 40 lines" against the real node: its chunk files, concatenated, equal a
+    single ``stream --script`` run of the same script."""
+    from safetensors.torch import load_file
+
+    pytest.importorskip("websocket", reason="the docs/live-video.md example needs websocket-client")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "live-video.md").read_text()
+    code = text.split("## A client in 40 lines\n", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+    (tmp_path / "live_client.py").write_text(code + "\n")
+    (tmp_path / "a.json").write_text(json.dumps(SCRIPTS["a"]))
+    r = subprocess.run([sys.executable, "live_client.py", server["url"].removeprefix("http://"), "a.json", "chunks"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=4 * WAIT)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    files = sorted((tmp_path / "chunks").iterdir())
+    assert [f.name for f in files] == [f"chunk_{n:04d}.safetensors" for n in range(SCRIPTS["a"]["chunks"])]
+    got = torch.cat([load_file(str(f))["latent"] for f in files], dim=2)
+    engine = subprocess.run(
+        [sys.executable, "-m", "fewstep", "stream", "--model", "wan-tiny", *STREAM_SHAPE, "--script",
+         str(tmp_path / "a.json"), "--out", str(tmp_path / "engine")],
+        capture_output=True, text=True, timeout=4 * WAIT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    assert engine.returncode == 0, engine.stderr
+    want = load_file(str(tmp_path / "engine" / "latents.safetensors"))["latent"]
+    torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE)

@@ -49,7 +49,8 @@ def add_arguments(p) -> None:
         "controls: prompt switches with or without re-cache, strength, seed, stop at given chunks), the format "
         "`python -m fewstep live` sends to a live node; repeat once per session with --sessions N (session i "
         "follows the i-th script). Prompts are text, embedded with the synthetic text embedding the live node "
-        "uses without a CLIP: dummy weights only (default: none)",
+        "uses without a CLIP: dummy weights only; a start_image or input_video needs --tiny-vae, which encodes "
+        "it as the live node does (default: none)",
     )
 
 

@@ -80,8 +80,8 @@ MAX_LATENT_HEADER_BYTES = 64 << 10  # a chunk's safetensors header (one tensor: 
 MAX_JPEG_BYTES = 8 << 20  # one inline JPEG frame
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 MAX_SECRET_CHARS = 512
-CLOSE_WAIT_SECONDS = 3.0
-CLOSE_TIMEOUT_SECONDS = 10.0  # closing the session at the end, whatever ended the run  # after the session closed: how long the final metrics event may take to arrive
+CLOSE_WAIT_SECONDS = 3.0  # after the session closed: how long its final metrics event may take to arrive
+CLOSE_TIMEOUT_SECONDS = 10.0  # closing the session at the end, whatever ended the run
 FRAMES_AHEAD = 2  # input chunks of frames sent ahead of the chunk being made (the server queues at most 8)
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg")
 
@@ -197,7 +197,7 @@ def _run_command(args) -> int:
         if len(start_image) > MAX_START_IMAGE_BYTES:
             raise InputError("--script", f"{script.path}: 'start_image': larger than the "
                              f"{MAX_START_IMAGE_BYTES >> 20} MiB a live session takes")  # fmt: skip
-    frames = input_frames(script.input_video) if script.input_video is not None else None
+    frames = input_frames(script.input_video, script.path) if script.input_video is not None else None
     if args.out:
         try:
             os.makedirs(os.path.join(args.out, "chunks"), exist_ok=True)
@@ -388,7 +388,7 @@ def parse_live_chunk(live: LiveRun, data: dict) -> dict:
 
 def follow(live: LiveRun, ws, feeder) -> None:
     """Read the event stream until the session is closed (and its final metrics came, or a short wait passed)."""
-    closed_at = None
+    closed_at, previous = None, None
     while True:
         if closed_at is not None and (
             live.metrics_final or time.monotonic() - closed_at > CLOSE_WAIT_SECONDS
@@ -434,6 +434,9 @@ def follow(live: LiveRun, ws, feeder) -> None:
             continue
         if done and closed_at is None:
             closed_at = time.monotonic()
+            # the service sends its final metrics right before the close (after it: the wait above takes them)
+            live.metrics_final = previous == EVENT_METRICS
+        previous = event
 
 
 def _receive_within(ws, seconds: float):
@@ -655,18 +658,20 @@ def _write(path: str, data: bytes) -> None:
 # -- video to video input --------------------------------------------------------------------------------------------
 
 
-def input_frames(path: str):
+def input_frames(path: str, script_path: str):
     """The input video's frames as PNG bytes, one at a time: a folder of PNG / JPEG files (sorted by name; a PNG
     is sent as it is) or a video file decoded with PyAV."""
     if os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1].lower() in FRAME_EXTENSIONS)
         if not names:
-            raise InputError("--script", f"'input_video': {path} holds no .png / .jpg / .jpeg frames")
+            raise InputError(
+                "--script", f"{script_path}: 'input_video': {path} holds no .png / .jpg / .jpeg frames"
+            )
         return (_file_bytes(os.path.join(path, n)) for n in names)
     try:
         import av
     except ImportError:
-        raise InputError("--script", f"'input_video': reading {path} needs PyAV (pip install av); or give a "
+        raise InputError("--script", f"{script_path}: 'input_video': reading {path} needs PyAV (pip install av); or give a "
                          "folder of PNG frames") from None  # fmt: skip
     return _video_frames(av, path)
 
@@ -703,7 +708,7 @@ class FrameFeeder:
                     return
             encoded = [base64.b64encode(f).decode() for f in self.pending]
             if sum(len(e) for e in encoded) > MAX_FRAMES_BODY_BYTES - 4096:
-                raise InputError("--script", f"'input_video': one chunk of {self.per_chunk} frames is larger than "
+                raise InputError("--script", f"{self.live.script.path}: 'input_video': one chunk of {self.per_chunk} frames is larger than "
                                  f"the {MAX_FRAMES_BODY_BYTES >> 20} MiB a frames body takes")  # fmt: skip
             try:
                 self.live.client._request(self.live.route(FRAMES_ROUTE), {"frames": encoded},
@@ -730,7 +735,7 @@ def finish(live: LiveRun) -> int:
         print("metrics: none received (the server sent no fewstep.metrics event)", flush=True)
     if live.missed_controls:
         print(f"warning: {live.missed_controls} controls were applied later than their chunk (they reached the "
-              "server after that chunk had started); the latents differ from stream --script's", file=sys.stderr)  # fmt: skip
+              "server after it had started): the latents differ from stream --script's", file=sys.stderr)  # fmt: skip
     if live.refused:
         status = _fail(5, f"refused {live.refused} events or files the server sent (see above)")
     elif len(live.chunks) < wanted:

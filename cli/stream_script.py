@@ -147,7 +147,7 @@ class ScriptMedia:
         from .live import input_frames
 
         if self._frames is None:
-            self._frames = input_frames(self.script.input_video)
+            self._frames = input_frames(self.script.input_video, self.script.path)
         need = 4 * chunk_frames
         data = list(itertools.islice(self._frames, need))
         if len(data) < need:

@@ -463,3 +463,50 @@ def test_a_timeout_is_exit_4_and_the_session_is_closed(live_node, tmp_path, caps
     assert capsys.readouterr().err.startswith("error: fewstep live: no end of the session within 1.5 s")
     assert fake.deletes == [f"/fewstep/live/sessions/{SESSION}"]  # its slot freed, with the secret
     assert set(fake.secrets_seen) == {SECRET}
+
+
+def _png_bytes(seed: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (WIDTH, HEIGHT), (seed, 2 * seed, 3 * seed)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_an_input_video_is_sent_a_chunk_of_frames_at_a_time_with_the_start_and_strength(
+    live_node, tmp_path, capsys
+):
+    fake = live_node(3)
+    (tmp_path / "frames").mkdir()
+    frames = [_png_bytes(i) for i in range(4 * CHUNK_FRAMES * 3 + 5)]  # 3 chunks and a rest, never sent
+    for i, data in enumerate(frames):
+        (tmp_path / "frames" / f"{i:03d}.png").write_bytes(data)
+    script = {"prompt": "a fox", "chunks": 3, "input_video": "frames", "strength": 0.4}
+    assert _live(tmp_path, fake, script) == 0, capsys.readouterr().err
+    assert fake.open_bodies[0]["strength"] == 0.4 and fake.open_bodies[0]["start_image"] is None
+    per_chunk = 4 * CHUNK_FRAMES
+    assert [len(b["frames"]) for b in fake.frames_bodies] == [per_chunk] * 3
+    sent = [base64.b64decode(f) for b in fake.frames_bodies for f in b["frames"]]
+    assert sent == frames[: 3 * per_chunk]  # the files' own bytes, in name order
+
+
+def test_a_start_image_goes_in_the_open_body(live_node, tmp_path, capsys):
+    fake = live_node(2)
+    (tmp_path / "start.png").write_bytes(_png_bytes(7))
+    assert _live(tmp_path, fake, {"prompt": "a fox", "chunks": 2, "start_image": "start.png"}) == 0
+    assert base64.b64decode(fake.open_bodies[0]["start_image"]) == _png_bytes(7)
+
+
+def test_a_video_file_is_read_with_pyav_as_png_frames(tmp_path):
+    pytest.importorskip("av")
+    from PIL import Image
+
+    from fewstep.cli.live import input_frames
+    from fewstep.cli.video import open_video
+
+    video = open_video(str(tmp_path / "in"), WIDTH, HEIGHT, backend="mp4")
+    video.append(torch.rand(9, 3, HEIGHT, WIDTH))
+    video.close()
+    frames = list(input_frames(video.path, "s.json"))
+    assert len(frames) == 9
+    assert all(Image.open(io.BytesIO(f)).format == "PNG" for f in frames)

@@ -368,7 +368,11 @@ def parse_live_chunk(live: LiveRun, data: dict) -> dict:
             raise MalformedEventError(f"it has no {key!r}")
         if not valid(data[key]):
             raise MalformedEventError(f"its {key!r} is {snippet(json.dumps(data[key]))}, expected {expected}")
-    n = data["chunk"]
+    n, wanted = data["chunk"], live.script.chunks_to_run
+    if n >= wanted:  # bounds what a flooding server can make this client write: the script's chunks
+        raise MalformedEventError(f"its chunk {n} is past the session's {wanted} chunks (0 to {wanted - 1})")
+    if n in live.chunks:
+        raise MalformedEventError(f"chunk {n} came before")
     latents, clip = data.get("latents"), data.get("clip")
     if latents != live.route(LATENTS_ROUTE, n):
         raise MalformedEventError(
@@ -485,7 +489,7 @@ def handle_event(live: LiveRun, event: str, data: dict, feeder) -> bool:
         print(f"stall: this client read too slowly, the server dropped the events of chunks "
               f"{', '.join(map(str, dropped))}; fetching their files", file=sys.stderr, flush=True)  # fmt: skip
         for n in dropped:  # their files are kept (the newest ones): fetched from the paths the protocol fixes
-            if n not in live.chunks:
+            if n not in live.chunks and n < live.script.chunks_to_run:
                 receive_chunk(live, {"chunk": n, "latents": live.route(LATENTS_ROUTE, n),
                                      "clip": live.route(CLIP_ROUTE, n), "dropped": True})  # fmt: skip
     elif event == EVENT_METRICS:

@@ -510,3 +510,27 @@ def test_a_video_file_is_read_with_pyav_as_png_frames(tmp_path):
     frames = list(input_frames(video.path, "s.json"))
     assert len(frames) == 9
     assert all(Image.open(io.BytesIO(f)).format == "PNG" for f in frames)
+
+
+def test_chunks_past_the_script_or_repeated_are_refused_and_server_text_is_escaped(
+    live_node, tmp_path, capsys
+):
+    fake = live_node(3)
+    base = f"/fewstep/live/sessions/{SESSION}/chunks"
+    flood = {"chunk": 1000, "frames": [0, 4], "seconds": 0.1, "latency": 0.1, "clip": None,
+             "latents": f"{base}/1000.safetensors"}  # fmt: skip
+    again = {**flood, "chunk": 0, "latents": f"{base}/0.safetensors"}
+    fake.tamper = lambda n, data: data if n < 2 else {**data, **again}  # chunk 2's event repeats chunk 0
+    fake.extra_events = [
+        {"type": "fewstep.chunk", "data": fake.tags(**flood)},
+        {"type": "fewstep.session", "data": fake.tags(state="suspended", why="\x1b[2Jcleared")},
+    ]
+    assert _live(tmp_path, fake, {"prompt": "a fox", "chunks": 3}, "--out", str(tmp_path / "out")) == 5
+    out, err = capsys.readouterr()
+    assert "its chunk 1000 is past the session's 3 chunks (0 to 2)" in err
+    assert "refused a fewstep.chunk event: chunk 0 came before" in err
+    assert "\x1b" not in out + err and "session suspended: \\x1b[2Jcleared" in out
+    assert sorted(p.name for p in (tmp_path / "out" / "chunks").iterdir()) == [
+        "chunk_0000.safetensors", "chunk_0000.webp", "chunk_0001.safetensors", "chunk_0001.webp",
+    ]  # fmt: skip
+    assert not any("1000" in p for p in fake.paths)

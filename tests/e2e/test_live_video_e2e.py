@@ -349,7 +349,9 @@ def test_a_client_that_disconnects_is_suspended_and_resumed_and_its_video_goes_o
     sid = session["session"]
     client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == sid, "a first chunk")
     client.close()  # gone: the service sees it at its next loop (one tick: milliseconds here) and suspends it
-    time.sleep(2.0)  # long enough for that, and far from disconnect_seconds (60), which would close the session
+    time.sleep(
+        2.0
+    )  # long enough for that, and far from disconnect_seconds (60), which would close the session
     client = Client(server, client_id)  # back, with the same clientId
     try:
         session_state(client, sid, "resumed")

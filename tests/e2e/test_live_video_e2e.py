@@ -73,6 +73,8 @@ class Client:
                 message = self.ws.recv()
             except Exception:  # noqa: BLE001 - closed by close() or by the server
                 return
+            if not message:  # the socket closed (websocket-client answers an empty message then)
+                return
             if isinstance(message, str):
                 event = json.loads(message)
                 if event.get("type", "").startswith("fewstep."):

@@ -15,6 +15,8 @@ steering its own session with its own control script while the node runs.
 # ruff: noqa: F811 - the tests take the imported ``server`` fixture as an argument
 from __future__ import annotations
 
+import base64
+import io
 import json
 import threading
 import time
@@ -251,6 +253,7 @@ def chunk_after(client: Client, session: dict, index: int) -> int:
 
 def test_before_a_live_node_runs_the_status_is_empty_and_opening_is_refused(server):
     assert http(server, "GET", "/fewstep/live") == (200, [])
+    assert http(server, "GET", "/api/fewstep/live") == (200, [])  # ComfyUI serves every route under /api too
     status, answer = http(server, "POST", "/fewstep/live/sessions", {"client_id": "x", "prompt": "a fox"})
     assert (status, answer) == (503, {"error": "no FewStep Live Video node is running: queue a workflow with one "
                                                 "first"})  # fmt: skip
@@ -342,6 +345,39 @@ def test_a_session_without_its_secret_is_answered_as_an_unknown_one(server, live
     finally:
         owner.close()
         other.close()
+
+
+def png(width: int, height: int, color: tuple[int, int, int]) -> str:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_frames_as_jpeg_clips_and_video_to_video_through_the_tiny_vae(server, live):
+    client = Client(server, "viewer-" + uuid.uuid4().hex[:6])
+    try:
+        t2v = client.open(prompt="a fox", seed=1, chunks=2, jpeg=True, jpeg_quality=60)
+        _, chunk = client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == t2v["session"],
+                                   "a chunk with JPEG frames")  # fmt: skip
+        first, last = chunk["frames"]
+        assert len(chunk["jpeg"]) == last - first + 1 and chunk["mode"] == "t2v"
+        assert all(base64.b64decode(j).startswith(b"\xff\xd8") for j in chunk["jpeg"])
+        status, clip = http(server, "GET", chunk["clip"], secret=t2v["secret"])
+        assert status == 200 and clip[:4] == b"RIFF" and clip[8:12] == b"WEBP"
+        # video to video: input frames (any size: scaled to cover 48x32 and center-cropped), a chunk's worth
+        v2v = client.open(prompt="a watercolor fox", seed=2, chunks=1, strength=0.7)
+        frames = [png(64, 64, (30 * i, 90, 200)) for i in range(v2v["frames_per_chunk"])]
+        status, answer = http(server, "POST", f"/fewstep/live/sessions/{v2v['session']}/frames", {"frames": frames},
+                              secret=v2v["secret"])  # fmt: skip
+        assert (status, answer) == (202, {"queued_frames": len(frames)})
+        _, chunk = client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == v2v["session"],
+                                   "a restyled chunk")  # fmt: skip
+        assert chunk["mode"] == "v2v" and 0 < chunk["strength"] <= 0.7, chunk
+        session_state(client, v2v["session"], "closed")
+    finally:
+        client.close()
 
 
 def test_a_client_that_disconnects_is_suspended_and_resumed_and_its_video_goes_on(server, live, reference):

@@ -17,7 +17,6 @@ from test_nodes import _run
 
 from fewstep.engine.causal import CausalConfig, open_session_pool
 from fewstep.engine.prompt_embeddings import synthetic_text_embedding
-from fewstep.nodes.live_routes import LiveRequests
 
 WAIT = 120.0  # a bound on waiting for the generation thread, never an assertion on time
 
@@ -85,7 +84,8 @@ class Running:
 
         monkeypatch.setattr(live, "open_session_pool", recording_opener)
         monkeypatch.setattr(live, "make_transport", lambda: transport)
-        self.requests = LiveRequests(live.LIVE_HOSTS)
+        # the pack's own import (ComfyUI's module name): its LiveError is the one the service raises
+        self.requests = sys.modules[f"{pack.__name__}.nodes.live_routes"].LiveRequests(live.LIVE_HOSTS)
         self.hosts = live.LIVE_HOSTS
         self.result = self.error = None
         self.thread = threading.Thread(target=self._run, args=(pack, inputs), daemon=True)
@@ -211,3 +211,26 @@ def test_cancel_stops_the_node_and_frees_its_pool(pack, monkeypatch, wan):
     assert isinstance(running.error, CancelledError), running.error
     assert len(running.hosts) == 0 and running.pools[0].closed and running.pools[0].nbytes == 0
     assert running.requests.control(session["session"], session["secret"], b'{"seed": 1}').status == 503
+
+
+def test_sessions_are_bounded_per_client_and_per_node(pack, monkeypatch, wan):
+    transport = RecordingTransport({"A", "B", "C"})
+    running = Running(pack, monkeypatch, transport, model=wan, **TINY, max_sessions=2, max_sessions_per_client=1,
+                      idle_seconds=0.0, max_seconds=600.0)  # fmt: skip
+    try:
+        running.open("A", prompt="a fox", seed=0, chunks=None)
+        refused = running.requests.open(json.dumps({"client_id": "A", "prompt": "a fox"}).encode())
+        assert refused.status == 429 and refused.body["error"].startswith(
+            "client_id: this client has 1 open sessions; at most 1 per client"
+        ), refused
+        running.open("B", prompt="a corgi", seed=0, chunks=None)
+        refused = running.requests.open(json.dumps({"client_id": "C", "prompt": "a cat"}).encode())
+        assert (
+            refused.status == 429
+            and "all 2 session slots of this live node are taken" in refused.body["error"]
+        )
+        assert running.requests.status().body[0]["free_slots"] == 0
+    finally:
+        running.requests.stop()
+        running.join()
+    assert running.error is None, running.error

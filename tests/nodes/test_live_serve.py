@@ -177,6 +177,11 @@ def test_a_steered_session_gets_the_engines_video_and_stop_returns_the_report(pa
     assert running.error is None, running.error
     report = running.result["result"][0]
     assert running.result["ui"]["text"] == [report]
+    assert report.startswith("live run stopped: stopped by POST /fewstep/live/stop;"), report
+    line = next(x for x in report.splitlines() if x.startswith("session 1 (seed 3): 5 chunks"))
+    for metric in ("first chunk", "inter-chunk p50", "p99", "realtime factor", "deadlines met", "viewer stalls",
+                   "batch sizes"):  # fmt: skip
+        assert metric in line, line
     assert len(running.hosts) == 0 and running.pools[0].closed and running.pools[0].nbytes == 0
 
 

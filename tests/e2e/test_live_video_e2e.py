@@ -355,7 +355,7 @@ def png(width: int, height: int, color: tuple[int, int, int]) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-def test_frames_as_jpeg_clips_and_video_to_video_through_the_tiny_vae(server, live):
+def test_jpeg_frames_clips_image_and_video_to_video_through_the_tiny_vae(server, live):
     client = Client(server, "viewer-" + uuid.uuid4().hex[:6])
     try:
         t2v = client.open(prompt="a fox", seed=1, chunks=2, jpeg=True, jpeg_quality=60)
@@ -374,8 +374,13 @@ def test_frames_as_jpeg_clips_and_video_to_video_through_the_tiny_vae(server, li
         assert (status, answer) == (202, {"queued_frames": len(frames)})
         _, chunk = client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == v2v["session"],
                                    "a restyled chunk")  # fmt: skip
-        assert chunk["mode"] == "v2v" and 0 < chunk["strength"] <= 0.7, chunk
+        assert chunk["mode"] == "v2v" and 0 < chunk["strength"] <= 0.7 and "jpeg" not in chunk, chunk
         session_state(client, v2v["session"], "closed")
+        # image to video: the start image is the video's first frame, the first chunk's frames come after it
+        i2v = client.open(prompt="a fox waking up", seed=3, chunks=1, start_image=png(96, 64, (200, 120, 40)))
+        _, chunk = client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == i2v["session"],
+                                   "the chunk after the start image")  # fmt: skip
+        assert chunk["chunk"] == 0 and chunk["frames"][0] == 1, chunk
     finally:
         client.close()
 

@@ -20,9 +20,9 @@ class SessionOutbox:
     Full, and the new event droppable (a chunk event, a deadline miss): the OLDEST queued droppable event is
     dropped, and for a chunk event one coalesced ``fewstep.stall`` event (``{"dropped": n, "chunks": [indices]}``)
     becomes pending: it is handed out where the first dropped event was, counting every chunk event dropped since
-    the last stall event handed out (a dropped deadline miss is not counted: its chunk event says the same). Full
-    with no droppable event queued: :class:`OutboxFullError` (the service closes the session: "its client reads
-    too slowly").
+    the last stall event handed out (a dropped deadline miss is not counted: its chunk event says the same). When
+    no queued event is droppable, a droppable new event is itself dropped; an undroppable one then raises
+    :class:`OutboxFullError` (the service closes the session: "its client reads too slowly").
     """
 
     def __init__(self, max_events: int = 16, tags: dict | None = None):
@@ -44,22 +44,31 @@ class SessionOutbox:
         with self._lock:
             if self._closed:
                 return
+            listener = self._listener
             if len(self._events) >= self.max_events and not force:
                 oldest = next((i for i, (_, _, d) in enumerate(self._events) if d), None)
-                if oldest is None:
+                if oldest is None and not droppable:
                     raise OutboxFullError(f"{len(self._events)} events queued, none of them droppable")
-                lost, dropped, _ = self._events[oldest]
-                del self._events[oldest]
-                if lost == EVENT_CHUNK:  # a viewer misses a chunk: announced by the stall event
-                    self._stall_at = oldest if not self._stall else min(self._stall_at, oldest)
-                    self._stall.append(dropped.get("chunk", -1))
-                    self.dropped += 1
-                elif self._stall and oldest < self._stall_at:
-                    self._stall_at -= 1  # the stall keeps its place among the events that stay
-            self._events.append((event, data, droppable))
-            listener = self._listener
+                if oldest is None:  # nothing queued may go: the new event itself is the oldest droppable one
+                    self._drop(event, data, len(self._events))
+                else:
+                    lost, dropped, _ = self._events[oldest]
+                    del self._events[oldest]
+                    self._drop(lost, dropped, oldest)
+                    self._events.append((event, data, droppable))
+            else:
+                self._events.append((event, data, droppable))
         if listener is not None:
             listener()
+
+    def _drop(self, event: str, data: dict, position: int) -> None:
+        """Account for a dropped event that stood at ``position`` in the queue (under the lock)."""
+        if event == EVENT_CHUNK:  # a viewer misses a chunk: announced by the stall event
+            self._stall_at = position if not self._stall else min(self._stall_at, position)
+            self._stall.append(data.get("chunk", -1))
+            self.dropped += 1
+        elif self._stall and position < self._stall_at:
+            self._stall_at -= 1  # the stall keeps its place among the events that stay
 
     def pop(self) -> tuple[str, dict] | None:
         """The next event, or None (never blocks)."""

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InputError
+from ..units import format_bytes
 
 BASE = "/fewstep/live"
 STATUS_ROUTE = BASE  # GET: public status of the running live nodes
@@ -202,13 +203,13 @@ def decode_image_field(value, field: str, max_bytes: int = MAX_START_IMAGE_BYTES
     if value.startswith("data:"):
         value = value.partition(",")[2]
     if len(value) > 4 * math.ceil(max_bytes / 3) + 4:
-        raise LiveError(413, field, f"image larger than {max_bytes // MIB} MiB")
+        raise LiveError(413, field, f"image larger than {format_bytes(max_bytes)}")
     try:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise LiveError(400, field, "expected a base64 PNG or JPEG: not valid base64") from None
     if len(data) > max_bytes:
-        raise LiveError(413, field, f"image larger than {max_bytes // MIB} MiB")
+        raise LiveError(413, field, f"image larger than {format_bytes(max_bytes)}")
     if not (data.startswith(b"\x89PNG\r\n\x1a\n") or data.startswith(b"\xff\xd8")):
         raise LiveError(400, field, "expected a base64 PNG or JPEG: neither signature found")
     return data

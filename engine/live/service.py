@@ -294,11 +294,13 @@ class LiveService:
         with self._lock:
             if self._finished or self._stop_why is not None:
                 raise no_node()
-            mine = sum(s.client_id == request.client_id for s in self._sessions.values())
+            # a session whose close is asked for counts no more: the serve loop applies closes before joins
+            live = [s for s in self._sessions.values() if s.closing is None]
+            mine = sum(s.client_id == request.client_id for s in live)
             if mine >= self.limits.max_sessions_per_client:
                 raise LiveError(429, "client_id", f"this client has {mine} open sessions; at most "
                                 f"{self.limits.max_sessions_per_client} per client: close one first")  # fmt: skip
-            if len(self._sessions) >= pool.slots:
+            if len(live) >= pool.slots:
                 raise LiveError(429, "", f"all {pool.slots} session slots of this live node are taken; try "
                                 "again later")  # fmt: skip
             sid = secrets.token_urlsafe(12)
@@ -679,14 +681,18 @@ class LiveService:
         else:
             first, last = video_frame_span(chunk.start_frame, c)
         s.video_frames = last + 1
-        clip = None if frames is None else media.frames_to_webp(frames, self.pool.fps)
+        clip = jpeg = None
+        try:
+            if frames is not None:
+                clip = media.frames_to_webp(frames, self.pool.fps)
+            if s.request.jpeg and frames is not None:
+                jpeg = [base64.b64encode(j).decode("ascii")
+                        for j in media.frames_to_jpeg(frames, s.request.jpeg_quality)]  # fmt: skip
+        except LiveError as err:  # no Pillow: the latents still go out
+            log.warning(
+                "fewstep live: no clip for chunk %d of session %d: %s", chunk.index, s.index, err.text
+            )
         latents = media.latents_to_safetensors(chunk.latents)
-        jpeg = None
-        if s.request.jpeg and frames is not None:
-            jpeg = [
-                base64.b64encode(j).decode("ascii")
-                for j in media.frames_to_jpeg(frames, s.request.jpeg_quality)
-            ]
         s.media_seconds += time.perf_counter() - t0
         with self._lock:
             s.payloads[chunk.index] = (clip, latents)

@@ -15,6 +15,8 @@ steering its own session with its own control script while the node runs.
 # ruff: noqa: F811 - the tests take the imported ``server`` fixture as an argument
 from __future__ import annotations
 
+import base64
+import io
 import json
 import threading
 import time
@@ -72,6 +74,8 @@ class Client:
             try:
                 message = self.ws.recv()
             except Exception:  # noqa: BLE001 - closed by close() or by the server
+                return
+            if not message:  # the socket closed (websocket-client answers an empty message then)
                 return
             if isinstance(message, str):
                 event = json.loads(message)
@@ -204,13 +208,15 @@ def latents(client: Client, session: dict, index: int) -> torch.Tensor:
     return load(bytes(payload))["latent"]
 
 
-def applied_controls(client: Client, session: dict) -> dict:
-    """chunk -> [(kind, value, recache)] as the session's control_applied events say they were applied."""
-    sent = session["sent"]  # control seq -> (kind, value, recache)
-    out: dict[int, list] = {}
-    for event in client.of(session["session"], "fewstep.control_applied"):
-        out.setdefault(event["chunk"], []).append(sent[event["control"]])
-    return out
+def close_and_fetch(client: Client, session: dict) -> dict[int, torch.Tensor]:
+    """Close the session (it runs until closed: the generation is not paced, so a session of a fixed length could
+    end before its controls arrive), then read the latents of the chunks it keeps (its newest 8), by index."""
+    sid = session["session"]
+    assert http(client.server, "DELETE", f"/fewstep/live/sessions/{sid}", secret=session["secret"]) == (
+        200, {"closed": sid})  # fmt: skip
+    session_state(client, sid, "closed")
+    made = client.of(sid, "fewstep.metrics")[-1]["chunks"]  # the closing metrics event is never dropped
+    return {index: latents(client, session, index) for index in range(max(0, made - 8), made)}
 
 
 def control(client: Client, session: dict, **body) -> int:
@@ -218,9 +224,28 @@ def control(client: Client, session: dict, **body) -> int:
                           secret=session["secret"])  # fmt: skip
     assert status == 202, answer
     kind = answer["kind"]
-    value = body.get(kind)
-    session.setdefault("sent", {})[answer["control"]] = (kind, value, bool(body.get("recache", False)))
+    session.setdefault("sent", {})[answer["control"]] = (kind, body[kind], bool(body.get("recache", False)))
     return answer["control"]
+
+
+def applied_controls(client: Client, session: dict) -> dict:
+    """Wait until every control sent to the session was applied; chunk -> [(kind, value, recache)] as the
+    session's control_applied events say."""
+    sid, sent = session["session"], session["sent"]
+    for sequence in sent:
+        client.wait_for(lambda t, d, q=sequence: t == "fewstep.control_applied" and d.get("session") == sid
+                        and d["control"] == q, f"control {sequence} applied")  # fmt: skip
+    out: dict[int, list] = {}
+    for event in client.of(sid, "fewstep.control_applied"):
+        out.setdefault(event["chunk"], []).append(sent[event["control"]])
+    return out
+
+
+def chunk_after(client: Client, session: dict, index: int) -> int:
+    """Wait for a chunk event of the session later than chunk ``index``; its index."""
+    sid = session["session"]
+    return client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == sid and d["chunk"] > index,
+                           f"a chunk after {index}")[1]["chunk"]  # fmt: skip
 
 
 # -- the tests --------------------------------------------------------------------------------------------------------
@@ -228,18 +253,19 @@ def control(client: Client, session: dict, **body) -> int:
 
 def test_before_a_live_node_runs_the_status_is_empty_and_opening_is_refused(server):
     assert http(server, "GET", "/fewstep/live") == (200, [])
+    assert http(server, "GET", "/api/fewstep/live") == (200, [])  # ComfyUI serves every route under /api too
     status, answer = http(server, "POST", "/fewstep/live/sessions", {"client_id": "x", "prompt": "a fox"})
     assert (status, answer) == (503, {"error": "no FewStep Live Video node is running: queue a workflow with one "
                                                 "first"})  # fmt: skip
 
 
 SCRIPTS = {
-    "A": dict(prompt="a red fox running through snow", seed=3, chunks=6,
-              controls=[dict(at_chunk=2, prompt="a red fox running through a forest", recache=True),
-                        dict(at_chunk=4, seed=11)]),
-    "B": dict(prompt="a corgi on a beach", seed=5, chunks=6,
-              controls=[dict(at_chunk=1, prompt="a corgi in the waves"), dict(at_chunk=3, seed=2),
-                        dict(at_chunk=5, prompt="a corgi at sunset", recache=True)]),
+    "A": dict(prompt="a red fox running through snow", seed=3,
+              controls=[dict(at_chunk=3, prompt="a red fox running through a forest", recache=True),
+                        dict(at_chunk=6, seed=11)]),
+    "B": dict(prompt="a corgi on a beach", seed=5,
+              controls=[dict(at_chunk=2, prompt="a corgi in the waves"), dict(at_chunk=5, seed=2),
+                        dict(at_chunk=9, prompt="a corgi at sunset", recache=True)]),
 }  # fmt: skip
 
 
@@ -250,31 +276,28 @@ def test_two_clients_steer_their_own_sessions_and_get_the_engines_video(server, 
     try:
         sessions = {}
         for name, script in SCRIPTS.items():
-            script = dict(script)
-            controls = script.pop("controls")
-            opened = clients[name].open(**script)
+            opened = clients[name].open(prompt=script["prompt"], seed=script["seed"], chunks=None)
             assert {"session", "secret", "width", "height", "chunk_frames", "node", "prompt_id"} <= set(
                 opened
             )
             assert (opened["width"], opened["height"], opened["prompt_id"]) == (48, 32, live)
             sessions[name] = opened
-            for c in controls:
+            for c in script["controls"]:
                 control(clients[name], opened, **c)
         for name, client in clients.items():
-            session_state(client, sessions[name]["session"], "closed")
-        for name, client in clients.items():
             script, session = SCRIPTS[name], sessions[name]
-            chunks = client.of(session["session"], "fewstep.chunk")
-            assert [c["chunk"] for c in chunks] == list(range(script["chunks"])), chunks
-            assert all(c["latents"].endswith(f"/chunks/{c['chunk']}.safetensors") for c in chunks)
             applied = applied_controls(client, session)
-            assert sorted(kind for at in applied.values() for kind, _, _ in at) == sorted(
-                next(k for k in ("prompt", "seed") if k in c) for c in script["controls"]
-            )
-            expected = reference(script["prompt"], script["seed"], script["chunks"], applied)
-            for index, want in enumerate(expected):
-                got = latents(client, session, index)
-                assert got.shape == want.shape and torch.equal(got, want), (name, index)
+            # every control took effect at its chunk or, sent after that chunk had started, at the next one
+            kinds = sorted(kind for at in applied.values() for kind, _, _ in at)
+            assert kinds == sorted(next(k for k in ("prompt", "seed") if k in c) for c in script["controls"])
+            chunk_after(client, session, max(applied))
+            kept = close_and_fetch(client, session)
+            expected = reference(script["prompt"], script["seed"], max(kept) + 1, applied)
+            assert max(kept) > max(applied)
+            for index, got in kept.items():
+                assert got.shape == expected[index].shape and torch.equal(got, expected[index]), (name, index)
+            chunks = client.of(session["session"], "fewstep.chunk")
+            assert all(c["latents"].endswith(f"/chunks/{c['chunk']}.safetensors") for c in chunks)
         # isolation: no event of one client's session reached the other
         a, b = sessions["A"]["session"], sessions["B"]["session"]
         assert all(d.get("session") != a for _, d in clients["B"].events)
@@ -324,33 +347,65 @@ def test_a_session_without_its_secret_is_answered_as_an_unknown_one(server, live
         other.close()
 
 
+def png(width: int, height: int, color: tuple[int, int, int]) -> str:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_jpeg_frames_clips_image_and_video_to_video_through_the_tiny_vae(server, live):
+    client = Client(server, "viewer-" + uuid.uuid4().hex[:6])
+    try:
+        t2v = client.open(prompt="a fox", seed=1, chunks=2, jpeg=True, jpeg_quality=60)
+        _, chunk = client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == t2v["session"],
+                                   "a chunk with JPEG frames")  # fmt: skip
+        first, last = chunk["frames"]
+        assert len(chunk["jpeg"]) == last - first + 1 and chunk["mode"] == "t2v"
+        assert all(base64.b64decode(j).startswith(b"\xff\xd8") for j in chunk["jpeg"])
+        status, clip = http(server, "GET", chunk["clip"], secret=t2v["secret"])
+        assert status == 200 and clip[:4] == b"RIFF" and clip[8:12] == b"WEBP"
+        # video to video: input frames (any size: scaled to cover 48x32 and center-cropped), a chunk's worth
+        v2v = client.open(prompt="a watercolor fox", seed=2, chunks=1, strength=0.7)
+        frames = [png(64, 64, (30 * i, 90, 200)) for i in range(v2v["frames_per_chunk"])]
+        status, answer = http(server, "POST", f"/fewstep/live/sessions/{v2v['session']}/frames", {"frames": frames},
+                              secret=v2v["secret"])  # fmt: skip
+        assert (status, answer) == (202, {"queued_frames": len(frames)})
+        _, chunk = client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == v2v["session"],
+                                   "a restyled chunk")  # fmt: skip
+        assert chunk["mode"] == "v2v" and 0 < chunk["strength"] <= 0.7 and "jpeg" not in chunk, chunk
+        session_state(client, v2v["session"], "closed")
+        # image to video: the start image is the video's first frame, the first chunk's frames come after it
+        i2v = client.open(prompt="a fox waking up", seed=3, chunks=1, start_image=png(96, 64, (200, 120, 40)))
+        _, chunk = client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == i2v["session"],
+                                   "the chunk after the start image")  # fmt: skip
+        assert chunk["chunk"] == 0 and chunk["frames"][0] == 1, chunk
+    finally:
+        client.close()
+
+
 def test_a_client_that_disconnects_is_suspended_and_resumed_and_its_video_goes_on(server, live, reference):
     client_id = "wanderer-" + uuid.uuid4().hex[:6]
     client = Client(server, client_id)
     session = client.open(prompt="a fox in the rain", seed=21, chunks=None)
     sid = session["session"]
     client.wait_for(lambda t, d: t == "fewstep.chunk" and d.get("session") == sid, "a first chunk")
-    client.close()  # gone: the service sees it at its next loop and suspends the session
+    client.close()  # gone: the service sees it at its next loop (one tick: milliseconds here) and suspends it
+    time.sleep(
+        2.0
+    )  # long enough for that, and far from disconnect_seconds (60), which would close the session
     client = Client(server, client_id)  # back, with the same clientId
     try:
         session_state(client, sid, "resumed")
         states = [d["state"] for d in client.of(sid, "fewstep.session")]
         assert states.index("suspended") < states.index("resumed"), states
-        resumed = len(client.events)
-        after = client.wait_for(
-            lambda t, d: (
-                t == "fewstep.chunk" and d.get("session") == sid and client.events.index((t, d)) > resumed
-            ),
-            "a chunk after the resume",
-        )[1]["chunk"]
-        expected = reference("a fox in the rain", 21, after + 1, {})
-        got = {index: latents(client, session, index) for index in range(max(0, after - 3), after + 1)}
-        assert http(server, "DELETE", f"/fewstep/live/sessions/{sid}", secret=session["secret"]) == (
-            200,
-            {"closed": sid},
-        )
-        for index, latent in got.items():
-            assert torch.equal(latent, expected[index]), index
+        before = max([c["chunk"] for c in client.of(sid, "fewstep.chunk")], default=0)
+        chunk_after(client, session, before)  # the video goes on after the resume
+        kept = close_and_fetch(client, session)
+        expected = reference("a fox in the rain", 21, max(kept) + 1, {})
+        for index, got in kept.items():
+            assert torch.equal(got, expected[index]), index
     finally:
         client.close()
 
@@ -361,7 +416,8 @@ def test_stop_ends_the_node_and_its_report_has_each_sessions_metrics(server, liv
     entry = finished(server, live)
     assert entry["status"]["status_str"] == "success", entry["status"]
     (report,) = [o["text"][0] for o in entry["outputs"].values() if "text" in o][:1]
-    for expected in ("time to first chunk", "p50", "p99", "real-time factor", "deadline", "stall", "batch"):
+    for expected in ("first chunk", "inter-chunk p50", "p99", "realtime factor", "deadlines met", "viewer stalls",
+                     "batch sizes"):  # fmt: skip
         assert expected in report, report
     assert http(server, "GET", "/fewstep/live") == (200, [])
 

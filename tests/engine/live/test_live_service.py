@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fewstep.engine import load_dit, load_tiny_vae
+from fewstep.engine import InputError, load_dit, load_tiny_vae
 from fewstep.engine.causal import CausalConfig, VideoSession
 from fewstep.engine.causal.session_pool import SessionPool
 from fewstep.engine.latent_formats import WAN21
@@ -256,6 +256,9 @@ def test_the_open_answer_and_public_status(wan):
     assert (
         err.value.text == "client_id: this client has 1 open sessions; at most 1 per client: close one first"
     )
+    service.close(answer["session"], answer["secret"])  # counts no more at once (closes apply before joins)
+    service.open({"client_id": "c1", "prompt": "y"})
+    assert service.status()["sessions"] == 2  # until the serve loop applies the close
     service.stop()
     report = service.serve()
     assert report.why_stopped == "stopped by a client" and service.status()["slots"] == 0
@@ -530,3 +533,199 @@ def test_bookkeeping_stays_flat_over_many_sessions(wan):
         len(service.prompts) == 5 and service.prompts.misses == 5
     )  # the sessions that joined encoded them once
     assert service.pool.closed and service.pool.sessions == {}
+
+
+def png_bytes(seed: int, width: int = W, height: int = H) -> bytes:
+    import io
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    array = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_start_image_starts_the_session_as_a_pool_prefilled_with_its_tiny_vae_latents(wan, taew):
+    import base64
+
+    from fewstep.engine.live.media import decode_image
+
+    image = png_bytes(1, 64, 32)  # wider than the session: scaled to cover, center-cropped
+    transport = FakeTransport()
+    service = make_service(wan, transport, tiny_vae=taew)
+    answer = service.open({"client_id": "c", "prompt": "a lighthouse", "seed": 2, "chunks": 2,
+                           "start_image": base64.b64encode(image).decode()})  # fmt: skip
+    service.serve()
+
+    pool = SessionPool(wan, H, W, CONFIG, max_sessions=4, buckets=(1, 2, 4), tiny_vae=taew)
+    session = pool.join(encoder_for(wan)("a lighthouse"), seed=2, chunks=2)
+    start = decode_image(image, W, H)[None, None]
+    pool.prefill(session, WAN21.process_in(taew.encode_raw(start).float().cpu()))
+    reference = []
+    while pool.ready():
+        reference.append(pool.tick().chunks[session.key])
+        session.take()
+    pool.close()
+    got = live_latents(service, answer, 2)
+    assert len(reference) == 2
+    for latents, chunk in zip(got, reference):
+        assert torch.equal(latents, WAN21.process_out(chunk.latents))
+    chunks = [d for e, d in drain(transport.outboxes[answer["session"]]) if e == "fewstep.chunk"]
+    # the start image's frame is video frame 0: the first chunk's frames follow it
+    assert [d["frames"] for d in chunks] == [[1, 8], [9, 16]]
+
+
+def test_video_to_video_input_frames_equal_a_pool_fed_by_the_stream_encoder(wan, taew):
+    from fewstep.engine.live.media import decode_image
+    from fewstep.engine.vae.taehv import TAEHVStreamEncoder
+
+    images = [png_bytes(10 + i) for i in range(16)]  # two chunks of 4 x 2 frames
+    transport = FakeTransport()
+    service = make_service(wan, transport, tiny_vae=taew)
+    answer = service.open(
+        {"client_id": "c", "prompt": "oil painting", "seed": 5, "chunks": 2, "strength": 0.6}
+    )
+    assert service.feed_frames(answer["session"], answer["secret"], images[:5]) == {"queued_frames": 5}
+    assert service.feed_frames(answer["session"], answer["secret"], images[5:]) == {"queued_frames": 16}
+    service.serve()
+
+    pool = SessionPool(wan, H, W, CONFIG, max_sessions=4, buckets=(1, 2, 4), tiny_vae=taew)
+    session = pool.join(encoder_for(wan)("oil painting"), seed=5, chunks=2)
+    pool.set_strength(session, 0.6)
+    encoder = TAEHVStreamEncoder(taew.video)
+    frames = torch.stack([decode_image(b, W, H) for b in images])
+    for i in range(2):
+        z = encoder.push(frames[None, 8 * i : 8 * (i + 1)])
+        pool.feed(session, WAN21.process_in(taew.latent_to_raw(z.transpose(1, 2).float()).float()))
+    reference = []
+    while pool.ready():
+        reference.append(pool.tick().chunks[session.key])
+        session.take()
+    pool.close()
+    assert [c.mode for c in reference] == ["v2v", "v2v"]
+    for latents, chunk in zip(live_latents(service, answer, 2), reference):
+        assert torch.equal(latents, WAN21.process_out(chunk.latents))
+    chunks = [d for e, d in drain(transport.outboxes[answer["session"]]) if e == "fewstep.chunk"]
+    assert [(d["mode"], d["strength"]) for d in chunks] == [("v2v", 0.6), ("v2v", 0.6)]
+
+
+def test_input_frames_are_bounded_to_8_chunks(wan, taew):
+    service = make_service(wan, FakeTransport(), tiny_vae=taew)
+    answer = service.open({"client_id": "c", "prompt": "x", "strength": 0.5})
+    frame = png_bytes(0)
+    assert service.feed_frames(answer["session"], answer["secret"], [frame] * 64) == {"queued_frames": 64}
+    with pytest.raises(LiveError) as err:
+        service.feed_frames(answer["session"], answer["secret"], [frame])
+    assert (err.value.status, err.value.text) == (429, "frames: 1 more frames do not fit: 64 of 64 are queued (8 "
+                                                  "chunks ahead of the generation); send them after the next chunks")  # fmt: skip
+    with pytest.raises(LiveError) as err:
+        service.feed_frames(answer["session"], answer["secret"], [b"GIF89a"])
+    assert (err.value.status, err.value.field) == (400, "frames[0]")
+    service.stop()
+    service.serve()
+
+
+def test_without_a_tiny_vae_frames_are_refused(wan):
+    service = make_service(wan, FakeTransport())
+    answer = service.open({"client_id": "c", "prompt": "x"})
+    with pytest.raises(LiveError) as err:
+        service.feed_frames(answer["session"], answer["secret"], [png_bytes(0)])
+    assert (
+        err.value.text
+        == "frames: video to video needs the live node's tiny VAE with its encoder (taew2_1); connect one"
+    )
+    with pytest.raises(LiveError) as err:
+        service.control(answer["session"], answer["secret"], {"strength": 0.4})
+    assert err.value.status == 400 and err.value.field == "strength"
+    service.stop()
+    service.serve()
+
+
+def test_a_slow_reader_loses_chunks_with_a_stall_event_while_the_generation_goes_on(wan):
+    transport = FakeTransport()
+    service = make_service(wan, transport, max_events_queued=2, metrics_seconds=1e9)
+    answer = service.open({"client_id": "c", "prompt": "x", "chunks": 6})
+    report = service.serve()  # nobody reads during the run
+    assert report.chunks == 6
+    events = drain(transport.outboxes[answer["session"]])
+    assert [(e, d.get("state"), d.get("chunk"), d.get("chunks")) for e, d in events] == [
+        ("fewstep.session", "opened", None, None),
+        ("fewstep.stall", None, None, [0, 1, 2, 3, 4]),
+        ("fewstep.chunk", None, 5, 6),
+        ("fewstep.metrics", None, None, 6),
+        ("fewstep.session", "closed", None, None),
+    ]
+    assert events[1][1] == {"session": answer["session"], "node": "7", "prompt_id": "p1", "dropped": 5,
+                            "chunks": [0, 1, 2, 3, 4]}  # fmt: skip
+
+
+def test_a_reader_too_slow_for_events_that_may_not_be_dropped_has_its_session_closed(wan):
+    transport = FakeTransport()
+    service = make_service(wan, transport, max_events_queued=2, metrics_seconds=1e9)
+    answer = service.open({"client_id": "c", "prompt": "x", "chunks": 6})
+    for n in range(3):
+        service.control(answer["session"], answer["secret"], {"seed": n, "at_chunk": n})
+    report = service.serve()
+    assert report.sessions[0]["why"] == "its client reads too slowly"
+    assert report.sessions[0]["chunks"] == 1
+
+
+def test_a_control_sent_while_running_applies_at_the_next_boundary_and_a_late_at_chunk_says_its_real_chunk(
+    wan,
+):
+    transport = FakeTransport()
+    service = make_service(wan, transport)
+    answer = service.open({"client_id": "c", "prompt": "x", "seed": 1, "chunks": 4})
+    sid, secret = answer["session"], answer["secret"]
+    outbox = transport.outboxes[sid]
+    events: list = []
+    sent = {}
+
+    def on_check():  # once chunk 1 is out: a prompt now, and a seed "at chunk 0" (already past)
+        events.extend(drain(outbox))
+        if "prompt" not in sent and any(e == "fewstep.chunk" and d["chunk"] == 1 for e, d in events):
+            sent["prompt"] = service.control(sid, secret, {"prompt": "y", "recache": True})["control"]
+            sent["seed"] = service.control(sid, secret, {"seed": 8, "at_chunk": 0})["control"]
+
+    transport.on_check = on_check
+    service.serve()
+    events.extend(drain(outbox))
+    applied = [
+        (d["control"], d["kind"], d["chunk"], d["recache"])
+        for e, d in events
+        if e == "fewstep.control_applied"
+    ]
+    assert applied == [(sent["prompt"], "prompt", 2, True), (sent["seed"], "seed", 2, False)]
+    script = {"prompt": "x", "seed": 1, "chunks": 4,
+              "controls": [{"chunk": 2, "prompt": "y", "recache": True}, {"chunk": 2, "seed": 8}]}  # fmt: skip
+    reference = reference_pool_run(wan, [script])[0]
+    for latents, chunk in zip(live_latents(service, answer, 4), reference):
+        assert torch.equal(latents, WAN21.process_out(chunk.latents))
+
+
+def test_metrics_events_come_every_metrics_seconds_and_once_at_close(wan):
+    transport = FakeTransport()
+    service = make_service(wan, transport, metrics_seconds=0.0)
+    answer = service.open({"client_id": "c", "prompt": "x", "chunks": 2})
+    service.serve()
+    metrics = [d for e, d in drain(transport.outboxes[answer["session"]]) if e == "fewstep.metrics"]
+    assert len(metrics) >= 2 and metrics[-1]["chunks"] == 2
+    assert set(metrics[-1]) == {"session", "node", "prompt_id", "time_to_first_chunk_s", "inter_chunk_p50_s",
+                                "inter_chunk_p99_s", "realtime_factor", "deadline_attainment", "viewer_stalls",
+                                "viewer_stall_seconds", "batch_sizes", "chunks", "video_seconds", "seconds"}  # fmt: skip
+    assert metrics[-1]["batch_sizes"] == {"1": 2} and metrics[-1]["video_seconds"] == round(13 / 16, 6)
+
+
+def test_limits_are_checked(wan):
+    pool = SessionPool(wan, H, W, CONFIG, max_sessions=1)
+    with pytest.raises(InputError) as err:
+        LiveService(pool, FakeTransport(), encoder_for(wan), LiveLimits(max_sessions_per_client=0))
+    assert (
+        str(err.value)
+        == "FewStep Live Video: input 'max_sessions_per_client': expected an integer >= 1, got 0"
+    )
+    with pytest.raises(InputError, match="input 'idle_seconds': expected seconds >= 0 or None, got -1"):
+        LiveService(pool, FakeTransport(), encoder_for(wan), LiveLimits(idle_seconds=-1))
+    pool.close()

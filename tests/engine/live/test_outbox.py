@@ -78,13 +78,35 @@ def test_the_stall_is_handed_out_where_the_first_lost_event_was_even_while_the_r
     ]
 
 
-def test_full_of_events_that_may_not_be_dropped_raises_so_the_session_closes():
+def test_full_of_events_that_may_not_be_dropped_drops_a_new_chunk_and_refuses_anything_else():
     box = SessionOutbox(2)
     box.put("fewstep.session", {"state": "opened"})
     box.put("fewstep.control_applied", {"control": 1})
+    box.put("fewstep.chunk", chunk(0), droppable=True)  # nothing queued may go: the new chunk is dropped
     with pytest.raises(OutboxFullError):
-        box.put("fewstep.chunk", chunk(0), droppable=True)
-    assert len(box) == 2
+        box.put("fewstep.control_applied", {"control": 2})
+    assert box.dropped == 1
+    assert drain(box) == [
+        ("fewstep.session", {"state": "opened"}),
+        ("fewstep.control_applied", {"control": 1}),
+        ("fewstep.stall", {"dropped": 1, "chunks": [0]}),
+    ]
+
+
+def test_a_dropped_deadline_miss_is_not_counted_as_a_lost_chunk():
+    box = SessionOutbox(2)
+    box.put("fewstep.deadline_missed", {"chunk": 0}, droppable=True)
+    box.put("fewstep.chunk", chunk(1), droppable=True)
+    box.put("fewstep.chunk", chunk(2), droppable=True)  # drops the deadline miss: no stall
+    assert box.dropped == 0
+    assert drain(box) == [("fewstep.chunk", chunk(1)), ("fewstep.chunk", chunk(2))]
+
+
+def test_forced_events_go_past_the_bound():
+    box = SessionOutbox(1)
+    box.put("fewstep.metrics", {"chunks": 1})
+    box.put("fewstep.session", {"state": "closed"}, force=True)
+    assert [e for e, _ in drain(box)] == ["fewstep.metrics", "fewstep.session"]
 
 
 def test_the_listener_is_called_after_each_put_and_a_closed_outbox_takes_nothing_more():

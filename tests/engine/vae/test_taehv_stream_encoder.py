@@ -17,6 +17,15 @@ from fewstep.engine.weights import dummy_init_
 H, W = 32, 48
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny convolutions: a second intra-op thread only spins on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=["taew2_1", "taew2_2"])
 def model(request) -> TAEHV:
     taehv = TAEHV(TAEHV_CONFIGS[request.param]).eval()
@@ -28,7 +37,7 @@ def frames(count: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.rand(batch, count, 3, H, W, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("chunks", [[4, 4, 4], [8, 4], [12]])
+@pytest.mark.parametrize("chunks", [[4, 4, 4], [8, 4]])
 def test_chunks_pushed_one_after_the_other_equal_the_whole_video_encoded_at_once(model, chunks):
     video = frames(sum(chunks), batch=2)
     whole = model.encode_video(video)

@@ -107,9 +107,22 @@ def prompt_encoder(model, clip, where: str = NODE):
         return synthetic
 
     def encode(text: str) -> torch.Tensor:
-        conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(text))
-        refusal = "the text encoder gave several entries for one prompt; a live session takes one"
-        return single_prompt(conditioning, "clip", refusal).context.float().cpu()
+        try:
+            conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(text))
+            refusal = "the text encoder gave several entries for one prompt; a live session takes one"
+            context = single_prompt(conditioning, "prompt", refusal).context.float().cpu()
+        except Exception as exc:  # noqa: BLE001 - one client's prompt must not end the run of every client
+            if isinstance(exc, InputError):
+                raise
+            detail = " ".join(str(exc).split())[:300]
+            raise InputError(
+                "prompt", f"the text encoder failed on it ({type(exc).__name__}: {detail})"
+            ) from exc
+        finally:
+            # ComfyUI loads the text encoder for this, and may have offloaded the video model to make room for
+            # it: the model goes back on its device before the next forward (a no-op when it stayed loaded)
+            load_for_run(model)
+        return context
 
     return encode
 

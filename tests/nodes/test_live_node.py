@@ -116,3 +116,17 @@ def test_a_pool_that_cannot_fit_is_refused_before_anything_is_allocated(pack, wa
     with pytest.raises(ValueError, match=r"^FewStepLiveVideo: input 'max_sessions': not one session fits"):
         serve(pack, model=wan, **huge)
     assert len(live_module(pack).LIVE_HOSTS) == 0
+
+
+def test_a_prompt_the_text_encoder_fails_on_is_that_prompts_error_not_the_runs(pack, wan):
+    class BrokenClip(FakeClip):
+        def encode_from_tokens_scheduled(self, tokens):
+            raise RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")
+
+    encode = live_module(pack).prompt_encoder(wan, BrokenClip())
+    with pytest.raises(ValueError) as err:
+        encode("a fox")
+    assert type(err.value).__name__ == "InputError" and err.value.input_name == "prompt"
+    assert err.value.problem == (
+        "the text encoder failed on it (RuntimeError: CUDA out of memory. Tried to allocate 2 GiB)"
+    )

@@ -83,24 +83,29 @@ def test_the_prediction_table_is_the_planner(lv):
 
 
 @pytest.mark.slow
-def test_quick_run_through_a_real_server(lv, tmp_path):
+@pytest.mark.parametrize("client", ["threads", "cli"])
+def test_quick_run_through_a_real_server(lv, tmp_path, client):
     comfyui = lv.comfyui_dir(None)
     if comfyui is None:
         pytest.skip("no ComfyUI checkout (COMFYUI_DIR)")
     if not lv.WORKFLOW.exists():
         pytest.skip(f"{lv.WORKFLOW.name} is not built")
     out = tmp_path / "live_video.json"
-    r = subprocess.run([sys.executable, str(BENCH / "live_video.py"), "--quick", "--threads", "1", "--out", str(out)],
+    r = subprocess.run([sys.executable, str(BENCH / "live_video.py"), "--quick", "--threads", "1", "--client", client,
+                        "--out", str(out)],
                        capture_output=True, text=True, cwd=BENCH.parent, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["quick"] is True and [row["clients"] for row in report["rows"]] == [1, 2]
+    assert report["quick"] is True and report["client"] == client
+    assert [row["clients"] for row in report["rows"]] == [1, 2]
     for row in report["rows"]:
         n = row["clients"]
         assert row["chunks"] == [3] * n  # every chunk event reached its client
         assert sum(row["batch_sizes"].values()) == 3 * n
         for s in row["sessions"]:
-            assert s["states"][0][0] == "opened" and s["states"][-1][0] == "closed"
+            assert s["states"][-1][0] == "closed" and len(s["chunk_events"]) == 3
+            if client == "threads":  # its own websocket saw the whole session
+                assert s["states"][0][0] == "opened" and len(s["arrivals"]) == 3
             assert s["metrics"]["chunks"] == 3
         assert 0 < row["ttfc_s"] <= row["ttfc_max_s"] and row["inter_chunk_p50_s"] <= row["inter_chunk_p99_s"]
     assert report["node_status"]["status_str"] == "success"

@@ -12,7 +12,9 @@ weights, the tiny VAE, no text encoder: prompts get the synthetic text embedding
 most clients, no time or idle limit), waits until ``GET /fewstep/live`` lists the node, then for each
 client count runs that many clients at once, each in its own thread as a separate client would: its own websocket
 (``/ws?clientId=...``), ``POST /fewstep/live/sessions`` (its own prompt and seed, ``chunks`` chunks: the session
-closes after them), and the events until its session is closed. Finally ``POST /fewstep/live/stop`` ends the node.
+closes after them), and the events until its session is closed (``--client cli``: each client is a ``python -m
+fewstep live --script FILE --out DIR`` process instead, the user's client). Finally ``POST /fewstep/live/stop`` ends
+the node.
 
 Measured, per client count (all clients' sessions run at the same time):
 

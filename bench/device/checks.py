@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load as load_safetensors
 
 from .runner import Context, Failed, Setup, Skip, clock, free_memory, sync
 
@@ -823,8 +824,9 @@ def live_run(handle, setup: Setup, sessions: int, chunks: int, tiny_vae, wait_s:
     t0 = time.perf_counter()
     thread.start()
     try:
-        ids = [service.open({"client_id": f"client{i}", "prompt": f"a live stream, client {i}", "seed": i,
-                             "chunks": chunks})["session"] for i in range(sessions)]  # fmt: skip
+        opened = [service.open({"client_id": f"client{i}", "prompt": live_prompt(i), "seed": i, "chunks": chunks})
+                  for i in range(sessions)]  # fmt: skip
+        ids = [o["session"] for o in opened]
         done = transport.wait_closed(ids, wait_s)
     finally:
         service.stop("the device check is done")
@@ -849,9 +851,37 @@ def live_run(handle, setup: Setup, sessions: int, chunks: int, tiny_vae, wait_s:
             "stall_events": sum(e == "fewstep.stall" for _, e, _ in events),
             "events": sorted({e for _, e, _ in events}),
         })  # fmt: skip
+    latents = [[load_safetensors(service.payload(o["session"], o["secret"], k, "safetensors")[0])["latent"]
+                for k in range(chunks)] for o in opened]  # fmt: skip
     report = outcome.get("report")
     return {"sessions": per_session, "wall_s": wall,
-            "why_stopped": getattr(report, "why_stopped", None)}  # fmt: skip
+            "why_stopped": getattr(report, "why_stopped", None)}, latents  # fmt: skip
+
+
+def live_prompt(i: int) -> str:
+    return f"a live stream, client {i}"
+
+
+def solo_latents(handle, setup: Setup, sessions: int, chunks: int) -> list[list[torch.Tensor]]:
+    """The live sessions' reference: each one's prompt (the same synthetic embedding) and seed in a solo
+    ``VideoSession`` of the same config, its latents in the raw Wan 2.1 layout the live payloads hold."""
+    from fewstep.engine.causal import CausalConfig
+    from fewstep.engine.causal.recipe import open_session
+    from fewstep.engine.latent_formats import WAN21
+    from fewstep.engine.prompt_embeddings import synthetic_text_embedding
+
+    p = handle.params
+    config = CausalConfig(chunk_frames=setup.chunk_frames, window_frames=setup.window_frames, steps=STEPS)
+    out = []
+    for i in range(sessions):
+        prompt = synthetic_text_embedding(live_prompt(i), p.text_len, p.text_dim)
+        session = open_session(handle, prompt, *setup.video_hw, config, i, None, "device_check")[0]
+        try:
+            # in the payload's layout: the raw Wan 2.1 latents (engine.live.media.latents_to_safetensors)
+            out.append([WAN21.process_out(c.latents.float().cpu()) for c in session.chunks(chunks)])
+        finally:
+            session.dispose()
+    return out
 
 
 def live_summary(run: dict, chunk_video_s: float) -> dict:
@@ -900,7 +930,7 @@ def live(ctx: Context) -> dict:
     presets = [s.wan_preset] if s.smoke else [s.wan_preset, "wan-tiny"]
     results: dict = {"size": f"{w}x{h}", "chunk_frames": s.chunk_frames, "window_frames": s.window_frames,
                      "chunks_per_session": chunks, "tiny_vae": "dummy:taew2_1", "runs": {}}  # fmt: skip
-    summary = []
+    summary, bad = [], []
     for preset in presets:
         handle = ctx.models.get(preset) if preset == s.wan_preset else open_model(
             f"dummy:{preset}", device=s.device, dtype=s.dtype)  # fmt: skip
@@ -912,13 +942,26 @@ def live(ctx: Context) -> dict:
                 runs[str(n)] = {"not run": "the time budget is spent"}
                 continue
             try:
-                run = live_run(handle, s, n, chunks, tiny_vae, LIVE_WAIT_S[mode])
+                run, latents = live_run(handle, s, n, chunks, tiny_vae, LIVE_WAIT_S[mode])
+                if n == max(LIVE_COUNTS):  # the most batched: every session's chunks against its solo run
+                    solo = solo_latents(handle, s, n, chunks)
+                    errs = [rel_err(a, b) for la, sa in zip(latents, solo) for a, b in zip(la, sa)]
+                    run["max_rel_err_vs_solo"], run["tol"] = max(errs), SESSION_TOL[s.dtype]
             except (torch.cuda.OutOfMemoryError, MemoryError) as err:
                 why = f"out of memory: {(str(err).splitlines() or [''])[0]}"
                 runs[str(n)] = {"not run": why}
                 summary.append(row(f"live {preset} {w}x{h}, {n} clients", f"not run ({why})"))
                 free_memory(s)
                 continue
+            if "max_rel_err_vs_solo" in run:
+                err, tol = run["max_rel_err_vs_solo"], run["tol"]
+                summary.append(row(f"live {preset} {w}x{h}, {n} clients: every session's latents vs its solo "
+                                   "session (max relative)", f"{err:.1e}", f"<= {tol:.0e}",
+                                   err <= tol if s.on_gpu else None))  # fmt: skip
+                if not err <= tol:
+                    bad.append(
+                        f"{preset}, {n} clients: live latents differ from solo by {err:.2e} (> {tol:.0e})"
+                    )
             got = live_summary(run, chunk_video_s)
             pred = predicted[n]
             runs[str(n)] = {**run, "summary": got, "planner_h200": {
@@ -936,6 +979,8 @@ def live(ctx: Context) -> dict:
             del handle
             free_memory(s)
     results["summary"] = summary
+    if bad:
+        raise Failed("; ".join(bad), results)
     return results
 
 

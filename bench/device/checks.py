@@ -916,7 +916,9 @@ def live(ctx: Context) -> dict:
     once): 1, 2 and 4 clients opening a session each at once, on the Wan model of the setup (Wan2.1-1.3B at
     832x480 on a GPU; wan-tiny in smoke mode), and on a GPU wan-tiny too (the service's own overhead at the same
     size). Per client count: time to first chunk, inter-chunk p50 / p99, realtime factor, deadline attainment,
-    viewer stalls, batch sizes; beside them the planner's prediction for this model and size on an H200."""
+    viewer stalls, batch sizes; beside them the planner's prediction for this model and size on an H200. With 4
+    clients every session's latents (its payload) against its solo session: a batched live row that read another
+    session's window or prompt would be off by O(1)."""
     from fewstep.engine import open_model
     from fewstep.engine.plan.live import plan_live
     from fewstep.engine.vae.tiny import load_tiny_vae

@@ -440,14 +440,18 @@ def main() -> int:
     print(table(rows))
     print("\nPlanner prediction, Wan2.1-1.3B 832x480, chunks of 3, window 21, 4 steps, taew2_1, MFU 0.5:\n")
     print(prediction_table(planned))
+    summary = [
+        summary_row(
+            f"{r['clients']} client{'s' if r['clients'] > 1 else ''}: TTFC, inter-chunk p50 / p99, RTF, deadline "
+            "attainment, viewer stalls",
+            f"{_s(r['ttfc_s'])} s, {_s(r['inter_chunk_p50_s'])} / {_s(r['inter_chunk_p99_s'])} s, "
+            f"{r['realtime_factor']:.2f}x, {r['deadline_attainment']:.0%}, {r['viewer_stalls']}",
+        )
+        for r in rows
+    ]
     report = {"quick": args.quick, "client": args.client, "environment": env, "comfyui": str(comfyui),
-              "workflow": args.workflow, "node": node, "chunks_per_session": args.chunks, "rows": rows, "planner": planned,
-              "node_status": history.get("status"),
-              "summary": [summary_row(f"{r['clients']} clients: TTFC, inter-chunk p50 / p99, RTF, deadline "
-                                      "attainment, stalls",
-                                      f"{_s(r['ttfc_s'])} s, {_s(r['inter_chunk_p50_s'])} / "
-                                      f"{_s(r['inter_chunk_p99_s'])} s, {r['realtime_factor']:.2f}x, "
-                                      f"{r['deadline_attainment']:.0%}, {r['viewer_stalls']}") for r in rows]}  # fmt: skip
+              "workflow": args.workflow, "node": node, "chunks_per_session": args.chunks, "rows": rows,
+              "planner": planned, "node_status": history.get("status"), "summary": summary}  # fmt: skip
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nresults: {out}")
     return 0

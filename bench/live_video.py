@@ -438,6 +438,10 @@ def main() -> int:
     env["loadavg_1min_at_end"] = os.getloadavg()[0]
     print(f"\n1-min load average at the end {env['loadavg_1min_at_end']:.2f}\n")
     print(table(rows))
+    node_report = next((t for o in history.get("outputs", {}).values() for t in o.get("text", [])
+                        if isinstance(t, str)), None)  # fmt: skip
+    if node_report:
+        print(f"\nThe live node's report:\n\n{node_report}")
     print("\nPlanner prediction, Wan2.1-1.3B 832x480, chunks of 3, window 21, 4 steps, taew2_1, MFU 0.5:\n")
     print(prediction_table(planned))
     summary = [
@@ -451,7 +455,8 @@ def main() -> int:
     ]
     report = {"quick": args.quick, "client": args.client, "environment": env, "comfyui": str(comfyui),
               "workflow": args.workflow, "node": node, "chunks_per_session": args.chunks, "rows": rows,
-              "planner": planned, "node_status": history.get("status"), "summary": summary}  # fmt: skip
+              "planner": planned, "node_status": history.get("status"), "node_report": node_report,
+              "summary": summary}  # fmt: skip
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nresults: {out}")
     return 0

@@ -109,4 +109,5 @@ def test_quick_run_through_a_real_server(lv, tmp_path, client):
             assert s["metrics"]["chunks"] == 3
         assert 0 < row["ttfc_s"] <= row["ttfc_max_s"] and row["inter_chunk_p50_s"] <= row["inter_chunk_p99_s"]
     assert report["node_status"]["status_str"] == "success"
+    assert isinstance(report["node_report"], str) and report["node_report"]  # the node's own report, printed
     assert "| clients | TTFC s (max) |" in r.stdout and "sessions that stay realtime" in r.stdout

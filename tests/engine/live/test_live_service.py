@@ -762,3 +762,30 @@ def test_the_generation_runs_ahead_of_a_slow_publisher_by_a_bounded_number_of_ch
     assert made == 2
     chunks = [d["chunk"] for e, d in drain(transport.outboxes[sid]) if e == "fewstep.chunk"]
     assert chunks == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_failing_text_encoder_refuses_that_prompt_only(wan):
+    encode = encoder_for(wan)
+
+    def picky(text):
+        if "bad" in text:
+            raise RuntimeError("tokenizer exploded")
+        return encode(text)
+
+    transport = FakeTransport()
+    pool = SessionPool(wan, H, W, CONFIG, max_sessions=2, buckets=(1, 2))
+    service = LiveService(pool, transport, picky, LiveLimits(idle_seconds=0.0))
+    good = service.open({"client_id": "c", "prompt": "good", "chunks": 2})
+    bad = service.open({"client_id": "c", "prompt": "bad"})
+    sequence = service.control(good["session"], good["secret"], {"prompt": "bad too", "at_chunk": 1})[
+        "control"
+    ]
+    report = service.serve()
+    why = {s["index"]: s["why"] for s in report.sessions}
+    assert why == {1: "its 2 chunks are done",
+                   2: "could not join: the text encoder failed on it: RuntimeError: tokenizer exploded"}  # fmt: skip
+    applied = [d for e, d in drain(transport.outboxes[good["session"]]) if e == "fewstep.control_applied"]
+    assert [(d["control"], d["chunk"], d["error"]) for d in applied] == [
+        (sequence, None, "the text encoder failed on it: RuntimeError: tokenizer exploded")
+    ]
+    assert drain(transport.outboxes[bad["session"]])[-1][1]["state"] == "closed"

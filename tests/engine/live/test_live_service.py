@@ -789,3 +789,20 @@ def test_a_failing_text_encoder_refuses_that_prompt_only(wan):
         (sequence, None, "the text encoder failed on it: RuntimeError: tokenizer exploded")
     ]
     assert drain(transport.outboxes[bad["session"]])[-1][1]["state"] == "closed"
+
+
+def test_a_session_keeps_the_payloads_of_its_newest_chunks_kept_chunks(wan):
+    service = make_service(wan, FakeTransport(), chunks_kept=2)
+    answer = service.open({"client_id": "c", "prompt": "x", "chunks": 4})
+    service.serve()
+    sid, secret = answer["session"], answer["secret"]
+    for n in (0, 1):
+        with pytest.raises(LiveError) as err:
+            service.payload(sid, secret, n, "safetensors")
+        assert err.value.text == f"chunk: chunk {n} is not kept: a session keeps its newest 2 chunks (2..3)"
+    assert [raw_latents_of(service.payload(sid, secret, n, "safetensors")[0]).shape for n in (2, 3)] == [
+        (1, 16, 2, H // 8, W // 8)
+    ] * 2
+    with pytest.raises(LiveError) as err:
+        service.payload(sid, secret, 3, "mp4")
+    assert err.value.text == "kind: expected one of webp, safetensors, got 'mp4'"

@@ -50,7 +50,6 @@ from torch import Tensor
 
 from ..causal.session_pool import PoolSession, SessionPool, TickReport
 from ..errors import InputError
-from ..latent_formats import WAN21
 from ..prompt_embeddings import PromptEmbeddingCache
 from ..vae.taehv import TAEHVStreamEncoder
 from . import media
@@ -590,8 +589,7 @@ class LiveService:
             self._by_key[ps.key] = session
         try:
             if session.start is not None:
-                raw = self.tiny_vae.encode_raw(session.start[None, None].clamp(0, 1))
-                result = pool.prefill(ps, WAN21.process_in(raw.float().cpu()))
+                result = pool.prefill(ps, media.start_latents(self.tiny_vae, session.start))
                 session.start = None
                 if result.decoded is not None:
                     session.video_frames = result.decoded.shape[1]
@@ -672,12 +670,8 @@ class LiveService:
                     s.frames_in_pool += need  # counted against the bound while it is encoded
                 if s.encoder is None:
                     s.encoder = TAEHVStreamEncoder(self.tiny_vae.video)
-                vae = self.tiny_vae
-                with torch.inference_mode():
-                    z = s.encoder.push(frames[None].to(vae.device, vae.dtype))  # [1, k, C, h, w]
-                    raw = vae.latent_to_raw(z.transpose(1, 2).float())
                 try:
-                    self.pool.feed(s.pool_session, WAN21.process_in(raw.float().cpu()))
+                    self.pool.feed(s.pool_session, media.input_latents(self.tiny_vae, s.encoder, frames))
                 except InputError as err:
                     self._close(s, f"could not queue its input frames: {err.problem}")
                     break

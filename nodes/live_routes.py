@@ -167,7 +167,8 @@ class LiveRequests:
 
     def _on_session(self, call) -> Answer:
         """``call(service)`` on the service that holds the session: a service that does not know the id (or
-        the secret) answers 404, and the next is asked."""
+        the secret) answers the one 404 for both, and the next is asked. Any other refusal (a chunk no longer
+        kept, to a caller that proved the secret) is answered as the service words it."""
         services = self.hosts.running()
         if not services:
             return _error(503, NO_NODE)
@@ -175,7 +176,7 @@ class LiveRequests:
             try:
                 return call(service)
             except LiveError as err:
-                if err.status != 404:
+                if err.answer() != {"error": NO_SESSION}:
                     return Answer(err.status, err.answer())
         return _error(404, NO_SESSION)
 

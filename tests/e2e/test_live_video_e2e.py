@@ -208,12 +208,17 @@ def latents(client: Client, session: dict, index: int) -> torch.Tensor:
     return load(bytes(payload))["latent"]
 
 
-def close_and_fetch(client: Client, session: dict) -> dict[int, torch.Tensor]:
+def close(client: Client, session: dict) -> None:
     """Close the session (it runs until closed: the generation is not paced, so a session of a fixed length could
-    end before its controls arrive), then read the latents of the chunks it keeps (its newest 8), by index."""
+    end before its controls arrive)."""
     sid = session["session"]
     assert http(client.server, "DELETE", f"/fewstep/live/sessions/{sid}", secret=session["secret"]) == (
         200, {"closed": sid})  # fmt: skip
+
+
+def kept_latents(client: Client, session: dict) -> dict[int, torch.Tensor]:
+    """Once the session is closed: the latents of the chunks it keeps (its newest 8), by index."""
+    sid = session["session"]
     session_state(client, sid, "closed")
     made = client.of(sid, "fewstep.metrics")[-1]["chunks"]  # the closing metrics event is never dropped
     return {index: latents(client, session, index) for index in range(max(0, made - 8), made)}
@@ -284,16 +289,21 @@ def test_two_clients_steer_their_own_sessions_and_get_the_engines_video(server, 
             sessions[name] = opened
             for c in script["controls"]:
                 control(clients[name], opened, **c)
+        applied = {}
         for name, client in clients.items():
             script, session = SCRIPTS[name], sessions[name]
-            applied = applied_controls(client, session)
+            applied[name] = applied_controls(client, session)
             # every control took effect at its chunk or, sent after that chunk had started, at the next one
-            kinds = sorted(kind for at in applied.values() for kind, _, _ in at)
+            kinds = sorted(kind for at in applied[name].values() for kind, _, _ in at)
             assert kinds == sorted(next(k for k in ("prompt", "seed") if k in c) for c in script["controls"])
-            chunk_after(client, session, max(applied))
-            kept = close_and_fetch(client, session)
-            expected = reference(script["prompt"], script["seed"], max(kept) + 1, applied)
-            assert max(kept) > max(applied)
+        for name, client in clients.items():  # both closed soon after their controls: short references
+            chunk_after(client, sessions[name], max(applied[name]))
+            close(client, sessions[name])
+        for name, client in clients.items():
+            script, session = SCRIPTS[name], sessions[name]
+            kept = kept_latents(client, session)
+            assert max(kept) > max(applied[name])
+            expected = reference(script["prompt"], script["seed"], max(kept) + 1, applied[name])
             for index, got in kept.items():
                 assert got.shape == expected[index].shape and torch.equal(got, expected[index]), (name, index)
             chunks = client.of(session["session"], "fewstep.chunk")
@@ -402,7 +412,8 @@ def test_a_client_that_disconnects_is_suspended_and_resumed_and_its_video_goes_o
         assert states.index("suspended") < states.index("resumed"), states
         before = max([c["chunk"] for c in client.of(sid, "fewstep.chunk")], default=0)
         chunk_after(client, session, before)  # the video goes on after the resume
-        kept = close_and_fetch(client, session)
+        close(client, session)
+        kept = kept_latents(client, session)
         expected = reference("a fox in the rain", 21, max(kept) + 1, {})
         for index, got in kept.items():
             assert torch.equal(got, expected[index]), index

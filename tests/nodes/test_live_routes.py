@@ -55,6 +55,10 @@ class FakeService:
 
     def payload(self, session_id: str, secret: str, chunk: int, kind: str) -> tuple[bytes, str]:
         self._session(session_id, secret)
+        if chunk > 99:
+            raise LiveError(
+                404, "chunk", f"chunk {chunk} is not kept: a session keeps its newest 8 chunks (92..99)"
+            )
         self.calls.append(("payload", chunk, kind))
         return b"bytes of " + kind.encode(), "image/webp" if kind == "webp" else "application/octet-stream"
 
@@ -351,3 +355,11 @@ def test_a_client_that_does_not_read_holds_up_only_its_own_events(server):
     kinds = [m["type"] for m in slow.sent]
     assert "fewstep.stall" in kinds and slow.sent[-1]["data"] == {"chunk": 9}
     transport.close()
+
+
+def test_a_chunk_no_longer_kept_is_said_so_to_the_sessions_owner_only(hosted):
+    requests, _ = hosted
+    assert requests.payload("s1", "good", "120", "webp") == Answer(
+        404, {"error": "chunk: chunk 120 is not kept: a session keeps its newest 8 chunks (92..99)"}
+    )
+    assert requests.payload("s1", "wrong", "120", "webp") == Answer(404, {"error": NO_SESSION})

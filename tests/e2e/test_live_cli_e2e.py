@@ -190,12 +190,13 @@ def test_the_documented_client_example_gets_the_engines_latents(server, live, tm
                        capture_output=True, text=True, cwd=tmp_path, timeout=4 * WAIT)  # fmt: skip
     assert r.returncode == 0, r.stderr
     # the script as the node applied it (see _run_and_compare): "control <seq> (<kind>) applied at chunk <n>"
-    applied = [int(line.rsplit(" ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("control ")]
-    script = {
-        **SCRIPTS["a"],
-        "controls": [{**c, "chunk": n} for c, n in zip(SCRIPTS["a"]["controls"], applied)],
-    }
-    assert len(applied) == len(SCRIPTS["a"]["controls"])
+    lines = [line.split() for line in r.stdout.splitlines() if line.startswith("control ")]
+    applied = {
+        int(words[1]): int(words[-1]) for words in lines
+    }  # the sequence numbers count the sends: 1, 2...
+    controls = SCRIPTS["a"]["controls"]
+    assert sorted(applied) == list(range(1, len(controls) + 1))
+    script = {**SCRIPTS["a"], "controls": [{**c, "chunk": applied[i + 1]} for i, c in enumerate(controls)]}
     (tmp_path / "a.json").write_text(json.dumps(script))
     files = sorted((tmp_path / "chunks").iterdir())
     assert [f.name for f in files] == [f"chunk_{n:04d}.safetensors" for n in range(SCRIPTS["a"]["chunks"])]

@@ -103,6 +103,8 @@ class Running:
     def join(self) -> None:
         self.thread.join(WAIT)
         assert not self.thread.is_alive(), "the node did not return"
+        # nothing of the run is left running: the service's own threads ended with it
+        assert [t.name for t in threading.enumerate() if t.name.startswith("fewstep-live")] == []
 
     def open(self, client_id: str, **body) -> dict:
         answer = self.requests.open(json.dumps({"client_id": client_id, **body}).encode())

@@ -70,6 +70,7 @@ class FakeLiveNode:
         self.ws_client_ids = []
         self.tamper = lambda n, data: data
         self.extra_events: list = []
+        self.dropped: set[int] = set()
         self.files: dict[str, bytes] = {}
         for n in range(chunks_made):
             self.files[f"/fewstep/live/sessions/{SESSION}/chunks/{n}.safetensors"] = save(
@@ -97,7 +98,10 @@ class FakeLiveNode:
                 first_chunk_seconds=0.06, kv_bytes=1000, batch=1, bucket=1, deadline_met=True, mode="t2v",
                 strength=None, clip=base + ".webp", latents=base + ".safetensors", files=[],
             )  # fmt: skip
-            out.append({"type": "fewstep.chunk", "data": self.tamper(n, data)})
+            if n in self.dropped:  # a slow reader: the server drops the chunk's event and says so
+                out.append({"type": "fewstep.stall", "data": self.tags(dropped=1, chunks=[n])})
+            else:
+                out.append({"type": "fewstep.chunk", "data": self.tamper(n, data)})
         metrics = {"time_to_first_chunk_s": 0.06, "inter_chunk_p50_s": 0.05, "inter_chunk_p99_s": 0.07,
                    "realtime_factor": 6.5, "deadline_attainment": 1.0, "viewer_stalls": 0,
                    "viewer_stall_seconds": 0.0, "batch_sizes": {"1": self.chunks_made}, "chunks": self.chunks_made,
@@ -534,3 +538,17 @@ def test_chunks_past_the_script_or_repeated_are_refused_and_server_text_is_escap
         "chunk_0000.safetensors", "chunk_0000.webp", "chunk_0001.safetensors", "chunk_0001.webp",
     ]  # fmt: skip
     assert not any("1000" in p for p in fake.paths)
+
+
+def test_the_files_of_chunks_whose_events_were_dropped_are_fetched(live_node, tmp_path, capsys):
+    fake = live_node(4)
+    fake.dropped = {1, 2}
+    assert _live(tmp_path, fake, {"prompt": "a fox", "chunks": 4}, "--out", str(tmp_path / "out")) == 0
+    out, err = capsys.readouterr()
+    assert (
+        "stall: this client read too slowly, the server dropped the events of chunks 1; fetching their files"
+        in err
+    )
+    assert "chunk 2: (its event was dropped) -> " in out
+    whole = load_file(str(tmp_path / "out" / "latents.safetensors"))["latent"]
+    assert torch.equal(whole, torch.cat([chunk_latents(n) for n in range(4)], dim=2))

@@ -10,6 +10,7 @@ import math
 import torch
 
 from ..latent_formats import WAN21
+from ..vae.taehv import TAEHVStreamEncoder
 from .protocol import LiveError
 
 # a decoded client image is at most this many pixels (a PNG of a few KB can claim a huge canvas)
@@ -93,3 +94,23 @@ def raw_latents_of(data: bytes) -> torch.Tensor:
     from safetensors.torch import load
 
     return load(data)[LATENT_KEY]
+
+
+def start_latents(tiny_vae, image: torch.Tensor) -> torch.Tensor:
+    """A start image ``[3, H, W]`` in [0, 1] (:func:`decode_image`'s) -> the model-space latents ``[1, 16, 1, h, w]``
+    ``SessionPool.prefill`` takes for image to video: the tiny VAE's encoding of that one frame, as raw Wan 2.1
+    latents, then ``WAN21.process_in``. The live service and ``stream --script`` both start an image this way."""
+    with torch.inference_mode():
+        raw = tiny_vae.encode_raw(image[None, None].clamp(0, 1))
+    return WAN21.process_in(raw.float().cpu())
+
+
+def input_latents(tiny_vae, encoder: TAEHVStreamEncoder, frames: torch.Tensor) -> torch.Tensor:
+    """A chunk's input frames ``[4k, 3, H, W]`` in [0, 1] -> the model-space latents ``[1, 16, k, h, w]``
+    ``SessionPool.feed`` takes for video to video: encoded by ``encoder`` (one
+    :class:`~engine.vae.taehv.TAEHVStreamEncoder` per session, over ``tiny_vae.video``, so chunk after chunk equals
+    the whole input video encoded at once), as raw Wan 2.1 latents, then ``WAN21.process_in``."""
+    with torch.inference_mode():
+        z = encoder.push(frames[None].to(tiny_vae.device, tiny_vae.dtype))  # [1, k, C, h, w]
+        raw = tiny_vae.latent_to_raw(z.transpose(1, 2).float())
+    return WAN21.process_in(raw.float().cpu())

@@ -50,7 +50,6 @@ from torch import Tensor
 
 from ..causal.session_pool import PoolSession, SessionPool, TickReport
 from ..errors import InputError
-from ..latent_formats import WAN21
 from ..prompt_embeddings import PromptEmbeddingCache
 from ..vae.taehv import TAEHVStreamEncoder
 from . import media
@@ -123,10 +122,11 @@ class LiveLimits:
 
 
 class LiveTransport(Protocol):
-    """What the host provides. ``connected`` is asked every loop iteration (keep it cheap); ``attach`` is called
-    on the request thread that opens a session, before its first event; ``detach`` on the serve thread once the
-    session is closed and its outbox closed (its last events, ``fewstep.metrics`` and ``fewstep.session`` closed,
-    are still queued: deliver them, then forget the outbox)."""
+    """What the host provides. ``connected`` is asked every loop iteration for every active session (keep it
+    cheap; thread-safe); ``attach`` is called on the request thread that opens a session, before its first event;
+    ``detach`` on the service's publisher thread once the session is closed and its outbox closed (its last
+    events, ``fewstep.metrics`` and ``fewstep.session`` closed, are still queued: deliver them, then forget the
+    outbox). ``detach`` may come twice for an id (a run ending while the session opens): ignore an unknown one."""
 
     def connected(self, client_id: str) -> bool: ...
 
@@ -252,9 +252,8 @@ class _Session:
         self.controls: list[_Control] = []  # sent, not yet on the pool's queue, in the order sent
         self.sequence = 0
         self.pool_sequences: dict[int, int] = {}  # the pool queue's sequence -> ours
-        self.payloads: OrderedDict[int, tuple[bytes | None, bytes]] = (
-            OrderedDict()
-        )  # chunk -> (clip, latents)
+        # chunk -> (clip, latents), the newest chunks_kept
+        self.payloads: OrderedDict[int, tuple[bytes | None, bytes]] = OrderedDict()
         self.frames: deque[Tensor] = deque()  # input frames [3, H, W] not yet encoded
         self.frames_in_pool = 0  # video frames whose latents wait in the pool's input queue
         self.encoder: TAEHVStreamEncoder | None = None
@@ -314,9 +313,8 @@ class LiveService:
         self._finished = False
         self._cancelled = False
         self._publisher: _Publisher | None = None  # started by serve()
-        self._decoy = secrets.token_urlsafe(
-            32
-        )  # compared against for an unknown id: the same work as a wrong secret
+        # compared against for an unknown id: the same work as for a wrong secret
+        self._decoy = secrets.token_urlsafe(32)
 
     # -- the requests (any thread; never wait for a tick) ----------------------------------------------------------
     @property
@@ -372,6 +370,9 @@ class LiveService:
         self.transport.attach(sid, request.client_id, outbox)
         with self._lock:
             self._opening.append(sid)
+            closed_meanwhile = session.state == "closed"  # the run ended between the two locks
+        if closed_meanwhile:
+            self.transport.detach(sid)
         self._wake.set()
         return {"session": sid, "secret": secret, "width": pool.width, "height": pool.height,
                 "chunk_frames": self.chunk_frames, "frames_per_chunk": self.frames_per_chunk, "fps": pool.fps,
@@ -578,7 +579,7 @@ class LiveService:
         request = session.request
         pool = self.pool
         try:
-            context = self.prompts.get(request.prompt)
+            context = self._encode(request.prompt)
             ps = pool.join(context, request.seed, request.chunks)
         except InputError as err:
             self._close(session, f"could not join: {err.problem}")
@@ -588,8 +589,7 @@ class LiveService:
             self._by_key[ps.key] = session
         try:
             if session.start is not None:
-                raw = self.tiny_vae.encode_raw(session.start[None, None].clamp(0, 1))
-                result = pool.prefill(ps, WAN21.process_in(raw.float().cpu()))
+                result = pool.prefill(ps, media.start_latents(self.tiny_vae, session.start))
                 session.start = None
                 if result.decoded is not None:
                     session.video_frames = result.decoded.shape[1]
@@ -599,6 +599,16 @@ class LiveService:
             self._close(session, f"could not start: {err.problem}")
             return
         self._put(session, EVENT_SESSION, {"state": "opened", "why": "opened by its client"})
+
+    def _encode(self, text: str) -> Tensor:
+        """A prompt through the cache; the text encoder's own failure becomes an InputError naming the prompt (the
+        other sessions go on)."""
+        try:
+            return self.prompts.get(text)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise InputError("prompt", f"the text encoder failed on it: {type(exc).__name__}: {exc}") from exc
 
     def _put(self, session: _Session, name: str, data: dict, droppable: bool = False) -> None:
         """Queue an event for the session's client, through the publisher (in order with its chunks)."""
@@ -660,12 +670,8 @@ class LiveService:
                     s.frames_in_pool += need  # counted against the bound while it is encoded
                 if s.encoder is None:
                     s.encoder = TAEHVStreamEncoder(self.tiny_vae.video)
-                vae = self.tiny_vae
-                with torch.inference_mode():
-                    z = s.encoder.push(frames[None].to(vae.device, vae.dtype))  # [1, k, C, h, w]
-                    raw = vae.latent_to_raw(z.transpose(1, 2).float())
                 try:
-                    self.pool.feed(s.pool_session, WAN21.process_in(raw.float().cpu()))
+                    self.pool.feed(s.pool_session, media.input_latents(self.tiny_vae, s.encoder, frames))
                 except InputError as err:
                     self._close(s, f"could not queue its input frames: {err.problem}")
                     break
@@ -696,10 +702,10 @@ class LiveService:
                                                          "recache_seconds": 0.0})  # fmt: skip
                     self._close(s, "stopped by its client")
                     break
-                value = self.prompts.get(request.value) if request.kind == "prompt" else request.value
                 try:
+                    value = self._encode(request.value) if request.kind == "prompt" else request.value
                     pool_sequence = self.pool.control(ps, request.kind, value, request.recache)
-                except InputError as err:
+                except InputError as err:  # refused (a re-cache without its frames, a bad encoding): reported
                     self._put(s, EVENT_CONTROL_APPLIED, {"control": control.sequence, "kind": request.kind,
                                                          "chunk": None, "recache": request.recache,
                                                          "recache_frames": 0, "recache_seconds": 0.0,

@@ -762,3 +762,47 @@ def test_the_generation_runs_ahead_of_a_slow_publisher_by_a_bounded_number_of_ch
     assert made == 2
     chunks = [d["chunk"] for e, d in drain(transport.outboxes[sid]) if e == "fewstep.chunk"]
     assert chunks == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_failing_text_encoder_refuses_that_prompt_only(wan):
+    encode = encoder_for(wan)
+
+    def picky(text):
+        if "bad" in text:
+            raise RuntimeError("tokenizer exploded")
+        return encode(text)
+
+    transport = FakeTransport()
+    pool = SessionPool(wan, H, W, CONFIG, max_sessions=2, buckets=(1, 2))
+    service = LiveService(pool, transport, picky, LiveLimits(idle_seconds=0.0))
+    good = service.open({"client_id": "c", "prompt": "good", "chunks": 2})
+    bad = service.open({"client_id": "c", "prompt": "bad"})
+    sequence = service.control(good["session"], good["secret"], {"prompt": "bad too", "at_chunk": 1})[
+        "control"
+    ]
+    report = service.serve()
+    why = {s["index"]: s["why"] for s in report.sessions}
+    assert why == {1: "its 2 chunks are done",
+                   2: "could not join: the text encoder failed on it: RuntimeError: tokenizer exploded"}  # fmt: skip
+    applied = [d for e, d in drain(transport.outboxes[good["session"]]) if e == "fewstep.control_applied"]
+    assert [(d["control"], d["chunk"], d["error"]) for d in applied] == [
+        (sequence, None, "the text encoder failed on it: RuntimeError: tokenizer exploded")
+    ]
+    assert drain(transport.outboxes[bad["session"]])[-1][1]["state"] == "closed"
+
+
+def test_a_session_keeps_the_payloads_of_its_newest_chunks_kept_chunks(wan):
+    service = make_service(wan, FakeTransport(), chunks_kept=2)
+    answer = service.open({"client_id": "c", "prompt": "x", "chunks": 4})
+    service.serve()
+    sid, secret = answer["session"], answer["secret"]
+    for n in (0, 1):
+        with pytest.raises(LiveError) as err:
+            service.payload(sid, secret, n, "safetensors")
+        assert err.value.text == f"chunk: chunk {n} is not kept: a session keeps its newest 2 chunks (2..3)"
+    assert [raw_latents_of(service.payload(sid, secret, n, "safetensors")[0]).shape for n in (2, 3)] == [
+        (1, 16, 2, H // 8, W // 8)
+    ] * 2
+    with pytest.raises(LiveError) as err:
+        service.payload(sid, secret, 3, "mp4")
+    assert err.value.text == "kind: expected one of webp, safetensors, got 'mp4'"

@@ -26,6 +26,7 @@ import logging
 import torch
 
 from ..engine.causal import CausalConfig, open_session_pool
+from ..engine.causal.session import check_context
 from ..engine.errors import InputError
 from ..engine.live import LiveLimits, LiveService
 from ..engine.loader import DUMMY_PREFIX
@@ -125,6 +126,17 @@ def prompt_encoder(model, clip, where: str = NODE):
         return context
 
     return encode
+
+
+def _check_text_encoder(model, encode) -> None:
+    """A CLIP of another model (CLIP-L, T5 of FLUX...) is refused before serving, not at the first client's open:
+    one probe prompt encoded and checked as the pool checks a session's prompt."""
+    try:
+        check_context(model.params, encode("a probe prompt"), 1)
+    except InputError as err:
+        raise InputError(
+            "clip", f"not the Wan text encoder (umT5-XXL, CLIPLoader type wan): {err.problem}"
+        ) from None
 
 
 def _none_if_zero(value):
@@ -252,6 +264,8 @@ class FewStepLiveVideo:
                               schedule=schedule, steps=steps, context_noise=context_noise, rope=rope,
                               kv_dtype=kv_dtype, keep_recent_chunks=keep_recent_chunks)  # fmt: skip
         encode = prompt_encoder(model, clip)
+        if clip is not None:
+            _check_text_encoder(model, encode)
         limits = LiveLimits(
             max_sessions_per_client=max_sessions_per_client,
             max_seconds=_none_if_zero(max_seconds),

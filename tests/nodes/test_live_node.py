@@ -30,15 +30,17 @@ def live_module(pack):
 
 
 def serve(pack, **links):
+    """Run the node; a test that does not stop it itself is bounded by max_seconds (not the 3600 s default)."""
     cls = pack.NODE_CLASS_MAPPINGS[LIVE]
+    links.setdefault("max_seconds", 60.0)
     return getattr(cls(), cls.FUNCTION)(**_default_args(cls, **links))
 
 
 class FakeClip:
     """ComfyUI's CLIP as the node uses it: tokenize, then encode into a CONDITIONING."""
 
-    def __init__(self, tokens: int = 7):
-        self.tokens = tokens
+    def __init__(self, tokens: int = 7, width: int = 4096):
+        self.tokens, self.width = tokens, width
         self.encoded: list[str] = []
 
     def tokenize(self, text: str):
@@ -48,7 +50,10 @@ class FakeClip:
         self.encoded.append(tokens["text"])
         g = torch.Generator().manual_seed(len(tokens["text"]))
         return [
-            [torch.randn(1, self.tokens, 4096, generator=g, dtype=torch.float16), {"pooled_output": None}]
+            [
+                torch.randn(1, self.tokens, self.width, generator=g, dtype=torch.float16),
+                {"pooled_output": None},
+            ]
         ]
 
 
@@ -130,3 +135,13 @@ def test_a_prompt_the_text_encoder_fails_on_is_that_prompts_error_not_the_runs(p
     assert err.value.problem == (
         "the text encoder failed on it (RuntimeError: CUDA out of memory. Tried to allocate 2 GiB)"
     )
+
+
+def test_a_text_encoder_of_another_model_is_refused_before_serving(pack, wan):
+    with pytest.raises(ValueError) as err:
+        serve(pack, model=wan, clip=FakeClip(width=768), **TINY)
+    assert str(err.value).startswith(
+        "FewStepLiveVideo: input 'clip': not the Wan text encoder (umT5-XXL, CLIPLoader type wan): conditioning is "
+        "[1, 7, 768]; Wan expects umT5 tokens"
+    ), err.value
+    assert len(live_module(pack).LIVE_HOSTS) == 0

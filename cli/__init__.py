@@ -1,7 +1,8 @@
 """Command line: ``python -m fewstep <command>``.
 
 Commands: ``generate`` (one text-to-image sample, latent + per-stage timings), ``stream`` (causal video chunk by
-chunk), ``queue`` (run a workflow on a ComfyUI server), ``plan`` (the cost bill of a configuration), ``worker``
+chunk), ``queue`` (run a workflow on a ComfyUI server), ``live`` (drive a session of a live node with a control
+script), ``plan`` (the cost bill of a configuration), ``worker``
 (join a sequence-parallel worker pool), ``demo`` (the showcase on dummy weights). Each command lives in its own
 module and registers its arguments here.
 """
@@ -14,13 +15,14 @@ import sys
 import traceback
 
 from ..engine.errors import FewStepError, InputError
-from . import demo, generate, plan, queue, stream, worker
+from . import demo, generate, live, plan, queue, stream, worker
 from .common import did_you_mean
 
 COMMANDS = {
     "generate": generate,
     "stream": stream,
     "queue": queue,
+    "live": live,
     "plan": plan,
     "worker": worker,
     "demo": demo,

@@ -302,16 +302,29 @@ class ComfyClient:
         self.base_path = urllib.parse.urlparse(self.server).path.rstrip("/")
         self.deadline = Deadline(timeout)
 
-    def _request(self, path: str, data=None, sink=None, file_limit=MAX_FILE_BYTES, refuse=ProtocolError):
+    def _request(
+        self,
+        path: str,
+        data=None,
+        sink=None,
+        file_limit=MAX_FILE_BYTES,
+        refuse=ProtocolError,
+        method: str | None = None,
+        headers: dict | None = None,
+    ):
         """The JSON answer to GET (or POST ``data`` to) ``path``; with ``sink``, the body goes to ``sink(chunk)``,
-        at most ``file_limit`` bytes (``refuse(message)`` is raised past it)."""
-        method = "GET" if data is None else "POST"
+        at most ``file_limit`` bytes (``refuse(message)`` is raised past it). ``method`` overrides GET / POST
+        (DELETE); ``headers`` are sent besides the JSON content type (a secret: never part of a message)."""
+        method = method or ("GET" if data is None else "POST")
         what = f"{method} {path}"
         conn = _Connection(self, f"reading {what}")
         body = None if data is None else json.dumps(data).encode()
         try:
             conn.request(
-                method, self.base_path + path, body=body, headers={"Content-Type": "application/json"}
+                method,
+                self.base_path + path,
+                body=body,
+                headers={"Content-Type": "application/json", **(headers or {})},
             )
             resp = conn.getresponse()
             if resp.status >= 400:

@@ -7,6 +7,7 @@ import json
 from ..engine.checks import check_image_size
 from ..engine.errors import InputError
 from ..engine.plan import DEFAULT_MFU, GPUS, KV_LAYOUTS, WEIGHT_DTYPE_BYTES, known_models, plan_preset
+from ..engine.plan.live import LIVE_SESSIONS
 from .common import add_deprecated_alias, did_you_mean
 
 HELP = (
@@ -95,6 +96,16 @@ def add_arguments(p) -> None:
         "step, against solo chunks (default: off)",
     )
     p.add_argument(
+        "--live",
+        nargs="?",
+        const=",".join(map(str, LIVE_SESSIONS)),
+        default=None,
+        metavar="N,N,...",
+        help="Wan: also predict the realtime metrics of a live node's sessions (chunk interval p50 / p99, time to "
+        "first chunk without the text encoder, realtime factor, deadline, stalls) for these session counts, and "
+        f"how many sessions stay realtime (default when given alone: {','.join(map(str, LIVE_SESSIONS))})",
+    )
+    p.add_argument(
         "--weight-dtype",
         default="bf16",
         help=f"weight storage for the memory check: {'/'.join(WEIGHT_DTYPE_BYTES)} (fp8: linear weights)",
@@ -130,6 +141,7 @@ def run(args) -> int:
         "kv_dtype": args.kv_dtype,
         "keep_recent_chunks": args.keep_recent_chunks,
         "sessions": args.sessions,
+        "live": None if args.live is None else parse_counts(args.live, "--live"),
         "weight_dtype": args.weight_dtype,
         "gpu": args.gpu,
         "mfu": args.mfu,
@@ -151,3 +163,14 @@ def check_model_name(model: str) -> None:
     hint = did_you_mean(name, known) if name not in known else None
     if hint:
         raise InputError("--model", f"unknown model {model!r}; {hint}")
+
+
+def parse_counts(text: str, flag: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); anything else is refused naming the flag."""
+    try:
+        counts = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(n < 1 for n in counts):
+        raise InputError(flag, f"expected comma-separated session counts >= 1 (e.g. 1,2,4,8), got {text!r}")
+    return counts

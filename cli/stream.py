@@ -17,9 +17,10 @@ from ..engine.errors import InputError
 from ..engine.handle import open_model
 from ..engine.models.registry import FAMILIES, all_presets
 from ..engine.ops import COMPUTE_DTYPES, WEIGHT_DTYPES
+from ..engine.prompt_embeddings import seeded_text_embedding
 from ..engine.units import format_bytes
 from ..engine.vae import load_tiny_vae
-from . import stream_interactive, stream_pool
+from . import stream_interactive, stream_pool, stream_script
 from .common import (
     RenamedUnit,
     add_compile_arguments,
@@ -152,6 +153,7 @@ def add_arguments(p) -> None:
         help="print the report (with the compile telemetry) as JSON instead of a line per chunk",
     )
     stream_interactive.add_arguments(p)
+    stream_script.add_arguments(p)
     add_snapshot_arguments(p)
     stream_pool.add_arguments(p)
 
@@ -169,7 +171,7 @@ def chunk_count(args) -> int:
 
 def synthetic_prompt(seed: int, text_tokens: int, text_dim: int) -> torch.Tensor:
     """The seeded synthetic umT5 prompt a stream of ``seed`` uses without --cond."""
-    return torch.randn(1, text_tokens, text_dim, generator=torch.Generator().manual_seed((seed + 1) % 2**64))
+    return seeded_text_embedding(seed, text_tokens, text_dim)
 
 
 def open_stream_parts(args, compiling):
@@ -192,9 +194,14 @@ def open_stream_parts(args, compiling):
 
 
 def run(args) -> int:
+    # --script: read and checked first (the flags it replaces are refused); it gives the seed and the chunks
+    scripts = stream_script.prepare(args)
     stream_interactive.check_combinations(args, pool=stream_pool.requested(args))
     if stream_pool.requested(args):  # --sessions N, --join-every, --swap-every...: many streams in one pool
-        return stream_pool.run(args)
+        return stream_pool.run(args, scripts)
+    script = scripts[0] if scripts else None
+    if script is not None:
+        args.seed, args.chunks = script.seed, script.chunks_to_run
     apply_snapshot_settings(args)  # --resume: the snapshot's settings (conflicting flags refused)
     check_save_path(args)
     # --init-latents, --input-video, --prompt-switch: files read and checked before anything is loaded
@@ -208,7 +215,10 @@ def run(args) -> int:
         prepare_out(args.out)
     handle, config, vae = open_stream_parts(args, compiling)
     p = handle.params
-    if args.cond:
+    embed = stream_script.PromptTexts(p) if script is not None else None
+    if script is not None:
+        context = embed(script.prompt)
+    elif args.cond:
         context = load_condition(args.cond, None).context
     else:
         context = synthetic_prompt(args.seed, args.text_tokens, p.text_dim)
@@ -221,6 +231,15 @@ def run(args) -> int:
             handle, context, args.height, args.width, config, args.seed, vae, "stream"
         )
     prefill = None
+    media = None
+    if script is not None:  # the start image prefilled as the live node prefills it
+        media = stream_script.ScriptMedia(script, args.width, args.height)
+        start = media.start_latents(vae) if script.start_image is not None else None
+        if start is not None:
+            started = session.prefill(start)
+            prefill = stream_interactive.prefill_report(started, script.start_image)
+            if not args.json:
+                say(stream_interactive.prefill_line(prefill))
     if interactive is not None:
         stream_interactive.check_with_session(interactive, session)
         if interactive.init_latents is not None:
@@ -228,7 +247,10 @@ def run(args) -> int:
             prefill = stream_interactive.prefill_report(started, args.init_latents)
             if not args.json:
                 say(stream_interactive.prefill_line(prefill))
-    driver = stream_interactive.Driver(interactive, session, args.chunk_frames)
+    if script is not None:
+        driver = stream_script.ScriptDriver(script, session, embed, media, vae, args.chunk_frames)
+    else:
+        driver = stream_interactive.Driver(interactive, session, args.chunk_frames)
     first_frame = 4 * session.frames_generated  # video frames before this run's (0 for a new stream)
     # Each chunk is printed, written (--out) and dropped: memory stays flat however many chunks run.
     output = StreamOutput(args.out, session, p.in_dim, n_chunks, args.chunk_frames, vae is not None,
@@ -309,6 +331,8 @@ def run(args) -> int:
                                  "frames_unused": frames - n_chunks * args.chunk_frames}  # fmt: skip
     if interactive is not None and interactive.switches:
         report["prompt_switches"] = driver.switch_rows
+    if script is not None:
+        report["script"] = {"path": script.path, "controls": driver.switch_rows}
     if snapshot is not None:
         report["snapshot"] = snapshot
     if args.out:

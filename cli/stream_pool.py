@@ -139,6 +139,8 @@ class PoolStream:
         self.output = None  # StreamOutput with --out
         self.driver = None  # stream_interactive.Driver with --init-latents / --input-video / --prompt-switch
         self.prefill: dict | None = None
+        self.script = None  # the ControlScript it follows (stream --script)
+        self.n_chunks: int | None = None  # its chunks when they differ per session (a script's)
 
     @property
     def done(self) -> bool:
@@ -161,8 +163,13 @@ class PoolStream:
             **({} if self.prefill is None else {"prefill": self.prefill}),
             **(
                 {"prompt_switches": self.driver.switch_rows}
-                if self.driver and self.driver.inter.switches
+                if self.driver and self.script is None and self.driver.inter.switches
                 else {}
+            ),
+            **(
+                {}
+                if self.script is None
+                else {"script": {"path": self.script.path, "controls": self.driver.switch_rows}}
             ),
         }
 
@@ -177,6 +184,7 @@ class PoolRun:
         self.streams = streams
         self.by_key: dict[str, PoolStream] = {}
         self.ticks: list[dict] = []
+        self.embed = None  # stream_script.PromptTexts of a --script run
 
     def run(self, before_forward, chunk_done) -> None:
         while not all(s.done for s in self.streams):
@@ -206,10 +214,35 @@ class PoolRun:
             if s.session is None and s.join_tick <= self.pool.ticks:
                 if self.args.out:  # before joining: its chunk is due from the join on
                     s.output = self.open_output(s)
-                s.session = self.pool.join(self.prompt_of(s.seed), s.seed, self.n_chunks, wait=True)
+                s.session = self.pool.join(self.prompt_of(s), s.seed, self.chunks_of(s), wait=True)
                 self.by_key[s.session.key] = s
-                if self.interactive is not None:
+                if s.script is not None:
+                    self.start_script(s)
+                elif self.interactive is not None:
                     self.start_interactive(s)
+
+    def chunks_of(self, s: PoolStream) -> int:
+        return self.n_chunks if s.n_chunks is None else s.n_chunks
+
+    def start_script(self, s: PoolStream) -> None:
+        """A joined session's script driver, and the controls its script sends before the first chunk."""
+        from .stream_interactive import PoolSessionCalls, prefill_line, prefill_report
+        from .stream_script import ScriptDriver, ScriptMedia
+
+        a = self.args
+        media = ScriptMedia(s.script, a.width, a.height)
+        vae = self.pool.tiny_vae
+        start = media.start_latents(vae) if s.script.start_image is not None else None
+        if start is not None:  # the start image prefilled into its slot, as the live node does at the join
+            started = self.pool.prefill(s.session, start)
+            s.prefill = prefill_report(started, s.script.start_image)
+            if s.output is not None:
+                s.output.start(started.decoded)
+            if not a.json:
+                say(f"session {s.index}: " + prefill_line(s.prefill))
+        s.driver = ScriptDriver(s.script, PoolSessionCalls(self.pool, s.session), self.embed, media, vae,
+                                a.chunk_frames)  # fmt: skip
+        s.driver.before_chunk(0)
 
     def start_interactive(self, s: PoolStream) -> None:
         """A joined session's start (committed into its slot now) and its first chunk's input and switch."""
@@ -235,9 +268,11 @@ class PoolRun:
         # what StreamOutput reads of a session (a pool session starts a new stream: no frame before its first)
         start = self.interactive.init_latents if self.interactive is not None else None
         frames_before = 0 if start is None else start.shape[2]  # a prefilled session is past its first frame
+        if s.script is not None:
+            frames_before = 0 if s.script.start_image is None else 1  # a start image is one latent frame
         one = SimpleNamespace(batch=1, latent_hw=self.pool.latent_hw, frames_generated=frames_before)
         channels = self.pool.model.params.in_dim
-        return StreamOutput(out, one, channels, self.n_chunks, a.chunk_frames, self.pool.tiny_vae is not None,
+        return StreamOutput(out, one, channels, self.chunks_of(s), a.chunk_frames, self.pool.tiny_vae is not None,
                             a.width, a.height)  # fmt: skip
 
     def take(self, s: PoolStream, chunk) -> None:
@@ -250,7 +285,7 @@ class PoolRun:
             if note and not self.args.json:
                 say(f"session {s.index}: chunk {chunk.index}, {chunk.seconds:.3f} s{note}")
         s.rows.append(row)
-        if s.driver is not None and len(s.rows) < self.n_chunks:  # its next chunk's input and switch
+        if s.driver is not None and len(s.rows) < self.chunks_of(s):  # its next chunk's input and switch
             s.driver.before_chunk(len(s.rows))
         written = s.output.append(chunk) if s.output is not None else []
         if written and not self.args.json:
@@ -280,9 +315,11 @@ class PoolRun:
             say(f"session {s.index}: resumed {how} in {seconds:.4f} s")
 
 
-def run(args) -> int:
+def run(args, scripts=None) -> int:
+    """``scripts``: the ControlScripts of ``--script`` (one per session), or None."""
     from . import stream_interactive
     from .stream import chunk_count, open_stream_parts, synthetic_prompt
+    from .stream_script import PromptTexts
 
     # --init-latents, --input-video, --prompt-switch: read and checked before loading; every session gets them
     interactive = stream_interactive.prepare(args)
@@ -296,11 +333,14 @@ def run(args) -> int:
     handle, config, vae = open_stream_parts(args, compiling)
     text_dim = handle.params.text_dim
     shared = load_condition(args.cond, None).context if args.cond else None
+    embed = PromptTexts(handle.params)
 
-    def prompt_of(
-        seed: int,
-    ):  # --cond for every session, else the synthetic prompt a single stream of seed uses
-        return shared if shared is not None else synthetic_prompt(seed, args.text_tokens, text_dim)
+    def prompt_of(s: PoolStream):
+        """The script's prompt; else --cond for every session, else the synthetic prompt a single stream of its
+        seed uses."""
+        if s.script is not None:
+            return embed(s.script.prompt)
+        return shared if shared is not None else synthetic_prompt(s.seed, args.text_tokens, text_dim)
 
     wanted_slots = args.sessions if args.max_sessions is None else args.max_sessions
     # every session past the slots waits in the queue from tick 0 (the command's own sessions: no bound needed
@@ -322,11 +362,14 @@ def run(args) -> int:
             f"the pool holds {pool.slots} slots for {args.sessions} sessions: the others wait for a free slot"
         )
     streams = [PoolStream(i, args.seed + i, i * args.join_every) for i in range(args.sessions)]
+    for s, script in zip(streams, scripts or []):  # session i follows the i-th script: its seed and chunks
+        s.script, s.seed, s.n_chunks = script, script.seed, script.chunks_to_run
     loop = PoolRun(args, pool, n_chunks, prompt_of, streams, interactive)
+    loop.embed = embed
     steps_per_chunk = len(pool.sigmas) - 1
     try:
         with (
-            progress_bar("chunks", args.sessions * n_chunks) as chunk_bar,
+            progress_bar("chunks", sum(loop.chunks_of(s) for s in streams)) as chunk_bar,
             progress_bar("steps", steps_per_chunk, position=1) as step_bar,
         ):
 
@@ -369,7 +412,8 @@ def run(args) -> int:
             "resume_seconds": sum(w["resume_seconds"] for w in swaps),
         },
         "kv_dtype": args.kv_dtype,
-        "chunks_per_session": n_chunks,
+        # with --script each session makes its script's chunks: the largest count is reported
+        "chunks_per_session": (n_chunks := max(loop.chunks_of(s) for s in streams)),
         "latent_frames": n_chunks * args.chunk_frames,
         "video_frames": 4 * n_chunks * args.chunk_frames
         - (0 if interactive is not None and interactive.init_latents is not None else 3),

@@ -23,6 +23,7 @@ NODE_MODULES = {
     "parallel": ["FewStepParallelLauncher"],
     "stream_batch": ["FewStepStreamBatch"],
     "plan": ["FewStepCostPlan"],
+    "live": ["FewStepLiveVideo"],
 }
 DISPLAY_NAMES = {
     "FewStepDiTLoader": "FewStep DiT Loader",
@@ -43,6 +44,7 @@ DISPLAY_NAMES = {
     "FewStepParallelLauncher": "FewStep Parallel Launcher",
     "FewStepStreamBatch": "FewStep Stream Batch",
     "FewStepCostPlan": "FewStep Cost Plan",
+    "FewStepLiveVideo": "FewStep Live Video",
 }
 
 NODE_CLASS_MAPPINGS: dict[str, type] = {}

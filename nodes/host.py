@@ -149,10 +149,16 @@ def temp_directory() -> str | None:
     return None if fp is None else fp.get_temp_directory()
 
 
+def prompt_server():
+    """ComfyUI's running ``PromptServer`` (its aiohttp ``routes``, event ``loop`` and websocket ``sockets`` by
+    client id), or None outside a ComfyUI server."""
+    server = comfy_module("server")
+    return getattr(getattr(server, "PromptServer", None), "instance", None)
+
+
 def send_to_client(event: str, data: dict) -> bool:
     """Send a websocket event to the client that queued the running prompt; False when there is no server."""
-    server = comfy_module("server")
-    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    instance = prompt_server()
     if instance is None:
         return False
     instance.send_sync(event, data, instance.client_id)

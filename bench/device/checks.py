@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load as load_safetensors
 
 from .runner import Context, Failed, Setup, Skip, clock, free_memory, sync
 
@@ -741,6 +744,248 @@ def wan_sessions(ctx: Context) -> dict:
     return results
 
 
+# -- live sessions (issue 33) ------------------------------------------------------------------------------------
+LIVE_COUNTS = (1, 2, 4)
+LIVE_CHUNKS = {"device": 6, "smoke": 3}  # chunks per session (the session closes after them)
+LIVE_WAIT_S = {
+    "device": 240.0,
+    "smoke": 120.0,
+}  # one run's ceiling: a service that never closes fails, not hangs
+
+
+class InProcessTransport:
+    """The live service's host for the device check (and a test): every client is connected, and each session's
+    events are read the moment they are queued (the outbox's listener drains it on the putting thread), so no
+    chunk is dropped for a slow reader: what is measured is the service and the pool, not a network."""
+
+    def __init__(self):
+        self.events: dict[str, list[tuple[float, str, dict]]] = {}  # session id -> (arrival, event, data)
+        self.closed: set[str] = set()
+        self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)
+
+    def connected(self, client_id: str) -> bool:
+        return True
+
+    def attach(self, session_id: str, client_id: str, outbox) -> None:
+        def drain():
+            with self._lock:
+                while (item := outbox.pop()) is not None:
+                    event, data = item
+                    self.events.setdefault(session_id, []).append((time.perf_counter(), event, data))
+                    if event == "fewstep.session" and data.get("state") == "closed":
+                        self.closed.add(session_id)
+                self.changed.notify_all()
+
+        outbox.set_listener(drain)
+        drain()
+
+    def detach(self, session_id: str) -> None:
+        pass
+
+    def wait_closed(self, ids: list[str], timeout: float) -> bool:
+        with self._lock:
+            return self.changed.wait_for(lambda: self.closed >= set(ids), timeout)
+
+
+def live_run(handle, setup: Setup, sessions: int, chunks: int, tiny_vae, wait_s: float) -> dict:
+    """``sessions`` clients open a session each on an engine LiveService (synthetic text embeddings, as the live
+    node without a CLIP), all at once, ``chunks`` chunks each; the service serves them on a thread. Returns every
+    session's closing metrics (the ``fewstep.metrics`` event sent at close) and its chunk events."""
+    from fewstep.engine.causal import CausalConfig
+    from fewstep.engine.causal.recipe import open_session_pool
+    from fewstep.engine.live import LiveLimits, LiveService
+    from fewstep.engine.prompt_embeddings import synthetic_text_embedding
+
+    h, w = setup.video_hw
+    p = handle.params
+    config = CausalConfig(chunk_frames=setup.chunk_frames, window_frames=setup.window_frames, steps=STEPS)
+    pool, _ = open_session_pool(handle, h, w, config, max_sessions=sessions, tiny_vae=tiny_vae,
+                                where="device_check")  # fmt: skip
+    if pool.slots < sessions:
+        pool.close()
+        raise MemoryError(f"the memory budget holds {pool.slots} slots")
+    transport = InProcessTransport()
+    limits = LiveLimits(max_sessions_per_client=1, idle_seconds=None, metrics_seconds=3600.0)
+    service = LiveService(pool, transport, lambda text: synthetic_text_embedding(text, p.text_len, p.text_dim),
+                          limits, tiny_vae=tiny_vae, tags={"node": "device_check", "prompt_id": "device_check"},
+                          where="device_check")  # fmt: skip
+    outcome: dict = {}
+
+    def serve():
+        try:
+            outcome["report"] = service.serve()
+        except BaseException as err:  # noqa: BLE001 - handed to the measuring thread
+            outcome["error"] = err
+            with transport.changed:
+                transport.changed.notify_all()
+
+    thread = threading.Thread(target=serve, name="live-serve", daemon=True)
+    t0 = time.perf_counter()
+    thread.start()
+    try:
+        opened = [service.open({"client_id": f"client{i}", "prompt": live_prompt(i), "seed": i, "chunks": chunks})
+                  for i in range(sessions)]  # fmt: skip
+        ids = [o["session"] for o in opened]
+        done = transport.wait_closed(ids, wait_s)
+    finally:
+        service.stop("the device check is done")
+        thread.join(timeout=60)
+        if not pool.closed:
+            pool.close()
+    wall = time.perf_counter() - t0
+    if "error" in outcome:
+        raise outcome["error"]
+    if not done:
+        raise Failed(f"{sessions} live sessions of {chunks} chunks did not all close within {wait_s:.0f} s",
+                     {"closed": len(transport.closed)})  # fmt: skip
+    per_session = []
+    for sid in ids:
+        events = transport.events.get(sid, [])
+        metrics = [d for _, e, d in events if e == "fewstep.metrics"]
+        made = [d for _, e, d in events if e == "fewstep.chunk"]
+        per_session.append({
+            "metrics": metrics[-1] if metrics else None,
+            "chunks": len(made),
+            "deadline_missed_events": sum(e == "fewstep.deadline_missed" for _, e, _ in events),
+            "stall_events": sum(e == "fewstep.stall" for _, e, _ in events),
+            "events": sorted({e for _, e, _ in events}),
+        })  # fmt: skip
+    latents = [[load_safetensors(service.payload(o["session"], o["secret"], k, "safetensors")[0])["latent"]
+                for k in range(chunks)] for o in opened]  # fmt: skip
+    report = outcome.get("report")
+    return {"sessions": per_session, "wall_s": wall,
+            "why_stopped": getattr(report, "why_stopped", None)}, latents  # fmt: skip
+
+
+def live_prompt(i: int) -> str:
+    return f"a live stream, client {i}"
+
+
+def solo_latents(handle, setup: Setup, sessions: int, chunks: int) -> list[list[torch.Tensor]]:
+    """The live sessions' reference: each one's prompt (the same synthetic embedding) and seed in a solo
+    ``VideoSession`` of the same config, its latents in the raw Wan 2.1 layout the live payloads hold."""
+    from fewstep.engine.causal import CausalConfig
+    from fewstep.engine.causal.recipe import open_session
+    from fewstep.engine.latent_formats import WAN21
+    from fewstep.engine.prompt_embeddings import synthetic_text_embedding
+
+    p = handle.params
+    config = CausalConfig(chunk_frames=setup.chunk_frames, window_frames=setup.window_frames, steps=STEPS)
+    out = []
+    for i in range(sessions):
+        prompt = synthetic_text_embedding(live_prompt(i), p.text_len, p.text_dim)
+        session = open_session(handle, prompt, *setup.video_hw, config, i, None, "device_check")[0]
+        try:
+            # in the payload's layout: the raw Wan 2.1 latents (engine.live.media.latents_to_safetensors)
+            out.append([WAN21.process_out(c.latents.float().cpu()) for c in session.chunks(chunks)])
+        finally:
+            session.dispose()
+    return out
+
+
+def live_summary(run: dict, chunk_video_s: float) -> dict:
+    """One row of the live table from the per-session closing metrics: medians over sessions, the worst p99,
+    the least deadline attainment, stalls summed, batch sizes merged."""
+    ms = [s["metrics"] for s in run["sessions"]]
+    batches: dict[str, int] = {}
+    for m in ms:
+        for k, v in m["batch_sizes"].items():
+            batches[k] = batches.get(k, 0) + v
+    p50 = statistics.median(m["inter_chunk_p50_s"] for m in ms)
+    return {
+        "ttfc_s": statistics.median(m["time_to_first_chunk_s"] for m in ms),
+        "ttfc_max_s": max(m["time_to_first_chunk_s"] for m in ms),
+        "inter_chunk_p50_s": p50,
+        "inter_chunk_p99_s": max(m["inter_chunk_p99_s"] for m in ms),
+        "realtime_factor": statistics.median(m["realtime_factor"] for m in ms),
+        "steady_realtime_factor": chunk_video_s / p50,
+        "deadline_attainment": min(m["deadline_attainment"] for m in ms),
+        "viewer_stalls": sum(m["viewer_stalls"] for m in ms),
+        "stall_events": sum(s["stall_events"] for s in run["sessions"]),
+        "batch_sizes": dict(sorted(batches.items(), key=lambda kv: int(kv[0]))),
+    }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def live(ctx: Context) -> dict:
+    """Issue 33's live sessions through the engine's LiveService (in-process transport, every event read at
+    once): 1, 2 and 4 clients opening a session each at once, on the Wan model of the setup (Wan2.1-1.3B at
+    832x480 on a GPU; wan-tiny in smoke mode), and on a GPU wan-tiny too (the service's own overhead at the same
+    size). Per client count: time to first chunk, inter-chunk p50 / p99, realtime factor, deadline attainment,
+    viewer stalls, batch sizes; beside them the planner's prediction for this model and size on an H200. With 4
+    clients every session's latents (its payload) against its solo session: a batched live row that read another
+    session's window or prompt would be off by O(1)."""
+    from fewstep.engine import open_model
+    from fewstep.engine.plan.live import plan_live
+    from fewstep.engine.vae.tiny import load_tiny_vae
+
+    s = ctx.setup
+    mode = "smoke" if s.smoke else "device"
+    h, w = s.video_hw
+    chunks = LIVE_CHUNKS[mode]
+    chunk_video_s = 4 * s.chunk_frames / 16
+    tiny_vae = load_tiny_vae("dummy:taew2_1", device=s.device, dtype=s.dtype)
+    presets = [s.wan_preset] if s.smoke else [s.wan_preset, "wan-tiny"]
+    results: dict = {"size": f"{w}x{h}", "chunk_frames": s.chunk_frames, "window_frames": s.window_frames,
+                     "chunks_per_session": chunks, "tiny_vae": "dummy:taew2_1", "runs": {}}  # fmt: skip
+    summary, bad = [], []
+    for preset in presets:
+        handle = ctx.models.get(preset) if preset == s.wan_preset else open_model(
+            f"dummy:{preset}", device=s.device, dtype=s.dtype)  # fmt: skip
+        planned = plan_live(handle.params, h, w, LIVE_COUNTS, s.chunk_frames, s.window_frames, STEPS, "h200")
+        predicted = {r["sessions"]: r for r in planned["predictions"]}
+        runs = results["runs"].setdefault(preset, {})
+        for n in LIVE_COUNTS:
+            if ctx.time_left() <= 0:
+                runs[str(n)] = {"not run": "the time budget is spent"}
+                continue
+            try:
+                run, latents = live_run(handle, s, n, chunks, tiny_vae, LIVE_WAIT_S[mode])
+                if n == max(LIVE_COUNTS):  # the most batched: every session's chunks against its solo run
+                    solo = solo_latents(handle, s, n, chunks)
+                    errs = [rel_err(a, b) for la, sa in zip(latents, solo) for a, b in zip(la, sa)]
+                    run["max_rel_err_vs_solo"], run["tol"] = max(errs), SESSION_TOL[s.dtype]
+            except (torch.cuda.OutOfMemoryError, MemoryError) as err:
+                why = f"out of memory: {(str(err).splitlines() or [''])[0]}"
+                runs[str(n)] = {"not run": why}
+                summary.append(row(f"live {preset} {w}x{h}, {n} clients", f"not run ({why})"))
+                free_memory(s)
+                continue
+            if "max_rel_err_vs_solo" in run:
+                err, tol = run["max_rel_err_vs_solo"], run["tol"]
+                summary.append(row(f"live {preset} {w}x{h}, {n} clients: every session's latents vs its solo "
+                                   "session (max relative)", f"{err:.1e}", f"<= {tol:.0e}",
+                                   err <= tol if s.on_gpu else None))  # fmt: skip
+                if not err <= tol:
+                    bad.append(
+                        f"{preset}, {n} clients: live latents differ from solo by {err:.2e} (> {tol:.0e})"
+                    )
+            got = live_summary(run, chunk_video_s)
+            pred = predicted[n]
+            runs[str(n)] = {**run, "summary": got, "planner_h200": {
+                k: pred[k] for k in ("first_chunk_seconds", "interval_seconds", "realtime_factor", "deadline_met",
+                                     "batches")}}  # fmt: skip
+            summary.append(row(
+                f"live {preset} {w}x{h}, {n} client{'s' if n > 1 else ''}: TTFC, inter-chunk p50 / p99, RTF "
+                "(steady), deadline attainment, stalls, batches (planner H200: TTFC, interval, RTF)",
+                f"{got['ttfc_s']:.3f} s, {got['inter_chunk_p50_s']:.3f} / {got['inter_chunk_p99_s']:.3f} s, "
+                f"{got['realtime_factor']:.2f}x ({got['steady_realtime_factor']:.2f}x), "
+                f"{got['deadline_attainment']:.0%}, {got['viewer_stalls']}, {got['batch_sizes']} "
+                f"({_ms(pred['first_chunk_seconds'])}, {_ms(pred['interval_seconds'])}, "
+                f"{pred['realtime_factor']:.3g}x)"))  # fmt: skip
+        if preset != s.wan_preset:
+            del handle
+            free_memory(s)
+    results["summary"] = summary
+    if bad:
+        raise Failed("; ".join(bad), results)
+    return results
+
+
 CHECKS = [
     Check("matmul_rate", "bf16 matmul rate of the device (the MFU denominator)", matmul_rate),
     Check("triton_kernels", "each Triton kernel equals its reference, compiled for the GPU", triton_kernels,
@@ -759,6 +1004,9 @@ CHECKS = [
     Check("interactive", "Wan session inputs: prefill, prompt switch with re-cache, video to video, against a "
           "T2V chunk; exactness of a prefill's continuation and a strength-1.0 V2V chunk", interactive),
     Check("wan_sessions", "Wan sessions batched in one pool vs solo: per-tick seconds, session-chunks/s, "
-          "exactness", wan_sessions, last_of_group=True),
+          "exactness", wan_sessions),
+    Check("live", "live sessions through the engine's LiveService, 1 / 2 / 4 clients: TTFC, inter-chunk p50 / "
+          "p99, realtime factor, deadline attainment, stalls, batch sizes, beside the planner's prediction", live,
+          last_of_group=True),
 ]  # fmt: skip
 NAMES = [c.name for c in CHECKS]

@@ -46,6 +46,7 @@ from .flops import (
     zimage_forward_flops,
 )
 from .hardware import DEFAULT_MFU, GpuSpec, check_mfu, gpu_spec
+from .live import live_rows, plan_live
 from .sessions import SCAN_SESSIONS, plan_session_tick, session_scan
 from .vae import flux2_ae_decode_flops, flux_ae_decode_flops, taehv_decode_flops, taesd_decode_flops
 
@@ -59,6 +60,7 @@ VIDEO_ONLY = (
     "kv_dtype",
     "keep_recent_chunks",
     "sessions",
+    "live",
 )
 
 
@@ -223,6 +225,7 @@ def plan_cost(
     kv_dtype: str | None = None,
     keep_recent_chunks: int | None = None,
     sessions: int | None = None,
+    live: tuple[int, ...] | None = None,
     weight_dtype: str = "bf16",
     gpu: str = "h100",
     mfu: float = DEFAULT_MFU,
@@ -235,7 +238,8 @@ def plan_cost(
 
     ``sessions`` (Wan): also the bill of a session-pool tick of that many sessions' chunks batched into one
     forward per step (``sessions.py``: FLOPs, GEMM rows, predicted seconds against solo chunks, the session
-    counts past which batching stops paying). ``None`` settings take the family's defaults. ``loaded_weight_bytes``: the bytes a loaded model actually
+    counts past which batching stops paying). ``live`` (Wan): session counts whose live metrics to predict (``live.py``:
+    chunk interval, TTFC, realtime factor, deadline, the sessions that stay realtime). ``None`` settings take the family's defaults. ``loaded_weight_bytes``: the bytes a loaded model actually
     holds, reported beside the by-dtype table. Bad input raises :class:`InputError` naming the setting.
     """
     try:
@@ -257,7 +261,7 @@ def plan_cost(
             )
         if family.is_image:
             video = {k: v for k, v in zip(VIDEO_ONLY, (frames, latent_frames, chunk_frames, window_frames,
-                                                       sink_frames, kv_dtype, keep_recent_chunks, sessions)) if v is not None}  # fmt: skip
+                                                       sink_frames, kv_dtype, keep_recent_chunks, sessions, live)) if v is not None}  # fmt: skip
             if video:
                 raise InputError(
                     next(iter(video)),
@@ -266,7 +270,7 @@ def plan_cost(
                 )
             return _plan_image(family, params, height, width, steps, cfg, text_tokens, **common)
         return _plan_wan(params, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
-                         window_frames, sink_frames, kv_dtype, keep_recent_chunks, sessions, **common)  # fmt: skip
+                         window_frames, sink_frames, kv_dtype, keep_recent_chunks, sessions, live, **common)  # fmt: skip
     except InputError as err:
         if where:
             err.located(where)
@@ -364,7 +368,7 @@ def _plan_image(family: Family, p, height, width, steps, cfg, text_tokens, *, na
 
 # -- Wan (causal) --------------------------------------------------------------------------------------------------
 def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, latent_frames, chunk_frames,
-              window_frames, sink_frames, kv_dtype, keep_recent_chunks, sessions, *, name, batch, gpu: GpuSpec,
+              window_frames, sink_frames, kv_dtype, keep_recent_chunks, sessions, live, *, name, batch, gpu: GpuSpec,
               mfu, weight_dtype, vae, loaded_weight_bytes) -> CostPlan:  # fmt: skip
     height, width = height or 480, width or 832
     steps = 4 if steps is None else steps
@@ -388,6 +392,8 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
         if batch != 1:
             raise InputError("sessions", f"a pool's sessions are streams of batch 1 each; got batch {batch} with "
                              f"{sessions} sessions (use one of them)")  # fmt: skip
+    if live is not None and batch != 1:
+        raise InputError("live", f"live sessions are streams of batch 1 each; got batch {batch}")
     spec = WindowSpec(chunk, window, sinks)
     check_kv_storage(layout.name, keep_recent, spec, p.head_dim)
     latent = _latent_frames(frames, latent_frames, chunk)
@@ -471,6 +477,11 @@ def _plan_wan(p: WanParams, height, width, steps, cfg, text_tokens, frames, late
         fields |= _session_fields(p, sessions, tpf, chunk, window, steps, gpu, mfu, chosen.window + cross_kv,
                                   fields["weight_bytes"])  # fmt: skip
         pool_rows = _session_rows(fields, gpu)
+    if live is not None:
+        fields["live"] = plan_live(p, height, width, tuple(live), chunk, window, steps, gpu, mfu,
+                                   tiny_vae="taew2_1" if vae else None, weight_bytes=fields["weight_bytes"],
+                                   session_bytes=chosen.window + cross_kv)  # fmt: skip
+        pool_rows = pool_rows + live_rows(fields["live"])
     title = (
         f"Cost plan: {name or 'Wan model'} (Wan 2.1 DiT, {_params(count.total)} parameters), causal, "
         f"{width}x{height} px, {video_frames} frames = {latent} latent frames = {n_chunks} chunks of {chunk}, "

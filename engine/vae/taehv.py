@@ -343,6 +343,55 @@ class TAEHVStreamDecoder:
         return frames
 
 
+class TAEHVStreamEncoder:
+    """Encodes a video chunk by chunk (a live client's input frames): ``push(frames [N, 4k, 3, H, W])`` returns
+    ``[N, k, C, h, w]``, and the chunks pushed one after the other equal ``encode_video`` of the whole video.
+
+    Each TPool merges groups of frames that never straddle a multiple of 4, so only the encoder MemBlocks' last
+    input frames carry over between chunks (``memory``). The model is only read: several streams can share it.
+    """
+
+    def __init__(self, taehv: TAEHV):
+        self.taehv = taehv
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new video."""
+        self.memory: Memory | None = None
+        self.frames_encoded = 0
+        self._frame_shape: tuple[int, int, int] | None = None  # batch, height, width of the video
+
+    @torch.no_grad()
+    def push(self, frames: Tensor) -> Tensor:
+        """RGB frames ``[N, 4k, 3, H, W]`` in [0, 1] that follow the ones pushed before -> their latents
+        ``[N, k, C, H / (8p), W / (8p)]``. The frame count must be a multiple of 4 (a latent frame is made of 4
+        frames; ``encode_video`` pads only the end of a whole video)."""
+        taehv = self.taehv
+        taehv.check_frames(frames)
+        batch, count, _, height, width = frames.shape
+        group = taehv.t_downscale
+        if count % group:
+            raise InputError(
+                "frames",
+                f"a chunk of {count} frames; a stream is encoded {group} frames per latent frame, so each push "
+                f"takes a multiple of {group} frames (4 x the chunk's latent frames)",
+            )
+        if self._frame_shape not in (None, (batch, height, width)):
+            raise InputError(
+                "frames",
+                f"this chunk has batch {batch} and {height}x{width} frames, but the video being encoded has batch "
+                f"{self._frame_shape[0]} and {self._frame_shape[1]}x{self._frame_shape[2]}; call reset() before "
+                "encoding another video",
+            )
+        x = taehv._to_weights(frames)
+        if taehv.patch_size > 1:
+            x = F.pixel_unshuffle(x, taehv.patch_size)
+        latents, self.memory = run_frames(taehv.encoder, x, self.memory)
+        self._frame_shape = (batch, height, width)
+        self.frames_encoded += count
+        return latents
+
+
 @functools.cache
 def _layout(name: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):

@@ -15,7 +15,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH / "device_check"
 ORDER = ["matmul_rate", "triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "schnell_speed",
-         "schnell_mfu", "wan_graph_equals_eager", "wan_fps", "interactive", "wan_sessions"]  # fmt: skip
+         "schnell_mfu", "wan_graph_equals_eager", "wan_fps", "interactive", "wan_sessions", "live"]  # fmt: skip
 GPU_ONLY = {"triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "wan_graph_equals_eager"}
 CHECK_KEYS = {"name", "title", "status", "seconds", "reason", "error", "traceback", "peak_memory_gib", "results",
               "summary"}  # fmt: skip
@@ -83,6 +83,22 @@ def test_smoke_measurements_are_plausible(smoke):
         assert run["session_chunks_per_s_batched"] > 0 and run["session_chunks_per_s_solo"] > 0
         assert run["max_rel_err"] <= run["tol"] == 1e-5  # fp32: the batched rows are the solo chunks
     assert pool["runs"]["1"]["planner_gain_h200"] == pytest.approx(1.0)
+    live = checks["live"]
+    assert set(live["runs"]) == {"wan-tiny"} and live["chunks_per_session"] == 3
+    for n, run in live["runs"]["wan-tiny"].items():
+        assert len(run["sessions"]) == int(n) and run["wall_s"] > 0
+        for session in run["sessions"]:
+            assert session["chunks"] == 3 and session["stall_events"] == 0  # every event read at once
+            assert session["metrics"]["chunks"] == 3
+        got = run["summary"]
+        assert (
+            got["ttfc_s"] > 0
+            and got["inter_chunk_p50_s"] > 0
+            and got["inter_chunk_p99_s"] >= got["inter_chunk_p50_s"]
+        )
+        assert sum(got["batch_sizes"].values()) == 3 * int(n)
+        assert run["planner_h200"]["batches"] == [int(n)]
+    assert live["runs"]["wan-tiny"]["4"]["max_rel_err_vs_solo"] <= 1e-5
     inter = checks["interactive"]
     assert inter["recache_frames"] == [inter["window_frames"]] == [9]  # past the window, no sinks: all held
     assert len(inter["t2v_chunk_s"]) == len(inter["recache_s"]) == len(inter["prefill_one_frame_s"]) == 2
@@ -179,3 +195,69 @@ def test_kernel_comparison_passes_the_references_and_names_a_wrong_kernel():
     )
     _, bad = compare_kernels(wrong, torch.device("cpu"), shapes)
     assert [b.split(":")[0] for b in bad] == ["rms_norm float32", "rms_norm bfloat16"]
+
+
+def _device_checks():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from device import checks
+    finally:
+        sys.path.remove(str(BENCH))
+    return checks
+
+
+def test_live_transport_reads_every_event_and_waits_for_the_closes():
+    """The live check's in-process host: an outbox is drained the moment an event is put (no drop, no stall),
+    per session, and wait_closed returns once every session's closed event came."""
+    from fewstep.engine.live import SessionOutbox
+
+    checks = _device_checks()
+    transport = checks.InProcessTransport()
+    boxes = {sid: SessionOutbox(max_events=2) for sid in ("a", "b")}
+    for sid, box in boxes.items():
+        transport.attach(sid, f"client-{sid}", box)
+    for k in range(5):  # more than the outbox holds: read at once, nothing dropped
+        boxes["a"].put("fewstep.chunk", {"chunk": k}, droppable=True)
+    boxes["a"].put("fewstep.session", {"state": "closed", "why": "done"})
+    assert not transport.wait_closed(["a", "b"], timeout=0.01)
+    boxes["b"].put("fewstep.session", {"state": "closed", "why": "done"})
+    assert transport.wait_closed(["a", "b"], timeout=0.01)
+    assert [d["chunk"] for _, e, d in transport.events["a"] if e == "fewstep.chunk"] == [0, 1, 2, 3, 4]
+    assert boxes["a"].dropped == 0 and len(transport.events["b"]) == 1
+
+
+def test_live_summary_of_the_closing_metrics():
+    checks = _device_checks()
+
+    def metrics(ttfc, p50, p99, rtf, attained, stalls, batches):
+        return {"time_to_first_chunk_s": ttfc, "inter_chunk_p50_s": p50, "inter_chunk_p99_s": p99,
+                "realtime_factor": rtf, "deadline_attainment": attained, "viewer_stalls": stalls,
+                "batch_sizes": batches}  # fmt: skip
+
+    run = {"sessions": [
+        {"metrics": metrics(1.0, 0.5, 0.7, 1.2, 1.0, 0, {"2": 3}), "stall_events": 0},
+        {"metrics": metrics(3.0, 0.7, 0.9, 0.8, 0.5, 2, {"1": 1, "2": 3}), "stall_events": 1},
+    ]}  # fmt: skip
+    assert checks.live_summary(run, 0.75) == {
+        "ttfc_s": 2.0, "ttfc_max_s": 3.0, "inter_chunk_p50_s": 0.6, "inter_chunk_p99_s": 0.9,
+        "realtime_factor": 1.0, "steady_realtime_factor": 0.75 / 0.6, "deadline_attainment": 0.5,
+        "viewer_stalls": 2, "stall_events": 1, "batch_sizes": {"1": 1, "2": 6},
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smoke mode is the CPU run; this machine has a GPU")
+@pytest.mark.slow  # ~10 s on 2 idle cores (interpreter start, 3 pools), over 20 s when they are shared
+def test_live_check_alone(tmp_path):
+    """``--only live``: 1, 2 and 4 clients on the engine's LiveService, every session's 3 chunks and closing
+    metrics; the planner's H200 prediction beside them."""
+    r = _run("--smoke", "--only", "live", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (check,) = json.loads((tmp_path / "device.json").read_text())["checks"]
+    assert check["status"] == "ok" and len(check["summary"]) == 4  # 3 client counts + the exactness row
+    runs = check["results"]["runs"]["wan-tiny"]
+    for n in ("1", "2", "4"):
+        assert [s["chunks"] for s in runs[n]["sessions"]] == [3] * int(n)
+        assert all(s["metrics"]["chunks"] == 3 for s in runs[n]["sessions"])
+        assert runs[n]["why_stopped"] == "the device check is done"
+    # fp32 on the CPU: 4 batched live sessions make their solo sessions' latents (same prompt text, same seed)
+    assert runs["4"]["max_rel_err_vs_solo"] <= runs["4"]["tol"] == 1e-5 and "tol" not in runs["2"]

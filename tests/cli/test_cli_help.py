@@ -25,7 +25,7 @@ def _options(parser: argparse.ArgumentParser):
 
 def test_every_command_is_registered():
     assert set(_subparsers(build_parser())) == set(COMMANDS) == {
-        "generate", "stream", "queue", "plan", "worker", "demo",
+        "generate", "stream", "queue", "live", "plan", "worker", "demo",
     }  # fmt: skip
 
 
@@ -93,6 +93,9 @@ SHARED_MEANINGS = {
     "--out": "output folder",
     "--json": "print the report as JSON",
     "--timeout": "seconds",
+    "--server": "ComfyUI address",
+    "--script": "control script",
+    "--quiet": "no progress lines",
     "--verbose": "INFO logging",
     "--help": "help",
 }
@@ -157,7 +160,11 @@ def test_old_spellings_are_deprecated_aliases(capsys):
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_verbose_is_accepted_before_and_after_the_command(command):
-    required = {"plan": ["--model", "flux-tiny"], "queue": ["workflow.json"]}.get(command, [])
+    required = {
+        "plan": ["--model", "flux-tiny"],
+        "queue": ["workflow.json"],
+        "live": ["--script", "s.json"],
+    }.get(command, [])
     parser = build_parser()
     assert parser.parse_args([command, *required]).verbose is False
     assert parser.parse_args(["-v", command, *required]).verbose is True

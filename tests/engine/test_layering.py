@@ -24,6 +24,7 @@ OPTIONAL_OR_HEAVY = (
     "torch.utils.flop_counter",
     "torch.distributed",
     "safetensors",
+    "PIL",
 )
 
 

@@ -119,6 +119,11 @@ def test_each_function_returns_its_return_types(pack, monkeypatch, tmp_path):
         FewStepCausalContinue=_run(m["FewStepCausalContinue"], session=video[2], num_chunks=1),
     )
     assert video[0]["samples"].shape == (1, 16, 4, 4, 6) and video[1].shape == (13, 32, 48, 3)
+    # the live node serves until a limit: half a second with no client (its report is also its UI text)
+    live = _run(m["FewStepLiveVideo"], model=wan, width=48, height=32, chunk_frames=2, window_frames=4,
+                max_seconds=0.5)  # fmt: skip
+    assert live["ui"]["text"] == list(live["result"])
+    outputs["FewStepLiveVideo"] = live["result"]
     assert outputs["FewStepCausalContinue"][1].shape == (8, 32, 48, 3)  # 4 video frames per latent frame
     from test_step_cache_native import CALC, DIFFUSION, OUTER, BaseModel, Patcher
 

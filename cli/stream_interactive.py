@@ -75,6 +75,24 @@ def add_arguments(p) -> None:
     )
 
 
+def interactive_fields(chunk) -> dict:
+    """A chunk's interactive report fields: its mode and strength, the controls applied at it, its re-cache."""
+    controls = [
+        {"kind": a.kind, "sequence": a.sequence, "chunk": a.chunk, "recache": a.recache,
+         "replaced": a.replaced, "detail": a.detail}
+        for a in chunk.controls
+    ]  # fmt: skip
+    recache = chunk.recache
+    return {
+        "mode": chunk.mode,
+        "strength": chunk.strength,
+        "controls": controls,
+        "recache": None
+        if recache is None
+        else {"frames": recache.frames, "start_frame": recache.start_frame, "seconds": recache.seconds},
+    }
+
+
 @dataclass(frozen=True)
 class PromptSwitch:
     chunk: int
@@ -296,20 +314,8 @@ class Driver:
 
     def chunk_fields(self, run_chunk: int, chunk) -> tuple[dict, str]:
         """(the chunk's interactive report fields, the text its line gets beside its seconds)."""
-        controls = [
-            {"kind": a.kind, "sequence": a.sequence, "chunk": a.chunk, "recache": a.recache,
-             "replaced": a.replaced, "detail": a.detail}
-            for a in chunk.controls
-        ]  # fmt: skip
+        fields = interactive_fields(chunk)
         recache = chunk.recache
-        fields = {
-            "mode": chunk.mode,
-            "strength": chunk.strength,
-            "controls": controls,
-            "recache": None
-            if recache is None
-            else {"frames": recache.frames, "start_frame": recache.start_frame, "seconds": recache.seconds},
-        }
         note = ""
         switch = None if self.inter is None else self.inter.switches.get(run_chunk)
         if switch is not None and any(a.kind == "prompt" for a in chunk.controls):

@@ -23,6 +23,7 @@ import torch
 from ..engine.errors import InputError
 from ..engine.latent_formats import WAN21
 from .control_script import ControlScript, read_script
+from .stream_interactive import interactive_fields
 
 MAX_START_IMAGE_BYTES = 8 << 20  # what the live routes take
 
@@ -209,20 +210,8 @@ class ScriptDriver:
             self.session.control(control.kind, value, recache=control.recache)
 
     def chunk_fields(self, run_chunk: int, chunk) -> tuple[dict, str]:
-        controls = [
-            {"kind": a.kind, "sequence": a.sequence, "chunk": a.chunk, "recache": a.recache,
-             "replaced": a.replaced, "detail": a.detail}
-            for a in chunk.controls
-        ]  # fmt: skip
+        fields = interactive_fields(chunk)
         recache = chunk.recache
-        fields = {
-            "mode": chunk.mode,
-            "strength": chunk.strength,
-            "controls": controls,
-            "recache": None
-            if recache is None
-            else {"frames": recache.frames, "start_frame": recache.start_frame, "seconds": recache.seconds},
-        }
         notes = []
         for control in self.script.controls_at(run_chunk):
             if control.kind == "prompt":

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from ..engine.errors import InputError
 from ..engine.live.protocol import (
     CLIP_ROUTE,
-    CONTROL_ROUTE,
     EVENT_CHUNK,
     EVENT_CONTROL_APPLIED,
     EVENT_DEADLINE_MISSED,
@@ -247,6 +246,8 @@ def _run(live: LiveRun, args, start_image: bytes | None, frames) -> int:
             "start_image": None if start_image is None else base64.b64encode(start_image).decode(),
             "strength": script.strength,
             "jpeg": bool(args.jpeg),
+            # scheduled with the open: each takes effect at its chunk however late the client gets to run
+            "controls": [{**control.body(), "at_chunk": control.chunk} for control in script.controls],
         }
         try:
             answer = client._request(SESSIONS_ROUTE, body)
@@ -254,20 +255,17 @@ def _run(live: LiveRun, args, start_image: bytes | None, frames) -> int:
             if 400 <= exc.status < 500 or exc.status == 503:
                 return _fail(2, _server_error(exc))
             raise
-        check_open_answer(answer)
+        check_open_answer(answer, len(script.controls))
         live.session, live.secret = answer["session"], answer["secret"]
+        for sequence, control in zip(answer["controls"], script.controls):  # ties each to its applied event
+            live.controls[sequence] = {
+                "script_index": control.index, "kind": control.kind, "at_chunk": control.chunk, "applied": None,
+            }  # fmt: skip
         live.info = {k: v for k, v in answer.items() if k != "secret"}
         if not args.quiet:
             print(f"session opened on node {answer['node']} (prompt {answer['prompt_id']}): {answer['width']}x"
                   f"{answer['height']}, {answer['chunk_frames']} latent frames a chunk at {answer['fps']} fps",
                   flush=True)  # fmt: skip
-        try:
-            for control in script.controls:
-                send_control(live, control)
-        except ServerError as exc:
-            if 400 <= exc.status < 500:
-                return _fail(2, _server_error(exc))
-            raise
         feeder = None if frames is None else FrameFeeder(live, frames, answer["frames_per_chunk"])
         if feeder is not None:
             feeder.send_until(FRAMES_AHEAD)
@@ -285,7 +283,9 @@ def _run(live: LiveRun, args, start_image: bytes | None, frames) -> int:
     return finish(live)
 
 
-def check_open_answer(answer) -> None:
+def check_open_answer(answer, controls: int = 0) -> None:
+    """The open's answer as the protocol has it (``controls``: the script controls sent with the open, one
+    distinct sequence number each)."""
     expected = {
         "session": lambda v: isinstance(v, str) and SESSION_ID.fullmatch(v),
         "secret": lambda v: isinstance(v, str) and 0 < len(v) <= MAX_SECRET_CHARS and v.isprintable(),
@@ -296,6 +296,12 @@ def check_open_answer(answer) -> None:
         "fps": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1000,
         "node": lambda v: isinstance(v, str) and 0 < len(v) <= 256,
         "prompt_id": lambda v: isinstance(v, str) and 0 < len(v) <= 256,
+        "controls": lambda v: (
+            isinstance(v, list)
+            and len(v) == controls
+            and all(_is_int(x) for x in v)
+            and len(set(v)) == controls
+        ),
     }
     if not isinstance(answer, dict):
         raise ProtocolError(f"POST {SESSIONS_ROUTE} answered with {snippet(answer)}, not a session")
@@ -311,19 +317,6 @@ def _is_int(value) -> bool:
 
 def _is_size(value) -> bool:
     return _is_int(value) and 8 <= value <= 8192 and value % 8 == 0
-
-
-def send_control(live: LiveRun, control) -> None:
-    """Schedule one script control at its chunk; the answer's sequence number ties it to its applied event."""
-    body = {**control.body(), "at_chunk": control.chunk}
-    answer = live.client._request(live.route(CONTROL_ROUTE), body, headers=live.headers)
-    if not isinstance(answer, dict) or not _is_int(answer.get("control")):
-        raise ProtocolError(
-            f"POST {live.route(CONTROL_ROUTE)} answered without a control number: {snippet(answer)}"
-        )
-    live.controls[answer["control"]] = {
-        "script_index": control.index, "kind": control.kind, "at_chunk": control.chunk, "applied": None,
-    }  # fmt: skip
 
 
 def close_session(live: LiveRun) -> None:

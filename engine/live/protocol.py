@@ -129,6 +129,8 @@ class OpenRequest:
     strength: float | None = None
     jpeg: bool = False
     jpeg_quality: int = DEFAULT_JPEG_QUALITY
+    # controls scheduled with the open itself (each with its at_chunk): no race with the session's first chunks
+    controls: tuple[ControlRequest, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,17 @@ def decode_image_field(value, field: str, max_bytes: int = MAX_START_IMAGE_BYTES
     return data
 
 
-OPEN_FIELDS = ("client_id", "prompt", "seed", "chunks", "start_image", "strength", "jpeg", "jpeg_quality")
+OPEN_FIELDS = (
+    "client_id",
+    "prompt",
+    "seed",
+    "chunks",
+    "start_image",
+    "strength",
+    "jpeg",
+    "jpeg_quality",
+    "controls",
+)
 
 
 def check_open(body) -> OpenRequest:
@@ -235,7 +247,28 @@ def check_open(body) -> OpenRequest:
     if start is not None and strength is not None:
         raise LiveError(400, "strength", "video to video restyles input frames; a start image is for image to "
                         "video: give one or the other")  # fmt: skip
-    return OpenRequest(client_id, prompt, seed, chunks, start, strength, jpeg, quality)
+    controls = check_open_controls(body.get("controls", []))
+    return OpenRequest(client_id, prompt, seed, chunks, start, strength, jpeg, quality, controls)
+
+
+def check_open_controls(value) -> tuple[ControlRequest, ...]:
+    """The open body's ``controls``: control bodies, each with its ``at_chunk`` (scheduled with the open, so a
+    script's controls never race the session's first chunks), at most ``MAX_SCHEDULED_CONTROLS``."""
+    if not isinstance(value, list):
+        raise LiveError(400, "controls", f"expected a list of control objects, got {type(value).__name__}")
+    if len(value) > MAX_SCHEDULED_CONTROLS:
+        raise LiveError(400, "controls", f"{len(value)} controls; at most {MAX_SCHEDULED_CONTROLS}")
+    controls = []
+    for i, body in enumerate(value):
+        try:
+            control = check_control(body)
+        except LiveError as err:
+            field = f"controls[{i}].{err.field}" if err.field else f"controls[{i}]"
+            raise LiveError(err.status, field, err.message) from None
+        if control.at_chunk is None:
+            raise LiveError(400, f"controls[{i}].at_chunk", "a control sent with the open needs its chunk")
+        controls.append(control)
+    return tuple(controls)
 
 
 def check_control(body) -> ControlRequest:

@@ -340,7 +340,9 @@ class LiveService:
         request = check_open(body)
         if request.start_image is not None:
             self._need_encoder("start_image", "image to video")
-        if request.strength is not None:
+        if request.strength is not None or any(
+            c.kind == "strength" and c.value is not None for c in request.controls
+        ):
             self._need_encoder("strength", "video to video")
         pool = self.pool
         start = None
@@ -366,6 +368,9 @@ class LiveService:
             tags = {"session": sid, **self.tags}
             outbox = SessionOutbox(self.limits.max_events_queued, tags=tags)
             session = _Session(self._opened, sid, secret, request, outbox, tags, start, pool.fps)
+            for control in request.controls:  # scheduled with the open: in place before its first chunk
+                session.sequence += 1
+                session.controls.append(_Control(session.sequence, control))
             self._sessions[sid] = session
         self.transport.attach(sid, request.client_id, outbox)
         with self._lock:
@@ -376,7 +381,7 @@ class LiveService:
         self._wake.set()
         return {"session": sid, "secret": secret, "width": pool.width, "height": pool.height,
                 "chunk_frames": self.chunk_frames, "frames_per_chunk": self.frames_per_chunk, "fps": pool.fps,
-                **self.tags}  # fmt: skip
+                "controls": list(range(1, len(request.controls) + 1)), **self.tags}  # fmt: skip
 
     def _find(self, session_id, secret, closed_ok: bool = False) -> _Session:
         """The session with this id and secret; unknown id and wrong secret one identical 404. A closed one (kept

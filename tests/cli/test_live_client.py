@@ -137,12 +137,16 @@ def _handler(fake: FakeLiveNode):
             if self.path == "/fewstep/live/sessions":
                 fake.paths.append(self.path)
                 fake.open_bodies.append(body)
+                # controls scheduled with the open are numbered first, as the live node numbers them
+                fake.control_bodies.extend(body.get("controls", []))
+                opened_controls = list(range(1, len(fake.control_bodies) + 1))
                 fake.opened.set()
-                if not fake.expect_controls:
+                if len(fake.control_bodies) >= fake.expect_controls:
                     fake.controls_in.set()
                 return self._answer(201, {"session": SESSION, "secret": SECRET, "width": WIDTH, "height": HEIGHT,
                                           "chunk_frames": CHUNK_FRAMES, "frames_per_chunk": 4 * CHUNK_FRAMES,
-                                          "fps": 16, "node": NODE, "prompt_id": PROMPT_ID})  # fmt: skip
+                                          "fps": 16, "node": NODE, "prompt_id": PROMPT_ID,
+                                          "controls": opened_controls})  # fmt: skip
             if not self._authorized():
                 return None
             if self.path.endswith("/control"):
@@ -254,7 +258,8 @@ def test_a_session_follows_its_script_and_writes_every_chunk(live_node, tmp_path
     [opened] = fake.open_bodies
     assert fake.ws_client_ids == [opened["client_id"]] and re.fullmatch(r"[0-9a-f]{32}", opened["client_id"])
     assert opened == {"client_id": opened["client_id"], "prompt": SCRIPT["prompt"], "seed": 3, "chunks": 5,
-                      "start_image": None, "strength": None, "jpeg": True}  # fmt: skip
+                      "start_image": None, "strength": None, "jpeg": True,
+                      "controls": fake.control_bodies}  # fmt: skip  # the controls go with the open
     assert fake.control_bodies == [
         {"prompt": "a red fox running through a forest", "recache": True, "at_chunk": 2},
         {"seed": 11, "at_chunk": 3},

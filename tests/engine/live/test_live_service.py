@@ -237,7 +237,7 @@ def test_two_live_sessions_equal_a_plain_pool_run_and_their_solo_runs(wan, taew)
 def test_the_open_answer_and_public_status(wan):
     service = make_service(wan, FakeTransport(), max_sessions_per_client=1)
     answer = service.open({"client_id": "c1", "prompt": "x"})
-    assert set(answer) == {"session", "secret", "width", "height", "chunk_frames", "frames_per_chunk", "fps",
+    assert set(answer) == {"session", "secret", "width", "height", "chunk_frames", "frames_per_chunk", "fps", "controls",
                            "node", "prompt_id"}  # fmt: skip
     assert (answer["width"], answer["height"], answer["chunk_frames"], answer["frames_per_chunk"]) == (
         48,
@@ -307,7 +307,7 @@ def test_bad_bodies_are_refused_with_the_field_named(wan):
          "1..128 characters of A-Z a-z 0-9 _ -, got 'c d'"),
         ({"client_id": "c", "prompt": "x", "seed": -1}, 400, "seed: expected an integer 0..9223372036854775807, got -1"),
         ({"client_id": "c", "prompt": "x", "colour": 1}, 400, "colour: unknown field; expected client_id, prompt, "
-         "seed, chunks, start_image, strength, jpeg, jpeg_quality"),
+         "seed, chunks, start_image, strength, jpeg, jpeg_quality, controls"),
         ({"client_id": "c", "prompt": "x", "start_image": "iVBORw0KGgo="}, 400,
          "start_image: image to video needs the live node's tiny VAE with its encoder (taew2_1); connect one"),
         ({"client_id": "c", "prompt": "x", "strength": 0.5}, 400,
@@ -806,3 +806,48 @@ def test_a_session_keeps_the_payloads_of_its_newest_chunks_kept_chunks(wan):
     with pytest.raises(LiveError) as err:
         service.payload(sid, secret, 3, "mp4")
     assert err.value.text == "kind: expected one of webp, safetensors, got 'mp4'"
+
+
+def test_controls_sent_with_the_open_take_effect_at_their_chunks(wan):
+    """A script's controls in the open body are in place before the session's first chunk: the same video as the
+    plain pool run, and the answer numbers them in the order given."""
+    transport = FakeTransport()
+    service = make_service(wan, transport)
+    answers = []
+    for script, client in ((SCRIPT_A, "client-a"), (SCRIPT_B, "client-b")):
+        controls = [{**{k: v for k, v in c.items() if k != "chunk"}, "at_chunk": c["chunk"]}
+                    for c in script["controls"]]  # fmt: skip
+        answer = service.open({"client_id": client, "prompt": script["prompt"], "seed": script["seed"],
+                               "chunks": script["chunks"], "controls": controls})  # fmt: skip
+        assert answer["controls"] == list(range(1, len(controls) + 1))
+        answers.append(answer)
+    service.serve()
+    reference = reference_pool_run(wan, [SCRIPT_A, SCRIPT_B])
+    for answer, ref in zip(answers, reference):
+        got = live_latents(service, answer, len(ref))
+        assert all(torch.equal(g, WAN21.process_out(r.latents)) for g, r in zip(got, ref))
+    applied = [
+        d for e, d in drain(transport.outboxes[answers[0]["session"]]) if e == "fewstep.control_applied"
+    ]
+    assert [(d["control"], d["chunk"]) for d in applied] == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_controls_of_the_open_body_are_checked_with_their_index(wan):
+    service = make_service(wan, FakeTransport())
+    cases = [
+        ({"controls": {"seed": 1}}, "controls: expected a list of control objects, got dict"),
+        ({"controls": [{"seed": 1}]}, "controls[0].at_chunk: a control sent with the open needs its chunk"),
+        ({"controls": [{"seed": 1, "at_chunk": 0}, {"seed": -1, "at_chunk": 1}]},
+         "controls[1].seed: expected an integer 0..9223372036854775807, got -1"),
+        ({"controls": [{"seed": 1, "stop": True, "at_chunk": 0}]},
+         "controls[0].control: expected exactly one of prompt, strength, seed, stop; got seed, stop"),
+        ({"controls": [{"seed": 1, "at_chunk": i} for i in range(65)]}, "controls: 65 controls; at most 64"),
+        ({"controls": [{"strength": 0.5, "at_chunk": 1}]},
+         "strength: video to video needs the live node's tiny VAE with its encoder (taew2_1); connect one"),
+    ]  # fmt: skip
+    for extra, text in cases:
+        with pytest.raises(LiveError) as err:
+            service.open({"client_id": "c", "prompt": "x", **extra})
+        assert (err.value.status, err.value.text) == (400, text)
+    service.stop()
+    service.serve()

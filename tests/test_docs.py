@@ -169,5 +169,5 @@ def test_readme_live_client_example_is_the_tested_one():
     live_doc = (README.parent / "docs" / "live-video.md").read_text()
     readme = README.read_text()
     assert block(readme, "## Live video: sessions clients steer while they run\n") == block(
-        live_doc, "## A client in 40 lines\n"
+        live_doc, "## A client in 50 lines\n"
     )

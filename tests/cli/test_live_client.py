@@ -419,7 +419,7 @@ def test_an_unreachable_server_is_exit_5(tmp_path, capsys):
 # -- the client example of docs/live-video.md ------------------------------------------------------------------------
 
 LIVE_DOC = Path(__file__).resolve().parents[2] / "docs" / "live-video.md"
-EXAMPLE_HEADING = "## A client in 40 lines"
+EXAMPLE_HEADING = "## A client in 50 lines"
 
 
 def _doc_example(doc: Path) -> str | None:

@@ -177,13 +177,13 @@ def test_a_start_image_and_video_to_video_through_the_node_equal_the_engine(serv
 
 
 def test_the_documented_client_example_gets_the_engines_latents(server, live, tmp_path):
-    """docs/live-video.md's "A client in 40 lines" against the real node: its chunk files, concatenated, equal a
+    """docs/live-video.md's "A client in 50 lines" against the real node: its chunk files, concatenated, equal a
     single ``stream --script`` run of the same script."""
     from safetensors.torch import load_file
 
     pytest.importorskip("websocket", reason="the docs/live-video.md example needs websocket-client")
     text = (Path(__file__).resolve().parents[2] / "docs" / "live-video.md").read_text()
-    code = text.split("## A client in 40 lines\n", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+    code = text.split("## A client in 50 lines\n", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
     (tmp_path / "live_client.py").write_text(code + "\n")
     (tmp_path / "a.json").write_text(json.dumps(SCRIPTS["a"]))
     r = subprocess.run([sys.executable, "live_client.py", server["url"].removeprefix("http://"), "a.json", "chunks"],

@@ -52,6 +52,7 @@ from pathlib import Path
 from _common import RESULTS, header, parse_args, summary_row
 
 from fewstep.cli.comfy_client import ComfyClient, Deadline, DeadlineError
+from fewstep.engine.live.metrics import percentile
 from fewstep.engine.live.protocol import (
     EVENT_CHUNK,
     EVENT_METRICS,
@@ -291,17 +292,6 @@ def run_cli_clients(url: str, n: int, chunks: int, timeout: float, workdir: Path
     if errors:
         raise RuntimeError(f"{n} clients: " + "; ".join(errors))
     return outs
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (as the service's metrics)."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def summarize(outs: list[dict]) -> dict:

@@ -25,6 +25,7 @@ OPTIONAL_OR_HEAVY = (
     "torch.distributed",
     "safetensors",
     "PIL",
+    "transformers",
 )
 
 

@@ -1,0 +1,73 @@
+"""Text encoders outside ComfyUI: each family's official encoder loaded from a local folder with ``transformers``,
+run as the family's diffusers pipeline runs it (``encode_prompt``), so ``generate --prompt`` / ``stream --prompt``
+condition the DiT as the official pipeline would.
+
+    encoder = open_text_encoder("models/FLUX.1-schnell", handle.family, handle.params)
+    embedding = encoder.encode("a red fox in the snow")          # PromptEmbedding, float32 on the CPU
+    condition = embedding.condition()                            # the sampler's TextCondition
+
+One module per family: ``flux1`` (CLIP-L pooled + T5-XXL), ``flux2`` (klein: Qwen3, dev: Mistral Small 3.1; three
+hidden-state layers stacked), ``zimage`` (Qwen3 with its chat template, padding dropped), ``wan`` (umT5-XXL,
+padded with zeros to 512 as Wan does). ``folders`` finds, sizes and loads them; the prompt cache that keeps a
+prompt from being encoded twice is ``engine.prompt_embeddings.PromptEmbeddingCache``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InputError
+from .base import EncoderFolder, PromptEmbedding, TextEncoder
+
+__all__ = ["EncoderFolder", "PromptEmbedding", "TextEncoder", "open_text_encoder", "encoder_module"]
+
+
+def encoder_module(family_name: str):
+    """The module that encodes prompts for a DiT family (``flux``, ``flux2``, ``zimage``, ``wan``)."""
+    if family_name == "flux":
+        from . import flux1 as module
+    elif family_name == "flux2":
+        from . import flux2 as module
+    elif family_name == "zimage":
+        from . import zimage as module
+    elif family_name == "wan":
+        from . import wan as module
+    else:
+        raise ValueError(f"no text encoder for the {family_name!r} family")
+    return module
+
+
+def open_text_encoder(
+    path: str | os.PathLike,
+    family,
+    params,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    max_sequence_length: int | None = None,
+    input_name: str = "--text-encoder",
+) -> TextEncoder:
+    """The text encoder in ``path`` for a DiT of ``family`` (a registry ``Family`` or its name) and ``params``:
+    the folder is checked (encoder and tokenizer present, the right family, the width the model reads) and the
+    weights are sized against the device's free memory before anything is loaded.
+
+    ``dtype``: default bf16 on CUDA, float32 on the CPU. ``max_sequence_length``: the tokens the prompt is padded
+    or truncated to (default: the family's official value)."""
+    from ..loader import default_compute_dtype, resolve_device
+
+    name = family if isinstance(family, str) else family.name
+    dev = resolve_device(device, input_name)
+    dtype = dtype or default_compute_dtype(dev)
+    if max_sequence_length is not None and (
+        not isinstance(max_sequence_length, int)
+        or isinstance(max_sequence_length, bool)
+        or max_sequence_length < 1
+    ):
+        raise InputError("--max-sequence-length", f"expected an integer >= 1, got {max_sequence_length!r}")
+    try:
+        module = encoder_module(name)
+    except ValueError as err:
+        raise InputError(input_name, str(err)) from None
+    return module.open(os.fspath(path), params, device=dev, dtype=dtype,
+                       max_sequence_length=max_sequence_length, input_name=input_name)  # fmt: skip

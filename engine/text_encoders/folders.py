@@ -1,0 +1,246 @@
+"""Finding, sizing and loading a text encoder from a local folder: the Hugging Face / diffusers layout a user
+downloaded (a pipeline folder with ``text_encoder*/`` and ``tokenizer*/``, or one encoder's folder holding its
+``config.json``, weights and tokenizer files). Nothing is downloaded: ``transformers`` is asked for local files
+only, and a folder without them is an error naming the flag and what was expected there."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+
+import torch
+
+from ..errors import InputError
+from ..preflight import LEDGER, check_fits
+from .base import EncoderFolder
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# what a tokenizer folder holds (any one): the fast tokenizer, its config, or a slow tokenizer's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json", "tekken.json")
+SINGLE_FILE_HINT = (
+    "a single-file text encoder (ComfyUI's t5xxl_fp16.safetensors, clip_l.safetensors, qwen_3_4b.safetensors...) "
+    "has no tokenizer or config: give the folder of the model's Hugging Face / diffusers download instead (see "
+    "docs/text-encoders.md)"
+)
+
+
+def _is_encoder_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
+def _has_weights(path: str) -> bool:
+    return any(name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path))
+
+
+def _is_tokenizer_dir(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def _check_encoder_dir(path: str, what: str, input_name: str) -> str:
+    if not os.path.isdir(path) or not _is_encoder_dir(path) or not _has_weights(path):
+        raise InputError(
+            input_name,
+            f"{path} holds no text encoder ({what}): expected a folder with config.json and *.safetensors "
+            "(a Hugging Face model download, or a diffusers pipeline's text_encoder/ folder)",
+        )
+    return path
+
+
+def _check_tokenizer_dir(path: str, what: str, input_name: str) -> str:
+    if not _is_tokenizer_dir(path):
+        raise InputError(
+            input_name,
+            f"{path} holds no tokenizer ({what}): expected one of {', '.join(TOKENIZER_FILES)} (a Hugging Face "
+            "model download, or a diffusers pipeline's tokenizer/ folder)",
+        )
+    return path
+
+
+def find_encoder_folder(
+    path: str, encoders: tuple[str, ...], input_name: str = "--text-encoder"
+) -> EncoderFolder:
+    """The encoder and tokenizer folders under ``path`` for a family needing ``encoders`` (their names, for the
+    messages: ``("CLIP-L", "T5-XXL")`` for FLUX.1, one name elsewhere).
+
+    Two encoders: ``path`` is a pipeline folder with ``text_encoder/``, ``tokenizer/``, ``text_encoder_2/`` and
+    ``tokenizer_2/`` (FLUX.1's diffusers layout). One encoder: a pipeline folder with ``text_encoder/`` and
+    ``tokenizer/``, or the encoder's own folder (``config.json``, weights and tokenizer files together)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise InputError(input_name, f"{path} does not exist; expected the folder of a text encoder download")
+    if not os.path.isdir(path):
+        raise InputError(input_name, f"{path} is a file, not a folder; {SINGLE_FILE_HINT}")
+    root = os.path.realpath(path)
+    sub = lambda name: os.path.join(root, name)  # noqa: E731
+    if len(encoders) == 2:
+        first, second = encoders
+        if not os.path.isdir(sub("text_encoder_2")):
+            raise InputError(
+                input_name,
+                f"{path} holds no {first} + {second} pair: expected a pipeline folder with text_encoder/ ({first}),"
+                f" tokenizer/, text_encoder_2/ ({second}) and tokenizer_2/ (the diffusers layout of "
+                "black-forest-labs/FLUX.1-schnell or FLUX.1-dev)",
+            )
+        return EncoderFolder(
+            root,
+            _check_encoder_dir(sub("text_encoder"), first, input_name),
+            _check_tokenizer_dir(sub("tokenizer"), first, input_name),
+            _check_encoder_dir(sub("text_encoder_2"), second, input_name),
+            _check_tokenizer_dir(sub("tokenizer_2"), second, input_name),
+        )
+    (name,) = encoders
+    if os.path.isdir(sub("text_encoder")):
+        return EncoderFolder(
+            root,
+            _check_encoder_dir(sub("text_encoder"), name, input_name),
+            _check_tokenizer_dir(sub("tokenizer"), name, input_name),
+        )
+    return EncoderFolder(
+        root, _check_encoder_dir(root, name, input_name), _check_tokenizer_dir(root, name, input_name)
+    )
+
+
+def read_config(path: str, input_name: str = "--text-encoder") -> dict:
+    """``config.json`` of an encoder folder (checked by :func:`find_encoder_folder`)."""
+    try:
+        with open(os.path.join(path, CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        raise InputError(input_name, f"cannot read {os.path.join(path, CONFIG)}: {err}") from None
+    if not isinstance(config, dict):
+        raise InputError(input_name, f"{os.path.join(path, CONFIG)} is not a JSON object")
+    return config
+
+
+def _safetensors_header(path: str) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 * 2**20:
+            raise ValueError(f"header of {n} bytes")
+        return json.loads(f.read(n))
+
+
+SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                          "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def weight_bytes(path: str, dtype: torch.dtype, input_name: str = "--text-encoder") -> int:
+    """What an encoder folder's weights take once loaded in ``dtype``: each floating tensor of the safetensors
+    headers at ``dtype``'s size (nothing is read but the headers); ``.bin`` files by their size."""
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        if name.endswith(".safetensors"):
+            try:
+                header = _safetensors_header(file)
+            except (OSError, ValueError, struct.error) as err:
+                raise InputError(input_name, f"{file} is not a readable safetensors file: {err}") from None
+            for key, entry in header.items():
+                if key == "__metadata__" or not isinstance(entry, dict):
+                    continue
+                count = 1
+                for n in entry.get("shape", []):
+                    count *= int(n)
+                stored = entry.get("dtype", "F32")
+                total += count * (
+                    item if stored.startswith(("F", "BF")) else SAFETENSORS_ITEM_BYTES.get(stored, 4)
+                )
+        elif name.endswith(".bin"):
+            total += os.path.getsize(file)
+    return total
+
+
+def preflight(
+    folder: EncoderFolder, dtype: torch.dtype, device: torch.device | str, input_name: str = "--text-encoder"
+) -> int:
+    """Refuse an encoder that cannot fit ``device`` before any of it is loaded; its weight bytes."""
+    parts = {"text encoder weights": weight_bytes(folder.text_encoder, dtype, input_name)}
+    if folder.text_encoder_2:
+        parts["second text encoder weights"] = weight_bytes(folder.text_encoder_2, dtype, input_name)
+    check_fits(
+        parts,
+        device,
+        input_name,
+        hint="Encode with --dtype bf16, on another device, or once with `python -m fewstep encode` and pass the "
+        "file as --cond",
+    )
+    return sum(parts.values())
+
+
+def load_model(class_name: str, path: str, dtype: torch.dtype, device, input_name: str = "--text-encoder"):
+    """``transformers.<class_name>.from_pretrained(path)`` from local files only, on ``device`` in ``dtype``, in
+    eval mode, counted in the memory ledger while alive."""
+    transformers = import_transformers(input_name)
+    cls = getattr(transformers, class_name)
+    try:
+        model = cls.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise InputError(
+            input_name, f"cannot load a {class_name} from {path}: {str(err).strip()[:400]}"
+        ) from None
+    model = model.to(device).eval().requires_grad_(False)
+    log.info("loaded %s from %s on %s", class_name, path, device)
+    return LEDGER.hold_model(model)
+
+
+def load_tokenizer(path: str, input_name: str = "--text-encoder", processor: bool = False):
+    """``AutoTokenizer`` (or ``AutoProcessor``) from local files only."""
+    transformers = import_transformers(input_name)
+    cls = transformers.AutoProcessor if processor else transformers.AutoTokenizer
+    try:
+        return cls.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InputError(
+            input_name, f"cannot load the tokenizer in {path}: {str(err).strip()[:400]}"
+        ) from None
+
+
+def import_transformers(input_name: str = "--text-encoder"):
+    try:
+        import transformers
+    except ImportError:
+        raise InputError(
+            input_name,
+            "text encoders need the transformers package: pip install 'comfyui-fewstep[text]' (or pip install "
+            "transformers); or encode elsewhere and pass the file as --cond",
+        ) from None
+    return transformers
+
+
+def config_width(config: dict, input_name: str = "--text-encoder") -> int:
+    """The hidden width of an encoder config (``hidden_size`` / ``d_model``; a multimodal model's ``text_config``)."""
+    config = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    for key in ("hidden_size", "d_model"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    raise InputError(input_name, "its config.json names no hidden_size / d_model")
+
+
+def config_kind(config: dict) -> str:
+    """``model_type`` of an encoder config, or of its ``text_config`` (Mistral3 names its language model there)."""
+    return str(config.get("model_type", "unknown"))
+
+
+def check_width(
+    path: str,
+    kind: str,
+    makes: int,
+    needs: int,
+    needs_what: str,
+    input_name: str = "--text-encoder",
+    what="context",
+) -> None:
+    """Refuse, before loading, an encoder whose conditioning is not as wide as the model reads it (another
+    family's encoder, or another size of the same family's): named, with both widths."""
+    if makes != needs:
+        raise InputError(
+            input_name,
+            f"{path} holds a {kind} text encoder that makes {makes}-wide {what}; this model needs {needs} "
+            f"({needs_what})",
+        )

@@ -297,7 +297,9 @@ class LiveService:
         self.tiny_vae = tiny_vae if tiny_vae is not None else pool.tiny_vae
         tags = tags or {}
         self.tags = {"node": tags.get("node", ""), "prompt_id": tags.get("prompt_id", "")}
-        self.prompts = PromptEmbeddingCache(encode_prompt, prompt_cache_entries)
+        # one encoder for the whole run: the text alone is the key
+        self._encode_prompt = encode_prompt
+        self.prompts = PromptEmbeddingCache(max_entries=prompt_cache_entries)
         self.chunk_frames = pool.config.chunk_frames
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -609,7 +611,7 @@ class LiveService:
         """A prompt through the cache; the text encoder's own failure becomes an InputError naming the prompt (the
         other sessions go on)."""
         try:
-            return self.prompts.get(text)
+            return self.prompts.get(text, lambda: self._encode_prompt(text))
         except InputError:
             raise
         except Exception as exc:

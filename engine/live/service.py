@@ -141,6 +141,7 @@ class LiveReport:
     seconds: float
     chunks: int
     sessions: list[dict] = field(default_factory=list)  # newest 64: index, seed, chunks, metrics, why closed
+    prompt_cache: dict = field(default_factory=dict)  # PromptEmbeddingCache.stats(): prompts encoded, hits
 
     def text(self) -> str:
         """The node's report: why the run stopped, its totals, one line per session (no ids or secrets)."""
@@ -148,6 +149,9 @@ class LiveReport:
             f"live run stopped: {self.why_stopped}; {self.seconds:.1f} s, {self.chunks} chunks, "
             f"{len(self.sessions)} sessions"
         ]
+        if self.prompt_cache:
+            c = self.prompt_cache
+            lines.append(f"prompts: {c['misses']} encoded, {c['hits']} from the cache")
         for s in self.sessions:
             m = s["metrics"]
 
@@ -551,7 +555,9 @@ class LiveService:
                 self.pool.close()
                 with self._lock:
                     self._serving, self._finished = False, True
-        return LiveReport(why, time.perf_counter() - started, self._chunks, list(self._summaries))
+        return LiveReport(
+            why, time.perf_counter() - started, self._chunks, list(self._summaries), self.prompts.stats()
+        )
 
     def _limit_reached(self, now: float, started: float, idle_since: float | None) -> str | None:
         limits = self.limits

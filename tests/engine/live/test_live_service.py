@@ -535,6 +535,8 @@ def test_bookkeeping_stays_flat_over_many_sessions(wan):
     assert (
         len(service.prompts) == 5 and service.prompts.misses == 5
     )  # the sessions that joined encoded them once
+    assert report.prompt_cache["misses"] == 5 and report.prompt_cache["hits"] == service.prompts.hits > 0
+    assert f"prompts: 5 encoded, {service.prompts.hits} from the cache" in report.text().splitlines()[1]
     assert service.pool.closed and service.pool.sessions == {}
 
 

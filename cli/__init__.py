@@ -1,7 +1,7 @@
 """Command line: ``python -m fewstep <command>``.
 
 Commands: ``generate`` (one text-to-image sample, latent + per-stage timings), ``stream`` (causal video chunk by
-chunk), ``queue`` (run a workflow on a ComfyUI server), ``live`` (drive a session of a live node with a control
+chunk), ``queue`` (run a workflow on a ComfyUI server), ``encode`` (a text prompt into a --cond file), ``live`` (drive a session of a live node with a control
 script), ``plan`` (the cost bill of a configuration), ``worker``
 (join a sequence-parallel worker pool), ``demo`` (the showcase on dummy weights). Each command lives in its own
 module and registers its arguments here.
@@ -15,12 +15,13 @@ import sys
 import traceback
 
 from ..engine.errors import FewStepError, InputError
-from . import demo, generate, live, plan, queue, stream, worker
+from . import demo, encode, generate, live, plan, queue, stream, worker
 from .common import did_you_mean
 
 COMMANDS = {
     "generate": generate,
     "stream": stream,
+    "encode": encode,
     "queue": queue,
     "live": live,
     "plan": plan,

@@ -18,11 +18,11 @@ def umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def save_tensors(tensors: dict, path: str) -> None:
+def save_tensors(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file`` with the CLI's output permissions."""
     from safetensors.torch import save_file
 
-    save_file(tensors, path)
+    save_file(tensors, path, metadata=metadata)
     os.chmod(path, umask_mode())
 
 

@@ -44,6 +44,7 @@ from .common import (
 )
 from .files import save_tensors
 from .images import decode_raw, save_png
+from .text_prompts import add_text_encoder_arguments, check_text_flags, encode_texts, text_encoder_line
 
 HELP = "sample one latent (ComfyUI raw VAE space) and write it with per-stage timings"
 
@@ -64,6 +65,10 @@ def add_arguments(p) -> None:
     add_attention_argument(p)
     add_lora_argument(p)
     add_sampling_arguments(p)
+    add_text_encoder_arguments(
+        p, "with --text-encoder: the prompt, encoded as the family's official pipeline encodes it (default: "
+        "--cond, else seeded synthetic embeddings)", negative=True,
+    )  # fmt: skip
     add_compile_arguments(p)
     p.add_argument(
         "--out",
@@ -109,13 +114,21 @@ def run(args) -> int:
     if args.guidance is not None:
         check_finite_number(args.guidance, "--guidance")
     check_finite_number(args.cfg, "--cfg")
-    check_cfg_has_negative(args.cfg, args.negative_seed)
+    encoding = check_text_flags(args)
+    if encoding and args.prompt is None:
+        raise InputError("--text-encoder", "encodes --prompt (and --negative-prompt): give --prompt TEXT")
+    check_cfg_has_negative(args.cfg, args.negative_seed is not None or args.negative_prompt is not None)
     if image_preset:  # the preset is the architecture: an unknown default schedule fails before loading
         check_schedule(args.schedule or default_schedule(*all_presets()[args.model]))
     compiling = compile_config(args)  # a bad --compile / --cuda-graph fails before loading, too
     check_lora_files(args.lora)
     prepare_out(args.out)  # before loading anything: a bad --out fails at once
     timings = {}
+    texts, text_report = {}, None
+    if encoding:  # every prompt encoded and the encoder freed before the model loads
+        prompts = [args.prompt] + ([args.negative_prompt] if args.negative_prompt is not None else [])
+        texts, text_report = encode_texts(args, prompts, "--model" if dummy else "--weights")
+        timings["text_encoder_s"] = text_report["load_s"] + text_report["encode_s"]
     t = time.perf_counter()
     handle = open_model(
         source_of(args),
@@ -141,12 +154,16 @@ def run(args) -> int:
     check_decode(args, family)
 
     t = time.perf_counter()
-    if args.cond:
+    if encoding:
+        positive = texts[args.prompt].condition(args.guidance)
+    elif args.cond:
         positive = load_condition(args.cond, args.guidance)
     else:
         positive = synthetic_condition(family, params, args.text_tokens, args.seed + 1, args.guidance)
     negative = None
-    if args.negative_seed is not None:
+    if args.negative_prompt is not None:
+        negative = [texts[args.negative_prompt].condition(args.guidance)]
+    elif args.negative_seed is not None:
         negative = [synthetic_condition(family, params, args.text_tokens, args.negative_seed, args.guidance)]
     schedule = check_schedule(args.schedule or default_schedule(family, params))
     sampler = args.sampler or (SCHEDULES[schedule].sampler if schedule in SCHEDULES else "euler")
@@ -183,10 +200,14 @@ def run(args) -> int:
         "images": images,
         "compile": compile_report(report.compile),
     }
+    if text_report is not None:
+        info["text_encoder"] = text_report
     write_json(os.path.join(args.out, "timings.json"), info)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
+    if text_report is not None:
+        print(text_encoder_line(text_report))
     print(handle.describe())
     print(report.summary())
     print(
@@ -207,16 +228,15 @@ def tiny_preset_of(preset: str) -> str:
     return TINY_PRESETS.get(family_of_preset(preset).name, "flux-tiny")
 
 
-def check_cfg_has_negative(cfg: float, negative_seed: int | None) -> None:
+def check_cfg_has_negative(cfg: float, has_negative: bool) -> None:
     """CFG mixes a positive and a negative prediction; without a negative there is nothing to guide against, and
-    running at cfg 1 instead would hand back an image the user did not ask for. The CLI has no text encoder, so
-    its only negative is the seeded synthetic one; a user of FLUX.1-dev / FLUX.2-dev likely meant --guidance."""
-    if cfg != 1 and negative_seed is None:
+    running at cfg 1 instead would hand back an image the user did not ask for."""
+    if cfg != 1 and not has_negative:
         raise InputError(
             "--cfg",
-            f"CFG {cfg:g} needs a negative prompt: add --negative-seed N (seeded synthetic negative embeddings), "
-            "or leave --cfg at 1 (the few-step models are distilled to run without CFG; the distilled guidance "
-            "of FLUX.1-dev / FLUX.2-dev is --guidance)",
+            f"CFG {cfg:g} needs a negative prompt: add --negative-prompt TEXT (with --text-encoder), or "
+            "--negative-seed N (seeded synthetic negative embeddings), or leave --cfg at 1 (the few-step models are "
+            "distilled to run without CFG; the distilled guidance of FLUX.1-dev / FLUX.2-dev is --guidance)",
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -48,6 +49,7 @@ from .stream_snapshot import (
     open_resumed,
     save_if_asked,
 )
+from .text_prompts import add_text_encoder_arguments, check_text_flags, encode_texts, text_encoder_line
 from .video import VIDEO_FPS, WEBP_MAX_BYTES, open_video, write_video
 
 HELP = "generate a causal video chunk by chunk (Wan 2.1 students) and report per-chunk seconds and KV bytes"
@@ -131,6 +133,11 @@ def add_arguments(p) -> None:
         default=None,
         help="safetensors with 'context' [B, L, 4096] (default: a seeded synthetic prompt)",
     )
+    add_text_encoder_arguments(
+        p, "with --text-encoder (umT5-XXL): the video's prompt, encoded as Wan's pipeline encodes it; also makes "
+        "--prompt-switch take CHUNK:TEXT and lets --script run real weights (default: --cond, else a seeded "
+        "synthetic prompt)",
+    )  # fmt: skip
     p.add_argument(
         "--tiny-vae",
         default=None,
@@ -193,10 +200,38 @@ def open_stream_parts(args, compiling):
     return with_compile(handle, compiling), config, vae
 
 
+def encode_stream_prompts(args, scripts, interactive) -> tuple[dict, dict | None]:
+    """With --text-encoder: ``({text: context [1, L, 4096]}, report)`` for every prompt of the run (--prompt, the
+    --prompt-switch texts, each script's prompt and prompt controls), encoded before the model loads, the encoder
+    freed; the report line printed. ``({}, None)`` without one."""
+    if not args.text_encoder:
+        return {}, None
+    texts = [args.prompt] if args.prompt is not None else []
+    if interactive is not None:
+        texts += [switch.path for _, switch in sorted(interactive.switches.items())]
+    for script in scripts or []:
+        texts.append(script.prompt)
+        texts += [c.value for c in script.controls if c.kind == "prompt"]
+    if not texts:
+        raise InputError("--text-encoder", "encodes --prompt, --prompt-switch CHUNK:TEXT or a --script's prompts: "
+                         "give one of them")  # fmt: skip
+    embeddings, report = encode_texts(args, texts)
+    contexts = {text: e.context for text, e in embeddings.items()}
+    if interactive is not None:
+        interactive.switches = {
+            chunk: dataclasses.replace(switch, context=contexts[switch.path])
+            for chunk, switch in interactive.switches.items()
+        }
+    if not args.json:
+        say(text_encoder_line(report))
+    return contexts, report
+
+
 def run(args) -> int:
     # --script: read and checked first (the flags it replaces are refused); it gives the seed and the chunks
     scripts = stream_script.prepare(args)
     stream_interactive.check_combinations(args, pool=stream_pool.requested(args))
+    check_text_flags(args)
     if stream_pool.requested(args):  # --sessions N, --join-every, --swap-every...: many streams in one pool
         return stream_pool.run(args, scripts)
     script = scripts[0] if scripts else None
@@ -213,11 +248,15 @@ def run(args) -> int:
     check_lora_files(args.lora)
     if args.out:
         prepare_out(args.out)
+    # every prompt of the run encoded, the encoder freed, then the model loaded
+    texts, text_report = encode_stream_prompts(args, scripts, interactive)
     handle, config, vae = open_stream_parts(args, compiling)
     p = handle.params
-    embed = stream_script.PromptTexts(p) if script is not None else None
+    embed = stream_script.PromptTexts(p, texts) if script is not None else None
     if script is not None:
         context = embed(script.prompt)
+    elif args.prompt is not None:
+        context = texts[args.prompt]
     elif args.cond:
         context = load_condition(args.cond, None).context
     else:
@@ -335,6 +374,8 @@ def run(args) -> int:
         report["script"] = {"path": script.path, "controls": driver.switch_rows}
     if snapshot is not None:
         report["snapshot"] = snapshot
+    if text_report is not None:
+        report["text_encoder"] = text_report
     if args.out:
         report["files"] = output.files
         write_json(os.path.join(args.out, "stream.json"), report)

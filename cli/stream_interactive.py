@@ -65,10 +65,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--prompt-switch",
-        metavar="CHUNK:CONDFILE[:recache]",
+        metavar="CHUNK:CONDFILE|TEXT[:recache]",
         action="append",
         default=[],
-        help="from chunk CHUNK of this run (0-based) on, the prompt in CONDFILE (a safetensors as --cond reads); "
+        help="from chunk CHUNK of this run (0-based) on, the prompt in CONDFILE (a safetensors as --cond reads; "
+        "with --text-encoder, CHUNK:TEXT[:recache], the prompt's text); "
         "with :recache the K/V of the frames in the window are recomputed under the new prompt first "
         "(LongLive), without only the cross-attention changes (CausVid); repeatable, one switch a chunk; "
         "each switch prints its re-cache frames and seconds beside the chunk's (default: none)",
@@ -170,7 +171,7 @@ def read_latents(path: str, flag: str, height: int, width: int) -> torch.Tensor:
     return WAN21.process_in(latents.float())
 
 
-def parse_switch(spec: str) -> tuple[int, str, bool]:
+def parse_switch(spec: str, text: bool = False) -> tuple[int, str, bool]:
     """``CHUNK:CONDFILE[:recache]`` -> (chunk, path, recache). The path may hold colons (``C:\\prompts\\a``):
     only the text before the first colon is the chunk, and a trailing ``:recache`` the choice."""
     chunk_text, sep, rest = spec.partition(":")
@@ -181,6 +182,12 @@ def parse_switch(spec: str) -> tuple[int, str, bool]:
     except ValueError:
         chunk = None
     if not sep or not path or chunk is None:
+        if text:
+            raise InputError(
+                "--prompt-switch",
+                f"{spec!r}: expected CHUNK:TEXT or CHUNK:TEXT:recache (a chunk number of this run, then the prompt "
+                "--text-encoder encodes)",
+            )
         raise InputError(
             "--prompt-switch",
             f"{spec!r}: expected CHUNK:CONDFILE or CHUNK:CONDFILE:recache (a chunk number of this run, a "
@@ -189,17 +196,22 @@ def parse_switch(spec: str) -> tuple[int, str, bool]:
     return chunk, path, recache
 
 
-def read_switches(specs: list[str]) -> dict[int, PromptSwitch]:
-    """Each ``--prompt-switch``, its file read as ``--cond`` reads it (errors naming ``--prompt-switch``)."""
+def read_switches(specs: list[str], text: bool = False) -> dict[int, PromptSwitch]:
+    """Each ``--prompt-switch``, its file read as ``--cond`` reads it (errors naming ``--prompt-switch``). With
+    ``text`` (--text-encoder given) the value is the prompt's text (``CHUNK:TEXT[:recache]``; the text may hold
+    colons): its context is set once the text is encoded, before the model loads."""
     switches: dict[int, PromptSwitch] = {}
     for spec in specs:
-        chunk, path, recache = parse_switch(spec)
+        chunk, path, recache = parse_switch(spec, text)
         if chunk in switches:
             raise InputError(
                 "--prompt-switch",
                 f"{spec!r}: chunk {chunk} already switches to {switches[chunk].path} "
                 f"({switches[chunk].spec!r}); one prompt switch a chunk",
             )
+        if text:
+            switches[chunk] = PromptSwitch(chunk, path, recache, None, spec)
+            continue
         try:
             context = load_condition(path, None, "--prompt-switch").context
         except InputError as err:
@@ -240,7 +252,7 @@ def prepare(args) -> Interactive | None:
                 f"{chunks_asked(args)} chunks were asked for (give --chunks {covered} or fewer, or leave "
                 "--chunks out for the whole input)",
             )
-    out.switches = read_switches(args.prompt_switch)
+    out.switches = read_switches(args.prompt_switch, text=bool(getattr(args, "text_encoder", None)))
     n = chunks_asked(args)
     for chunk, switch in sorted(out.switches.items()):
         if not 0 <= chunk < n:

@@ -318,7 +318,7 @@ class PoolRun:
 def run(args, scripts=None) -> int:
     """``scripts``: the ControlScripts of ``--script`` (one per session), or None."""
     from . import stream_interactive
-    from .stream import chunk_count, open_stream_parts, synthetic_prompt
+    from .stream import chunk_count, encode_stream_prompts, open_stream_parts, synthetic_prompt
     from .stream_script import PromptTexts
 
     # --init-latents, --input-video, --prompt-switch: read and checked before loading; every session gets them
@@ -330,10 +330,15 @@ def run(args, scripts=None) -> int:
     check_lora_files(args.lora)
     if args.out:
         prepare_out(args.out)
+    # every prompt of the run encoded, the encoder freed, then the model loaded
+    texts, text_report = encode_stream_prompts(args, scripts, interactive)
     handle, config, vae = open_stream_parts(args, compiling)
     text_dim = handle.params.text_dim
-    shared = load_condition(args.cond, None).context if args.cond else None
-    embed = PromptTexts(handle.params)
+    if args.prompt is not None:
+        shared = texts[args.prompt]
+    else:
+        shared = load_condition(args.cond, None).context if args.cond else None
+    embed = PromptTexts(handle.params, texts)
 
     def prompt_of(s: PoolStream):
         """The script's prompt; else --cond for every session, else the synthetic prompt a single stream of its
@@ -420,6 +425,8 @@ def run(args, scripts=None) -> int:
         "fps": VIDEO_FPS,
         "compile": compile_report(telemetry),
     }
+    if text_report is not None:
+        report["text_encoder"] = text_report
     if args.out:
         for s, summary in zip(streams, sessions):
             summary["files"] = s.output.files

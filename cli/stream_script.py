@@ -30,6 +30,7 @@ MAX_START_IMAGE_BYTES = 8 << 20  # what the live routes take
 # flags the script replaces (what it gives per session), refused beside --script
 REPLACED_FLAGS = {
     "cond": ("--cond", "the script's 'prompt'"),
+    "prompt": ("--prompt", "the script's 'prompt'"),
     "prompt_switch": ("--prompt-switch", "the script's prompt controls"),
     "chunks": ("--chunks", "the script's 'chunks'"),
     "latent_frames": ("--latent-frames", "the script's 'chunks'"),
@@ -68,12 +69,11 @@ def prepare(args) -> list[ControlScript] | None:
         value = getattr(args, dest, None)
         if value:
             raise InputError(flag, f"cannot be combined with --script, which gives {instead}")
-    if args.weights != "dummy":
+    if args.weights != "dummy" and not args.text_encoder:
         raise InputError(
             "--script",
-            "script prompts are text, and outside ComfyUI there is no text encoder: they are embedded with the "
-            "synthetic text embedding, which only dummy weights take (with real weights use --prompt-switch "
-            "with --cond files, or run the script against a live node with `python -m fewstep live`)",
+            "script prompts are text: with real weights give --text-encoder DIR (Wan's umT5-XXL folder) to encode "
+            "them; without one they are embedded with the synthetic text embedding, which only dummy weights take",
         )
     if len(args.script) != args.sessions:
         raise InputError(
@@ -171,11 +171,12 @@ class ScriptMedia:
 
 
 class PromptTexts:
-    """Script prompt text -> its synthetic embedding for this model (each text embedded once per run)."""
+    """Script prompt text -> its embedding for this model: ``encoded`` (the texts --text-encoder encoded before the
+    model loaded), else the synthetic embedding (each text embedded once per run)."""
 
-    def __init__(self, params):
+    def __init__(self, params, encoded: dict | None = None):
         self.params = params
-        self._embedded: dict = {}
+        self._embedded: dict = dict(encoded or {})
 
     def __call__(self, text: str):
         from ..engine.prompt_embeddings import synthetic_text_embedding

@@ -20,7 +20,7 @@ SAVED_SETTINGS = {
     "keep_recent_chunks": "keep_recent_chunks",
 }  # fmt: skip
 # a resumed stream continues its saved prompt: the flags that make a prompt do not apply
-PROMPT_FLAGS = {"cond": "--cond", "text_tokens": "--text-tokens"}
+PROMPT_FLAGS = {"cond": "--cond", "text_tokens": "--text-tokens", "prompt": "--prompt"}
 
 
 class _Given(argparse._StoreAction):

@@ -170,6 +170,47 @@ def load_dit(
     return _held(model.to(dev).eval().requires_grad_(False))
 
 
+def checkpoint_params(source: str | os.PathLike, input_name: str = "weights"):
+    """``(family, params)`` of a weights file (or ``"dummy:<preset>"``) without loading its tensors: safetensors
+    headers give every tensor's name and shape, which become meta tensors for the layout and params inference
+    :func:`load_dit` runs (other formats are read, memory-mapped). What a caller that must size or prepare
+    something for the model before loading it (a text encoder run first) needs."""
+    source = os.fspath(source)
+    if source.startswith(DUMMY_PREFIX):
+        preset = source[len(DUMMY_PREFIX) :]
+        presets = all_presets()
+        if preset not in presets:
+            raise InputError(input_name, f"unknown preset {preset!r}; known: {', '.join(presets)}")
+        return presets[preset]
+    files = weight_files(source, input_name)
+    if all(f.lower().endswith(SAFETENSORS_SUFFIXES) for f in files):
+        from safetensors import SafetensorError, safe_open
+
+        sd = {}
+        for file in files:
+            check_weights_file(file, input_name)
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                        sd[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+            except (SafetensorError, OSError) as err:
+                raise CheckpointError(
+                    input_name, f"{os.path.basename(file)} is not a readable safetensors file: {err}"
+                ) from None
+    else:
+        sd = read_checkpoint(source, input_name)
+    sd = strip_known_prefix(sd)
+    found = find_layout(set(sd))
+    if found is None:
+        raise CheckpointError(
+            input_name,
+            f"{os.path.basename(source)} is not a checkpoint layout this pack knows.\n"
+            f"  top-level keys found: {top_level_summary(sd)}\n  known layouts: {known_layouts()}",
+        )
+    family, layout = found
+    return family, family.params_from_state_dict(layout.to_official(sd), os.path.basename(source))
+
+
 def _held(model: nn.Module) -> nn.Module:
     """Count the model's weights in the memory ledger while it is alive (what the preflight subtracts from
     ``FEWSTEP_MEMORY_LIMIT_GB``); dropping the last reference to the model releases them."""

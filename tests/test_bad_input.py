@@ -243,9 +243,10 @@ def test_generate_cfg_without_a_negative_is_refused(capsys, tmp_path):
     an image the user did not ask for."""
     status, err = _cli(capsys, "generate", "--model", "flux-tiny", "--cfg", "3.5", "--out", str(tmp_path))
     assert status == 2 and _one_error_line(err) == (
-        "error: fewstep generate: input '--cfg': CFG 3.5 needs a negative prompt: add --negative-seed N (seeded "
-        "synthetic negative embeddings), or leave --cfg at 1 (the few-step models are distilled to run without "
-        "CFG; the distilled guidance of FLUX.1-dev / FLUX.2-dev is --guidance)"
+        "error: fewstep generate: input '--cfg': CFG 3.5 needs a negative prompt: add --negative-prompt TEXT (with "
+        "--text-encoder), or --negative-seed N (seeded synthetic negative embeddings), or leave --cfg at 1 (the "
+        "few-step models are distilled to run without CFG; the distilled guidance of FLUX.1-dev / FLUX.2-dev is "
+        "--guidance)"
     )
     assert not (tmp_path / "latent.safetensors").exists()
 

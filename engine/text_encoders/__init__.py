@@ -19,24 +19,14 @@ import os
 import torch
 
 from ..errors import InputError
+from ..loader import default_compute_dtype, resolve_device
+from . import flux1, flux2, wan, zimage
 from .base import EncoderFolder, PromptEmbedding, TextEncoder
 
-__all__ = ["EncoderFolder", "PromptEmbedding", "TextEncoder", "open_text_encoder", "encoder_module"]
+__all__ = ["EncoderFolder", "PromptEmbedding", "TextEncoder", "open_text_encoder", "FAMILY_MODULES"]
 
 
-def encoder_module(family_name: str):
-    """The module that encodes prompts for a DiT family (``flux``, ``flux2``, ``zimage``, ``wan``)."""
-    if family_name == "flux":
-        from . import flux1 as module
-    elif family_name == "flux2":
-        from . import flux2 as module
-    elif family_name == "zimage":
-        from . import zimage as module
-    elif family_name == "wan":
-        from . import wan as module
-    else:
-        raise ValueError(f"no text encoder for the {family_name!r} family")
-    return module
+FAMILY_MODULES = {"flux": flux1, "flux2": flux2, "zimage": zimage, "wan": wan}
 
 
 def open_text_encoder(
@@ -54,8 +44,6 @@ def open_text_encoder(
 
     ``dtype``: default bf16 on CUDA, float32 on the CPU. ``max_sequence_length``: the tokens the prompt is padded
     or truncated to (default: the family's official value)."""
-    from ..loader import default_compute_dtype, resolve_device
-
     name = family if isinstance(family, str) else family.name
     dev = resolve_device(device, input_name)
     dtype = dtype or default_compute_dtype(dev)
@@ -65,9 +53,10 @@ def open_text_encoder(
         or max_sequence_length < 1
     ):
         raise InputError("--max-sequence-length", f"expected an integer >= 1, got {max_sequence_length!r}")
-    try:
-        module = encoder_module(name)
-    except ValueError as err:
-        raise InputError(input_name, str(err)) from None
+    module = FAMILY_MODULES.get(name)
+    if module is None:
+        raise InputError(
+            input_name, f"no text encoder for the {name!r} family; known: {', '.join(FAMILY_MODULES)}"
+        )
     return module.open(os.fspath(path), params, device=dev, dtype=dtype,
                        max_sequence_length=max_sequence_length, input_name=input_name)  # fmt: skip

@@ -244,3 +244,22 @@ def check_width(
             f"{path} holds a {kind} text encoder that makes {makes}-wide {what}; this model needs {needs} "
             f"({needs_what})",
         )
+
+
+# config.json's model_type -> the encoder's name and the DiT families it belongs to, for messages
+KINDS = {
+    "clip_text_model": "CLIP text (FLUX.1's CLIP-L)",
+    "clip": "CLIP (FLUX.1 uses its text model, CLIP-L)",
+    "t5": "T5 (FLUX.1's T5-XXL)",
+    "umt5": "umT5 (Wan 2.1's umT5-XXL)",
+    "qwen3": "Qwen3 (Z-Image's Qwen3-4B, FLUX.2 klein's Qwen3-4B / 8B)",
+    "mistral3": "Mistral 3 (FLUX.2 dev's Mistral Small 3.1)",
+}
+
+
+def check_kind(path: str, config: dict, accepted: tuple[str, ...], needs_what: str, input_name: str) -> None:
+    """Refuse, before loading, a folder holding another kind of encoder than the model needs."""
+    kind = config_kind(config)
+    if kind not in accepted:
+        held = KINDS.get(kind, f"{kind!r} model")
+        raise InputError(input_name, f"{path} holds a {held} text encoder; this model needs {needs_what}")

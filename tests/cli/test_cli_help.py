@@ -25,7 +25,7 @@ def _options(parser: argparse.ArgumentParser):
 
 def test_every_command_is_registered():
     assert set(_subparsers(build_parser())) == set(COMMANDS) == {
-        "generate", "stream", "queue", "live", "plan", "worker", "demo",
+        "generate", "stream", "encode", "queue", "live", "plan", "worker", "demo",
     }  # fmt: skip
 
 
@@ -80,6 +80,9 @@ SHARED_MEANINGS = {
     "--seed": "noise seed",
     "--text-tokens": "text tokens per prompt",
     "--cond": "conditioning safetensors",
+    "--prompt": "prompt text, encoded with --text-encoder",
+    "--text-encoder": "text encoder folder",
+    "--max-sequence-length": "tokens per encoded prompt",
     "--latent-frames": "latent frames",
     "--chunk-frames": "latent frames per chunk",
     "--window-frames": "latent frames of the KV window",
@@ -90,7 +93,7 @@ SHARED_MEANINGS = {
     "--compile": "torch.compile mode",
     "--compile-backend": "torch.compile backend",
     "--cuda-graph": "CUDA graph mode",
-    "--out": "output folder",
+    "--out": "output path: a folder (encode: the conditioning file)",
     "--json": "print the report as JSON",
     "--timeout": "seconds",
     "--server": "ComfyUI address",

@@ -138,8 +138,7 @@ def test_the_flags_a_script_replaces_and_a_wrong_count_are_refused(capsys, tmp_p
         "(session i follows the i-th)"
     )
     assert _error(capsys, "--script", script, "--weights", str(tmp_path / "w.safetensors")).startswith(
-        "error: fewstep stream: input '--script': script prompts are text, and outside ComfyUI there is no text "
-        "encoder"
+        "error: fewstep stream: input '--script': script prompts are text: with real weights give --text-encoder DIR"
     )
     no_chunks = _script(tmp_path, "n.json", prompt="a fox")
     assert _error(capsys, "--script", no_chunks) == (

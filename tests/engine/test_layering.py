@@ -26,6 +26,7 @@ OPTIONAL_OR_HEAVY = (
     "safetensors",
     "PIL",
     "transformers",
+    "ftfy",
 )
 
 

@@ -2,11 +2,11 @@
 chunks, start image, input video and the controls sent between chunks, as a live client sends them to a FewStep
 Live Video node. With ``--sessions N`` there is one ``--script`` per session: session ``i`` follows the ``i``-th.
 
-Script prompts are text. Outside ComfyUI there is no text encoder, so they are embedded with
+Script prompts are text. With ``--text-encoder DIR`` (Wan's umT5-XXL) they are encoded as Wan's pipeline encodes
+them, before the model loads (``cli/text_prompts.py``). Without one they are embedded with
 ``engine.prompt_embeddings.synthetic_text_embedding(text, params.text_len, params.text_dim)``, the embedding the live
 node uses without a CLIP connected: a live run and ``stream --script`` of the same script give the same latents.
-That stand-in is meaningless for real weights, which are refused (``--prompt-switch`` with ``--cond`` files takes
-real umT5 embeddings).
+That stand-in is meaningless for real weights, which then need --text-encoder.
 
 A start image and an input video are decoded and encoded as the live node decodes and encodes what a client sends
 (``engine.live.media.decode_image``: scaled to cover the stream's size and center-cropped; the start image
@@ -50,8 +50,8 @@ def add_arguments(p) -> None:
         help="follow a control script (JSON: prompt, seed, chunks, start_image, input_video + strength, and "
         "controls: prompt switches with or without re-cache, strength, seed, stop at given chunks), the format "
         "`python -m fewstep live` sends to a live node; repeat once per session with --sessions N (session i "
-        "follows the i-th script). Prompts are text, embedded with the synthetic text embedding the live node "
-        "uses without a CLIP: dummy weights only; a start_image or input_video needs --tiny-vae, which encodes "
+        "follows the i-th script). Prompts are text: encoded with --text-encoder, else embedded with the "
+        "synthetic text embedding the live node uses without a CLIP (dummy weights only); a start_image or input_video needs --tiny-vae, which encodes "
         "it as the live node does (default: none)",
     )
 

@@ -16,6 +16,7 @@ side, in one process.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -101,6 +102,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7, help="prompts encoded per family (medians)")
     ap.add_argument("--model", default=None, help="with --text-encoder: the preset whose encoder it is")
     ap.add_argument("--text-encoder", default=None, help="a real encoder folder (default: the tiny encoders)")
+    ap.add_argument("--out", default=None, help="JSON report path (default: bench/results/text_encoder.json)")
     args = parse_args(ap, QUICK)
     setup_threads(args.threads)
     env = header("Text encoder: encoding a prompt vs a prompt-cache hit")
@@ -130,7 +132,11 @@ def main() -> int:
               f"{'-' if dit is None else f'{1e3 * dit:.2f} ms'} | {share} |")  # fmt: skip
         summary.append(summary_row(f"{r['family']}: encode / cache hit", f"{r['encode_over_hit']:.0f}x "
                                    f"({1e3 * r['encode_s']:.2f} ms vs {1e6 * r['cache_hit_s']:.1f} us)"))  # fmt: skip
-    save("text_encoder", {"environment": env, "rows": rows, "summary": summary})
+    payload = {"environment": env, "rounds": args.rounds, "rows": rows, "summary": summary}
+    if args.out:
+        Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    else:
+        save("text_encoder", payload)
     return 0
 
 

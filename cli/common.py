@@ -192,8 +192,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
         "--cond",
         default=None,
         help="safetensors with 'context' [B,L,D] (and 'pooled' [B,P] for FLUX.1): D 4096 / P 768 for FLUX.1, "
-        "the model's context width for FLUX.2 (7680 klein-4b, 12288 klein-9b, 15360 dev), 2560 for Z-Image "
-        "(`python -m fewstep encode` writes one from a prompt; default: --prompt with --text-encoder, else seeded "
+        "the model's context width for FLUX.2 (7680 klein-4b, 12288 klein-9b, 15360 dev), 2560 for Z-Image"
+        "; the encode command writes one from a prompt (default: --prompt with --text-encoder, else seeded "
         "synthetic embeddings)",
     )
     add_text_tokens_argument(p, "text tokens per prompt of the synthetic embeddings")

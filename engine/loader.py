@@ -145,14 +145,7 @@ def load_dit(
     )
     sd = strip_known_prefix(read_checkpoint(source, input_name))
     check_finite_weights(sd, os.path.basename(source), input_name)
-    found = find_layout(set(sd))
-    if found is None:
-        raise CheckpointError(
-            input_name,
-            f"{os.path.basename(source)} is not a checkpoint layout this pack knows.\n"
-            f"  top-level keys found: {top_level_summary(sd)}\n  known layouts: {known_layouts()}",
-        )
-    family, layout = found
+    family, layout = _known_layout(sd, source, input_name)
     sd = layout.to_official(sd)
     params = family.params_from_state_dict(sd, os.path.basename(source))
     with torch.device("meta"):
@@ -168,6 +161,18 @@ def load_dit(
     _upcast_fp8_outside_linear_weights(model, dtype)
     log.info("loaded %s as %s (%s layout) on %s", os.path.basename(source), family.name, layout.name, dev)
     return _held(model.to(dev).eval().requires_grad_(False))
+
+
+def _known_layout(sd, source: str, input_name: str):
+    """``(family, layout)`` of a state dict's key names, or the error listing what was found and what is known."""
+    found = find_layout(set(sd))
+    if found is None:
+        raise CheckpointError(
+            input_name,
+            f"{os.path.basename(source)} is not a checkpoint layout this pack knows.\n"
+            f"  top-level keys found: {top_level_summary(sd)}\n  known layouts: {known_layouts()}",
+        )
+    return found
 
 
 def checkpoint_params(source: str | os.PathLike, input_name: str = "weights"):
@@ -200,14 +205,7 @@ def checkpoint_params(source: str | os.PathLike, input_name: str = "weights"):
     else:
         sd = read_checkpoint(source, input_name)
     sd = strip_known_prefix(sd)
-    found = find_layout(set(sd))
-    if found is None:
-        raise CheckpointError(
-            input_name,
-            f"{os.path.basename(source)} is not a checkpoint layout this pack knows.\n"
-            f"  top-level keys found: {top_level_summary(sd)}\n  known layouts: {known_layouts()}",
-        )
-    family, layout = found
+    family, layout = _known_layout(sd, source, input_name)
     return family, family.params_from_state_dict(layout.to_official(sd), os.path.basename(source))
 
 

@@ -102,3 +102,20 @@ def fake_comfy_memory_manager(monkeypatch, loaded: list | None = None) -> dict:
     monkeypatch.setitem(sys.modules, "comfy.model_patcher", types.SimpleNamespace(ModelPatcher=Patcher))
     monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
     return callbacks
+
+
+@pytest.fixture(scope="session")
+def encoder_folders(tmp_path_factory):
+    """Tiny random text encoders of every family in Hugging Face folders (tests/tiny_text_encoders.py), written once
+    per session; skips where transformers is not installed (the text extra)."""
+    pytest.importorskip("transformers", reason="transformers not installed (the text extra)")
+    import tiny_text_encoders as tiny
+
+    root = tmp_path_factory.mktemp("text_encoders")
+    p = {name: params for name, (_, params) in tiny.presets().items()}
+    return {
+        "flux": tiny.write_flux1_folder(str(root / "flux1"), p["flux-tiny"]),
+        "wan": tiny.write_wan_folder(str(root / "wan"), p["wan-tiny"]),
+        "klein": tiny.write_klein_folder(str(root / "klein"), p["flux2-tiny"]),
+        "zimage": tiny.write_zimage_folder(str(root / "zimage"), p["zimage-tiny"]),
+    }

@@ -16,16 +16,7 @@ import hashlib
 import torch
 
 from .base import PromptEmbedding, TextEncoder
-from .folders import (
-    check_kind,
-    check_width,
-    config_width,
-    find_encoder_folder,
-    load_model,
-    load_tokenizer,
-    preflight,
-    read_config,
-)
+from .folders import checked_encoder, load_model, load_tokenizer
 
 ENCODERS = ("Qwen3 (klein) or Mistral Small 3.1 (dev)",)
 KLEIN_LAYERS = (9, 18, 27)
@@ -95,26 +86,20 @@ class Flux2TextEncoder(TextEncoder):
 
 def open(path, params, *, device, dtype, max_sequence_length, input_name) -> Flux2TextEncoder:
     dev = bool(params.guidance_embed)
-    folder = find_encoder_folder(path, ("Mistral Small 3.1",) if dev else ("Qwen3",), input_name)
-    config = read_config(folder.text_encoder, input_name)
     layers = DEV_LAYERS if dev else KLEIN_LAYERS
     if dev:
+        name, kinds = "Mistral Small 3.1", ("mistral3",)
         needs = (
             f"Mistral Small 3.1, three layers stacked (context {params.context_in_dim}): FLUX.2 dev's encoder"
         )
-        check_kind(folder.text_encoder, config, ("mistral3",), needs, input_name)
     else:
+        name, kinds = "Qwen3", ("qwen3",)
         needs = (
             f"Qwen3, three layers stacked (context {params.context_in_dim}): Qwen3-4B for klein 4B (7680), "
             "Qwen3-8B for klein 9B (12288)"
         )
-        check_kind(folder.text_encoder, config, ("qwen3",), needs, input_name)
-    width = len(layers) * config_width(config, input_name)
-    kind = "Mistral 3" if dev else "Qwen3"
-    check_width(
-        folder.text_encoder, f"{kind} (3 layers stacked)", width, params.context_in_dim, needs, input_name
-    )
-    weight_bytes = preflight(folder, dtype, device, input_name)
+    folder, width, weight_bytes = checked_encoder(path, name, kinds, params.context_in_dim, needs, dtype, device,
+                                                  input_name, layers=len(layers))  # fmt: skip
     length = max_sequence_length or default_max_sequence_length(params)
     tokenizer = load_tokenizer(folder.tokenizer, input_name, processor=dev)
     model = load_model("Mistral3ForConditionalGeneration" if dev else "AutoModel", folder.text_encoder, dtype,
@@ -122,9 +107,10 @@ def open(path, params, *, device, dtype, max_sequence_length, input_name) -> Flu
     settings = {"max_sequence_length": length, "layers": "-".join(map(str, layers))}
     if dev:
         settings["system_message"] = hashlib.sha256(DEV_SYSTEM_MESSAGE.encode()).hexdigest()[:12]
-    name = "dev: Mistral Small 3.1" if dev else "klein: Qwen3"
+    variant = "dev: Mistral Small 3.1" if dev else "klein: Qwen3"
     return Flux2TextEncoder(
         folder, model, tokenizer, length, dev,
-        description=f"FLUX.2 {name}, layers {', '.join(map(str, layers))} stacked (context {width}), {length} tokens",
+        description=f"FLUX.2 {variant}, layers {', '.join(map(str, layers))} stacked (context {width}), {length} "
+        "tokens",
         context_dim=width, pooled_dim=None, device=device, dtype=dtype, weight_bytes=weight_bytes, settings=settings,
     )  # fmt: skip

@@ -263,3 +263,27 @@ def check_kind(path: str, config: dict, accepted: tuple[str, ...], needs_what: s
     if kind not in accepted:
         held = KINDS.get(kind, f"{kind!r} model")
         raise InputError(input_name, f"{path} holds a {held} text encoder; this model needs {needs_what}")
+
+
+def checked_encoder(
+    path: str,
+    name: str,
+    kinds: tuple[str, ...],
+    needs_width: int,
+    needs_what: str,
+    dtype: torch.dtype,
+    device,
+    input_name: str,
+    layers: int = 1,
+) -> tuple[EncoderFolder, int, int]:
+    """A one-encoder family's folder, checked before anything loads: found, of an accepted kind (``kinds``), as
+    wide as the model reads (``layers`` hidden-state layers stacked side by side), fitting the device.
+    ``(folder, width, weight_bytes)``."""
+    folder = find_encoder_folder(path, (name,), input_name)
+    config = read_config(folder.text_encoder, input_name)
+    check_kind(folder.text_encoder, config, kinds, needs_what, input_name)
+    width = layers * config_width(config, input_name)
+    kind = KINDS.get(config_kind(config), name).split(" (")[0]
+    stacked = f" ({layers} layers stacked)" if layers > 1 else ""
+    check_width(folder.text_encoder, kind + stacked, width, needs_width, needs_what, input_name)
+    return folder, width, preflight(folder, dtype, device, input_name)

@@ -10,16 +10,7 @@ import re
 import torch
 
 from .base import PromptEmbedding, TextEncoder
-from .folders import (
-    check_kind,
-    check_width,
-    config_width,
-    find_encoder_folder,
-    load_model,
-    load_tokenizer,
-    preflight,
-    read_config,
-)
+from .folders import checked_encoder, load_model, load_tokenizer
 
 ENCODERS = ("umT5-XXL",)
 
@@ -67,13 +58,9 @@ class WanTextEncoder(TextEncoder):
 
 
 def open(path, params, *, device, dtype, max_sequence_length, input_name) -> WanTextEncoder:
-    folder = find_encoder_folder(path, ENCODERS, input_name)
-    config = read_config(folder.text_encoder, input_name)
     needs = f"umT5-XXL (context {params.text_dim})"
-    check_kind(folder.text_encoder, config, ("umt5",), needs, input_name)
-    width = config_width(config, input_name)
-    check_width(folder.text_encoder, "umT5", width, params.text_dim, needs, input_name)
-    weight_bytes = preflight(folder, dtype, device, input_name)
+    folder, width, weight_bytes = checked_encoder(path, ENCODERS[0], ("umt5",), params.text_dim, needs, dtype,
+                                                  device, input_name)  # fmt: skip
     length = max_sequence_length or default_max_sequence_length(params)
     tokenizer = load_tokenizer(folder.tokenizer, input_name)
     model = load_model("UMT5EncoderModel", folder.text_encoder, dtype, device, input_name)

@@ -8,16 +8,7 @@ from __future__ import annotations
 import torch
 
 from .base import PromptEmbedding, TextEncoder
-from .folders import (
-    check_kind,
-    check_width,
-    config_width,
-    find_encoder_folder,
-    load_model,
-    load_tokenizer,
-    preflight,
-    read_config,
-)
+from .folders import checked_encoder, load_model, load_tokenizer
 
 ENCODERS = ("Qwen3",)
 
@@ -59,13 +50,9 @@ class ZImageTextEncoder(TextEncoder):
 
 
 def open(path, params, *, device, dtype, max_sequence_length, input_name) -> ZImageTextEncoder:
-    folder = find_encoder_folder(path, ENCODERS, input_name)
-    config = read_config(folder.text_encoder, input_name)
     needs = f"Qwen3-4B (context {params.cap_feat_dim})"
-    check_kind(folder.text_encoder, config, ("qwen3",), needs, input_name)
-    width = config_width(config, input_name)
-    check_width(folder.text_encoder, "Qwen3", width, params.cap_feat_dim, needs, input_name)
-    weight_bytes = preflight(folder, dtype, device, input_name)
+    folder, width, weight_bytes = checked_encoder(path, ENCODERS[0], ("qwen3",), params.cap_feat_dim, needs, dtype,
+                                                  device, input_name)  # fmt: skip
     length = max_sequence_length or default_max_sequence_length(params)
     tokenizer = load_tokenizer(folder.tokenizer, input_name)
     model = load_model("AutoModel", folder.text_encoder, dtype, device, input_name)

@@ -27,15 +27,9 @@ FOX = "a red fox running through snow at dawn"
 CAT = "portrait of a cat sitting on bench at night"
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_text_encoders")
-    return {
-        "flux": tiny.write_flux1_folder(str(root / "flux1"), PRESETS["flux-tiny"][1]),
-        "wan": tiny.write_wan_folder(str(root / "wan"), PRESETS["wan-tiny"][1]),
-        "klein": tiny.write_klein_folder(str(root / "klein"), PRESETS["flux2-tiny"][1]),
-        "zimage": tiny.write_zimage_folder(str(root / "zimage"), PRESETS["zimage-tiny"][1]),
-    }
+@pytest.fixture
+def folders(encoder_folders):
+    return encoder_folders
 
 
 def _run(capsys, *argv):

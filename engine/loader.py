@@ -8,6 +8,7 @@ missing and unexpected keys.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -19,12 +20,14 @@ from .models.sizes import preset_parameters
 from .ops import Linear, is_fp8, store_linear_weights
 from .preflight import LEDGER, check_fits
 from .weights import (
+    SAFETENSORS_DTYPES,
     SAFETENSORS_SUFFIXES,
     check_finite_weights,
     check_keys,
     check_weights_file,
     dummy_init_,
     read_checkpoint,
+    safetensors_header,
     strip_known_prefix,
     top_level_summary,
     weight_files,
@@ -89,26 +92,17 @@ def _preflight_file(path: str, dtype: torch.dtype, dev: torch.device, input_name
 
 
 def _safetensors_conversion_bytes(path: str, dtype: torch.dtype) -> int:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     try:
-        with safe_open(path, framework="pt") as f:
-            total = 0
-            names = f.keys()  # a safe_open handle is not iterable
-            for key in names:
-                view = f.get_slice(key)
-                numel = 1
-                for n in view.get_shape():
-                    numel *= n
-                stored = view.get_dtype()
-                if stored not in ("F8_E4M3", "F8_E5M2", _SAFETENSORS_NAMES.get(dtype)):
-                    total += numel * _dtype_bytes(dtype)
-            return total
+        header = safetensors_header(path)
     except (SafetensorError, OSError, ValueError):
         return 0  # unreadable: read_state_dict says why
-
-
-_SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    return sum(
+        math.prod(shape) * _dtype_bytes(dtype)
+        for stored, shape in header.values()
+        if stored not in ("F8_E4M3", "F8_E5M2") and SAFETENSORS_DTYPES.get(stored) != dtype
+    )
 
 
 def load_dit(
@@ -189,15 +183,18 @@ def checkpoint_params(source: str | os.PathLike, input_name: str = "weights"):
         return presets[preset]
     files = weight_files(source, input_name)
     if all(f.lower().endswith(SAFETENSORS_SUFFIXES) for f in files):
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
 
         sd = {}
         for file in files:
             check_weights_file(file, input_name)
             try:
-                with safe_open(file, framework="pt") as f:
-                    for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                        sd[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+                sd.update(
+                    {
+                        key: torch.empty(shape, device="meta")
+                        for key, (_, shape) in safetensors_header(file).items()
+                    }
+                )
             except (SafetensorError, OSError) as err:
                 raise CheckpointError(
                     input_name, f"{os.path.basename(file)} is not a readable safetensors file: {err}"

@@ -109,6 +109,24 @@ def read_checkpoint(path: str | os.PathLike, input_name: str = "weights") -> Sta
     return merged
 
 
+# a safetensors header's dtype names, as torch dtypes (the float8 names are torch's float8 types)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def safetensors_header(path: str | os.PathLike) -> dict[str, tuple[str, list[int]]]:
+    """``{name: (stored dtype name, shape)}`` of a safetensors file, read from its header alone (no tensor data).
+    Raises safetensors' ``SafetensorError`` or ``OSError`` for a file it cannot read."""
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        return {key: (f.get_slice(key).get_dtype(), list(f.get_slice(key).get_shape())) for key in names}
+
+
 def check_weights_file(path: str | os.PathLike, input_name: str = "weights") -> int:
     """The size in bytes of a weights file that exists and is not empty (else a clear error)."""
     path = os.fspath(path)

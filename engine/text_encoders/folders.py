@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import struct
 
 import torch
 
 from ..errors import InputError
 from ..preflight import LEDGER, check_fits
+from ..weights import SAFETENSORS_DTYPES, safetensors_header
 from .base import EncoderFolder
 
 log = logging.getLogger(__name__)
@@ -117,40 +118,25 @@ def read_config(path: str, input_name: str = "--text-encoder") -> dict:
     return config
 
 
-def _safetensors_header(path: str) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * 2**20:
-            raise ValueError(f"header of {n} bytes")
-        return json.loads(f.read(n))
-
-
-SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                          "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
-
-
 def weight_bytes(path: str, dtype: torch.dtype, input_name: str = "--text-encoder") -> int:
     """What an encoder folder's weights take once loaded in ``dtype``: each floating tensor of the safetensors
-    headers at ``dtype``'s size (nothing is read but the headers); ``.bin`` files by their size."""
+    headers at ``dtype``'s size, other tensors at their own (nothing is read but the headers); ``.bin`` files by
+    their size."""
+    from safetensors import SafetensorError
+
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
     for name in sorted(os.listdir(path)):
         file = os.path.join(path, name)
         if name.endswith(".safetensors"):
             try:
-                header = _safetensors_header(file)
-            except (OSError, ValueError, struct.error) as err:
+                header = safetensors_header(file)
+            except (SafetensorError, OSError, ValueError) as err:
                 raise InputError(input_name, f"{file} is not a readable safetensors file: {err}") from None
-            for key, entry in header.items():
-                if key == "__metadata__" or not isinstance(entry, dict):
-                    continue
-                count = 1
-                for n in entry.get("shape", []):
-                    count *= int(n)
-                stored = entry.get("dtype", "F32")
-                total += count * (
-                    item if stored.startswith(("F", "BF")) else SAFETENSORS_ITEM_BYTES.get(stored, 4)
-                )
+            for stored, shape in header.values():
+                stored_dtype = SAFETENSORS_DTYPES.get(stored, torch.float32)
+                size = item if stored_dtype.is_floating_point else stored_dtype.itemsize
+                total += math.prod(shape) * size
         elif name.endswith(".bin"):
             total += os.path.getsize(file)
     return total

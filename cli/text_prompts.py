@@ -15,7 +15,7 @@ from ..engine.errors import InputError
 from ..engine.loader import checkpoint_params
 from ..engine.ops import COMPUTE_DTYPES
 from ..engine.prompt_embeddings import PromptEmbeddingCache
-from ..engine.text_encoders import PromptEmbedding, open_text_encoder
+from ..engine.text_encoders import PromptEmbedding, check_max_sequence_length, open_text_encoder
 from ..engine.units import format_bytes
 from .common import source_of
 
@@ -46,8 +46,8 @@ def add_text_encoder_arguments(p, prompt_help: str, negative: bool = False) -> N
         type=int,
         default=None,
         metavar="N",
-        help="tokens each prompt is padded or truncated to (default: the family's official value: FLUX.1-schnell "
-        "256, FLUX.1-dev / FLUX.2 / Z-Image / Wan 512)",
+        help="tokens each prompt is padded or truncated to, 1 to 512 (default: the family's official value: "
+        "FLUX.1-schnell 256, FLUX.1-dev / FLUX.2 / Z-Image / Wan 512)",
     )
 
 
@@ -68,8 +68,8 @@ def check_text_flags(args, cond_flag: str | None = "--cond") -> bool:
         raise InputError("--prompt", f"give --prompt or {cond_flag}, not both")
     if args.max_sequence_length is not None and not encoder:
         raise InputError("--max-sequence-length", "applies to prompts encoded with --text-encoder")
-    if args.max_sequence_length is not None and args.max_sequence_length < 1:
-        raise InputError("--max-sequence-length", f"expected at least 1, got {args.max_sequence_length}")
+    if args.max_sequence_length is not None:
+        check_max_sequence_length(args.max_sequence_length, "--max-sequence-length")
     return bool(encoder)
 
 

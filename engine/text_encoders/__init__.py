@@ -23,7 +23,32 @@ from ..loader import default_compute_dtype, resolve_device
 from . import flux1, flux2, wan, zimage
 from .base import EncoderFolder, PromptEmbedding, TextEncoder
 
-__all__ = ["EncoderFolder", "PromptEmbedding", "TextEncoder", "open_text_encoder", "FAMILY_MODULES"]
+__all__ = [
+    "EncoderFolder",
+    "PromptEmbedding",
+    "TextEncoder",
+    "open_text_encoder",
+    "FAMILY_MODULES",
+    "MAX_SEQUENCE_LENGTH",
+    "check_max_sequence_length",
+]
+
+
+# The longest prompt, in tokens: what every family's official pipeline pads to at most (FLUX.1's refuses more, the
+# others default to it) and what their DiTs were trained on; a longer prompt is truncated, as there. It also keeps
+# a typo (--max-sequence-length 100000000) from padding a prompt to gigabytes.
+MAX_SEQUENCE_LENGTH = 512
+
+
+def check_max_sequence_length(n, input_name: str = "max_sequence_length") -> int:
+    """An integer token count in [1, :data:`MAX_SEQUENCE_LENGTH`], else an InputError naming ``input_name``."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCE_LENGTH:
+        raise InputError(
+            input_name,
+            f"expected an integer from 1 to {MAX_SEQUENCE_LENGTH} (the longest prompt the official pipelines "
+            f"encode), got {n!r}",
+        )
+    return n
 
 
 FAMILY_MODULES = {"flux": flux1, "flux2": flux2, "zimage": zimage, "wan": wan}
@@ -47,12 +72,8 @@ def open_text_encoder(
     name = family if isinstance(family, str) else family.name
     dev = resolve_device(device, input_name)
     dtype = dtype or default_compute_dtype(dev)
-    if max_sequence_length is not None and (
-        not isinstance(max_sequence_length, int)
-        or isinstance(max_sequence_length, bool)
-        or max_sequence_length < 1
-    ):
-        raise InputError("--max-sequence-length", f"expected an integer >= 1, got {max_sequence_length!r}")
+    if max_sequence_length is not None:
+        check_max_sequence_length(max_sequence_length)
     module = FAMILY_MODULES.get(name)
     if module is None:
         raise InputError(

@@ -306,6 +306,16 @@ def test_a_script_runs_real_weights_with_a_text_encoder(capsys, folders, tmp_pat
             "input '--max-sequence-length': applies to prompts encoded with --text-encoder",
         ),
         (
+            ("generate", "--prompt", FOX, "--text-encoder", "{flux}", "--max-sequence-length", 100000000),
+            "input '--max-sequence-length': expected an integer from 1 to 512 (the longest prompt the official "
+            "pipelines encode), got 100000000",
+        ),
+        (
+            ("stream", "--prompt", FOX, "--text-encoder", "{wan}", "--max-sequence-length", 0),
+            "input '--max-sequence-length': expected an integer from 1 to 512 (the longest prompt the official "
+            "pipelines encode), got 0",
+        ),
+        (
             ("generate", "--model", "flux-tiny", "--prompt", FOX, "--text-encoder", "{wan}"),
             "input '--text-encoder': {wan} holds no CLIP-L + T5-XXL pair: expected a pipeline folder with text_encoder/ "
             "(CLIP-L), tokenizer/, text_encoder_2/ (T5-XXL) and tokenizer_2/ (the diffusers layout of "

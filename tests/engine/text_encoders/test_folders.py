@@ -115,3 +115,13 @@ def test_the_engine_api_through_the_prompt_cache(encoder_folders):
     assert torch.equal(cond.context, first.context) and cond.pooled is None
     encoder.close()
     assert cache.embed(encoder, "a red fox") is first  # a cached prompt needs no encoder
+
+
+@pytest.mark.parametrize("length", [0, -1, 513, 10**9, 3.0, True])
+def test_a_token_count_outside_1_to_512_is_refused_before_loading(encoder_folders, nothing_loads, length):
+    with pytest.raises(InputError) as err:
+        _open(encoder_folders["wan"], "wan-tiny", max_sequence_length=length)
+    assert str(err.value) == (
+        "input 'max_sequence_length': expected an integer from 1 to 512 (the longest prompt the official pipelines "
+        f"encode), got {length!r}"
+    )

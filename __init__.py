@@ -1,15 +1,13 @@
 """fewstep: few-step image models and realtime causal video for ComfyUI.
 
 ComfyUI imports this folder as a custom-node pack (under a module name derived from its path); pip installs it
-as the package ``fewstep`` (engine at ``fewstep.engine``, CLI ``python -m fewstep``). Importing it registers
-node classes and changes nothing global.
+as the package ``fewstep`` (engine at ``fewstep.engine``, CLI ``python -m fewstep``). Importing it changes nothing
+global; the node classes load when ``NODE_CLASS_MAPPINGS`` is first read (ComfyUI reads it right after the import).
 """
 
 import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 DISTRIBUTION = "fewstep"
 _PROJECT_VERSION = re.compile(r'version\s*=\s*"([^"]+)"')
@@ -42,4 +40,21 @@ def _version() -> str:
 
 
 __version__ = _version()
+
+_NODE_MAPPINGS = ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS")
+
+
+def __getattr__(name: str):
+    # The node classes import the whole engine and every node module; ComfyUI reads the mappings right after it
+    # imports the pack, but ``python -m fewstep`` and ``import fewstep.engine`` never do, and a command's cold start
+    # should not pay for them (bench/cold_start.py).
+    if name in _NODE_MAPPINGS:
+        try:
+            from . import nodes
+        except AttributeError as err:  # ComfyUI asks through hasattr(), which would hide it as "no mappings"
+            raise ImportError(f"fewstep's node modules failed to import: {err}") from err
+        return getattr(nodes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "__version__"]

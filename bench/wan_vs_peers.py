@@ -2,6 +2,7 @@
 
     python bench/wan_vs_peers.py                              # wan-mid, one 832x480 px frame (1560 tokens), 1 and 2 threads
     python bench/wan_vs_peers.py --comfyui ~/ComfyUI          # ... with ComfyUI's WanModel as a third column
+    python bench/wan_vs_peers.py --comfyui ~/ComfyUI-0.3.64,~/ComfyUI-0.8.0   # a column per ComfyUI version
     python bench/wan_vs_peers.py --cases wan-mid@832x480x2 --thread-counts 2 --rounds 3
     python bench/wan_vs_peers.py --quick                      # 1 thread, 3 rounds (< 60 s)
     python bench/wan_vs_peers.py --thread-counts 1 --clock cpu --profile   # CPU time; top ops of each side
@@ -22,6 +23,10 @@ the LoRA loader's diffusers -> official module map (``engine.lora.names``). Inpu
 H/8, W/8]``, one timestep, ``--txt`` random umT5 tokens zero-padded to 512 (Wan's text length; all three attend to
 the 512 tokens). fp32 on the CPU under ``inference_mode``.
 
+Several ComfyUI checkouts (``--comfyui A,B``; one Python process can import only one ``comfy`` package): the first
+runs in this process with diffusers, each further one in a child process of this script that times ours against it
+alone, the same way; every ratio is taken against our forward in the same process, and each version gets its column.
+
 Per round one forward of each side, the order rotating from round to round; **ratio** = peer time / our time per
 round, median (min-max), and best-of (min peer / min ours): above 1x ours is faster. ``--clock cpu`` times
 the process's CPU time instead of wall time (at 1 thread a busy machine distorts it less); ``--profile`` lists
@@ -33,8 +38,11 @@ and diffusers compute the sinusoidal time embedding and the RoPE angles in float
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,14 +116,35 @@ def diffusers_side(ours: Wan):
 
 
 # -- ComfyUI ------------------------------------------------------------------------------------------------------
-def find_comfyui(arg: str | None) -> Path | None:
-    d = arg or os.environ.get("COMFYUI_DIR")
-    if not d:
-        return None
-    d = Path(d).expanduser()
-    if not (d / "comfy" / "ldm" / "wan" / "model.py").is_file():
-        raise SystemExit(f"{d} is not a ComfyUI checkout (no comfy/ldm/wan/model.py)")
-    return d
+def find_comfyui(arg: str | None) -> list[Path]:
+    """The ComfyUI checkouts named by ``--comfyui`` (comma-separated) or ``COMFYUI_DIR``; [] if none."""
+    value = arg or os.environ.get("COMFYUI_DIR")
+    dirs = [Path(d).expanduser() for d in value.split(",") if d] if value else []
+    for d in dirs:
+        if not (d / "comfy" / "ldm" / "wan" / "model.py").is_file():
+            raise SystemExit(f"{d} is not a ComfyUI checkout (no comfy/ldm/wan/model.py)")
+    return dirs
+
+
+def comfyui_in_child(comfy_dir: Path, args) -> list[dict]:
+    """This script run in a child process against one more ComfyUI checkout (ours and that ComfyUI only): its
+    rows, whose ``comfyui`` peer becomes this run's ``comfyui <version>`` column."""
+    with tempfile.TemporaryDirectory(prefix="fewstep-wan-peers-") as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, __file__, *_child_args(args), "--comfyui", str(comfy_dir), "--no-diffusers",
+               "--rows-json", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def _child_args(args) -> list[str]:
+    """The options of this run that a child repeats (every measurement option, not the ComfyUI ones)."""
+    out = ["--cases", args.cases, "--txt", str(args.txt), "--rounds", str(args.rounds), "--warmup",
+           str(args.warmup), "--seed", str(args.seed), "--clock", args.clock]  # fmt: skip
+    out += ["--threads", str(args.threads)] if args.threads else ["--thread-counts", args.thread_counts]
+    if args.comfyui_site:
+        out += ["--comfyui-site", args.comfyui_site]
+    return out
 
 
 def import_comfy(comfy_dir: Path, site: str | None):
@@ -355,37 +384,51 @@ def main() -> None:
     ap.add_argument(
         "--comfyui-site", default=None, help="site-packages with ComfyUI's deps (default DIR/../venv)"
     )
+    ap.add_argument("--no-diffusers", action="store_true", help="leave diffusers' column out")
+    ap.add_argument("--rows-json", default=None, help=argparse.SUPPRESS)  # a child run's rows, for its parent
     args = parse_args(ap, QUICK)
-    try:
-        import diffusers
-        from diffusers import WanTransformer3DModel  # noqa: F401 - resolved (lazily imported) before ComfyUI's path
-    except ImportError:
-        raise SystemExit("needs diffusers (the test extra: pip install -e .[test])") from None
+    diffusers = None
+    if not args.no_diffusers:
+        try:
+            import diffusers
+            from diffusers import WanTransformer3DModel  # noqa: F401 - resolved (lazily imported) before ComfyUI's
+        except ImportError:
+            raise SystemExit("needs diffusers (the test extra: pip install -e .[test])") from None
     thread_counts = [args.threads] if args.threads else [int(v) for v in args.thread_counts.split(",")]
-    comfy_dir = find_comfyui(args.comfyui)
-    comfy = import_comfy(comfy_dir, args.comfyui_site) if comfy_dir else None
+    comfy_dirs = find_comfyui(args.comfyui)
+    comfy = import_comfy(comfy_dirs[0], args.comfyui_site) if comfy_dirs else None
 
     setup_threads(thread_counts[0])
     env = header("Wan 2.1 DiT forward, ours vs diffusers and ComfyUI (CPU)")
-    versions = {"diffusers": diffusers.__version__}
-    print(f"diffusers {diffusers.__version__}")
-    if comfy_dir is None:
+    versions = {}
+    if diffusers is not None:
+        versions["diffusers"] = diffusers.__version__
+        print(f"diffusers {diffusers.__version__}")
+    if comfy is None:
         print("ComfyUI: not found (set COMFYUI_DIR or --comfyui DIR): its column is skipped")
     else:
         versions["comfyui"] = comfy[2]
-        print(f"ComfyUI {comfy[2]} at {comfy_dir}: WanModel, attention_pytorch (SDPA), fp32 CPU")
+        print(f"ComfyUI {comfy[2]} at {comfy_dirs[0]}: WanModel, attention_pytorch (SDPA), fp32 CPU")
     print(f"thread counts {thread_counts}; {args.txt} text tokens padded to 512; {args.clock} clock\n")
 
     rows = []
     for case in args.cases.split(","):
         preset = parse_case(case)[0]
         ours = ours_model(preset, args.seed)
-        peers = {"diffusers": diffusers_side(ours)}
+        peers = {} if diffusers is None else {"diffusers": diffusers_side(ours)}
         if comfy is not None:
-            peers["comfyui"] = comfyui_side(ours, *comfy)
+            peers[f"comfyui {comfy[2]}"] = comfyui_side(ours, *comfy)
         models = {"ours": ours, "peers": peers}
         for threads in thread_counts:
             rows.append(run_case(case, threads, models, args))
+    if args.rows_json:
+        Path(args.rows_json).write_text(json.dumps(rows))
+        return
+    for comfy_dir in comfy_dirs[1:]:  # one process per further ComfyUI version
+        for row, child in zip(rows, comfyui_in_child(comfy_dir, args)):
+            row["peers"] |= child["peers"]
+            row.setdefault("ours_ms_by_peer", {}).update({k: child["ours_ms"] for k in child["peers"]})
+        versions["comfyui_checkouts"] = [str(d) for d in comfy_dirs]
     print_results(rows, list(rows[0]["peers"]))
     save(
         "wan_vs_peers",

@@ -1,8 +1,15 @@
 """The single-process softmax attention and its backends (a run picks one: ``engine.backends.Backends``).
 
-Layout everywhere in the engine is ``[batch, tokens, heads, head_dim]`` (the flash-attn and KV-cache layout),
-in and out. Layers never call this module directly: they call ``backends.attention(...)``, which adds the
-run's sequence-parallel exchange around :func:`local_attention` with the run's backend.
+Shapes everywhere in the engine are ``[batch, tokens, heads, head_dim]`` (the flash-attn layout), in and out.
+Layers never call this module directly: they call ``backends.attention(...)``, which adds the run's
+sequence-parallel exchange around :func:`local_attention` with the run's backend.
+
+Memory layout is a separate choice, per backend and device (:func:`reads_head_major`): PyTorch's SDPA kernels take
+``[B, H, L, D]`` and the CPU one runs 1.04-1.08x faster when those are contiguous (``bench/attention_layout.py``)
+than on transposed views of ``[B, L, H, D]`` tensors; flash-attn takes ``[B, L, H, D]`` itself. So where q, k and
+v are made (RoPE, the text/image concatenation, the causal KV cache's buffers, the cross-attention cache) they are
+written head-major in memory, their shape unchanged, and :func:`local_attention` copies only what still arrives
+otherwise (a value projection's view: O(L) against the kernel's O(L^2)).
 
 Backends:
   * ``sdpa``      torch.nn.functional.scaled_dot_product_attention (always available, always tested);
@@ -18,6 +25,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from ..kernels.rope import head_major_empty
 from .errors import InputError
 
 BACKENDS = ("auto", "sdpa", "flash-attn")
@@ -40,6 +48,45 @@ def check_backend(backend: str, input_name: str = "attention") -> str:
             "pip install flash-attn); choose 'sdpa' or 'auto'",
         )
     return backend
+
+
+# Devices whose SDPA reads head-major ``[B, H, L, D]`` inputs faster than transposed views (bench/attention_layout.py;
+# CUDA: bench/device/checks.py). Elsewhere the inputs are passed as they come.
+SDPA_HEAD_MAJOR_DEVICES = frozenset({"cpu"})
+
+
+def reads_head_major(backend: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether attention with ``backend`` over tensors like ``x`` (on its device, in its dtype) reads its q, k and v
+    fastest laid out head-major: SDPA on :data:`SDPA_HEAD_MAJOR_DEVICES`, never flash-attn."""
+    if backend == "flash-attn" or (backend == "auto" and _flash_qualifies(x, mask)):
+        return False
+    return x.device.type in SDPA_HEAD_MAJOR_DEVICES
+
+
+def as_head_major(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, L, H, D]`` laid out head-major (a copy unless it already is; same shape and values)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def cat_tokens(parts: tuple[torch.Tensor, ...], head_major: bool) -> torch.Tensor:
+    """``torch.cat(parts, dim=1)`` of ``[B, L_i, H, D]`` tensors, written head-major when ``head_major`` (the same
+    single copy: FLUX's joint attention concatenates its text and image values anyway)."""
+    if (
+        not head_major or torch.compiler.is_compiling()
+    ):  # compiled: out= breaks the graph, the copy fuses anyway
+        return torch.cat(parts, dim=1)
+    first = parts[0]
+    shape = (first.shape[0], sum(p.shape[1] for p in parts), *first.shape[2:])
+    return torch.cat(parts, dim=1, out=head_major_empty(first, shape))
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """``x.index_select(0, index)`` of ``x [N, L, H, D]``, written head-major when ``head_major`` (the same single
+    copy: a session pool gathers its batch rows' KV windows anyway)."""
+    if not head_major or torch.compiler.is_compiling():
+        return x.index_select(0, index)
+    shape = (index.numel(), *x.shape[1:])
+    return torch.index_select(x, 0, index, out=head_major_empty(x, shape))
 
 
 def _flash_qualifies(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -69,7 +116,9 @@ def local_attention(
                 f"flash-attn needs CUDA fp16/bf16 inputs without a mask (got {q.dtype} on {q.device.type}"
                 f"{', with a mask' if mask is not None else ''}); choose 'sdpa' or 'auto'",
             )
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-    )
-    return out.transpose(1, 2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if (
+        q.device.type in SDPA_HEAD_MAJOR_DEVICES
+    ):  # no-ops for inputs made head-major (see the module docstring)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)

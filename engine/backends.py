@@ -27,7 +27,7 @@ import torch
 
 from .. import kernels
 from ..kernels.kv_quant import QuantizedAttentionInputs
-from .attention import BACKENDS, local_attention
+from .attention import BACKENDS, local_attention, reads_head_major
 from .rope import RopeFreqs, apply_rope
 
 
@@ -94,9 +94,18 @@ class Backends:
             x, shift, scale, eps, mode=self.kernel_mode, fallbacks=self.kernel_fallbacks
         )
 
-    def apply_rope(self, x: torch.Tensor, freqs: RopeFreqs) -> torch.Tensor:
-        """``x [B, L, H, D]`` rotated by ``freqs`` (``engine.rope.apply_rope``)."""
-        return apply_rope(x, freqs, self.kernel_mode, self.kernel_fallbacks)
+    def apply_rope(self, x: torch.Tensor, freqs: RopeFreqs, head_major: bool | None = None) -> torch.Tensor:
+        """``x [B, L, H, D]`` rotated by ``freqs`` (``engine.rope.apply_rope``), laid out head-major in memory when
+        ``head_major`` (None: when this run's local attention reads its inputs that way, ``engine.attention``)."""
+        if head_major is None:
+            head_major = self.reads_head_major(x)
+        return apply_rope(x, freqs, self.kernel_mode, self.kernel_fallbacks, head_major)
+
+    def reads_head_major(self, x: torch.Tensor) -> bool:
+        """Whether this run's attention over tensors like ``x`` wants them head-major in memory: its backend's
+        choice (``engine.attention.reads_head_major``) when attention runs here, not under a sequence-parallel
+        plan (whose exchange makes new tensors of its own layout)."""
+        return self.parallel is None and reads_head_major(self.attention_backend, x)
 
     def quantize_kv(self, x: torch.Tensor, bits: int):
         return kernels.quantize_kv(x, bits, mode=self.kernel_mode, fallbacks=self.kernel_fallbacks)

@@ -26,6 +26,7 @@ from .weights import (
     check_keys,
     check_weights_file,
     dummy_init_,
+    materialize_,
     read_checkpoint,
     safetensors_header,
     strip_known_prefix,
@@ -241,7 +242,7 @@ def _load_dummy(preset: str, dtype, dev, weight_dtype, seed, input_name, memory_
     )
     with torch.device("meta"):
         model = family.model_class(params).to(dtype)  # on meta: allocate once, in the compute dtype
-    model = model.to_empty(device=dev)
+    materialize_(model, dev)
     dummy_init_(model, seed)
     if weight_dtype is not None:
         store_linear_weights(model, weight_dtype)

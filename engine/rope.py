@@ -59,9 +59,12 @@ def rope_freqs(
     return RopeFreqs(torch.cos(angles).to(dtype), torch.sin(angles).to(dtype))
 
 
-def apply_rope(x: torch.Tensor, freqs: RopeFreqs, mode: str = "auto", fallbacks=None) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, freqs: RopeFreqs, mode: str = "auto", fallbacks=None, head_major: bool = False
+) -> torch.Tensor:
     """Rotate ``x [B, L, H, D]`` by ``freqs`` (broadcast over heads), in the precision of ``freqs``.
 
     Through the kernel dispatcher in ``mode`` (a run's ``Backends.apply_rope`` passes its own): the Triton kernel
-    on CUDA, ``kernels.rope.apply_rope`` elsewhere; ``fallbacks``: the run's ``kernels.KernelFallbacks``."""
-    return kernels.apply_rope(x, freqs.cos, freqs.sin, mode=mode, fallbacks=fallbacks)
+    on CUDA, ``kernels.rope.apply_rope`` elsewhere; ``fallbacks``: the run's ``kernels.KernelFallbacks``.
+    ``head_major``: the result laid out ``[B, H, L, D]`` in memory, its shape unchanged (``engine.attention``)."""
+    return kernels.apply_rope(x, freqs.cos, freqs.sin, mode=mode, fallbacks=fallbacks, head_major=head_major)

@@ -6,7 +6,7 @@
 | ``quantized_attention`` | ``kv_quant`` | ``triton_kernels`` | attention over full-precision + quantized keys/values, dequantized (and RoPE-rotated) inside the kernel |
 | ``rms_norm`` | ``norms`` | ``triton_kernels`` | the q/k RMSNorm |
 | ``adaln_modulate`` | ``norms`` | ``triton_kernels`` | fused ``LayerNorm(x) * (1 + scale) + shift`` |
-| ``apply_rope`` | ``rope`` | ``triton_kernels`` | the engine's multi-axis RoPE tables applied to ``[B, L, H, D]`` |
+| ``apply_rope`` | ``rope`` | ``triton_kernels`` | the engine's multi-axis RoPE tables applied to ``[B, L, H, D]`` (optionally written head-major) |
 
 The functions exported here are the dispatchers (``dispatch``): Triton on CUDA when it is importable, the
 reference elsewhere; ``mode="reference"`` (a run's ``Backends(kernels="reference")``, or ``FEWSTEP_KERNELS=reference``

@@ -231,7 +231,9 @@ def apply_rope(
     *,
     mode: str = "auto",
     fallbacks: KernelFallbacks | None = None,
+    head_major: bool = False,
 ) -> torch.Tensor:
+    """``head_major``: the result laid out ``[B, H, L, D]`` in memory (``kernels.rope.apply_rope``)."""
     if uses_triton("apply_rope", mode, x, fallbacks=fallbacks) and x.shape[-1] % 2 == 0:
-        return _run("apply_rope", mode, fallbacks, rope.apply_rope, x, cos, sin)
-    return rope.apply_rope(x, cos, sin)
+        return _run("apply_rope", mode, fallbacks, rope.apply_rope, x, cos, sin, head_major)
+    return rope.apply_rope(x, cos, sin, head_major)

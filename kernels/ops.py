@@ -10,6 +10,7 @@ is recording.
 import torch
 
 from . import kv_quant
+from .rope import head_major_empty
 
 NAMESPACE = "fewstep"
 
@@ -97,12 +98,15 @@ def _adaln_modulate_fake(x, shift, scale, eps):
     return x.new_empty(x.shape, dtype=dtype)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return _triton().apply_rope(x, cos, sin)
+def _apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_major: bool = False
+) -> torch.Tensor:
+    return _triton().apply_rope(x, cos, sin, head_major)
 
 
-def _apply_rope_fake(x, cos, sin):
-    return x.new_empty(x.shape)
+def _apply_rope_fake(x, cos, sin, head_major=False):
+    # the real kernel's layout, which the compiled graph's strides must match
+    return head_major_empty(x) if head_major else x.new_empty(x.shape)
 
 
 quantize_kv = _define("quantize_kv", _quantize_kv, _quantize_kv_fake)

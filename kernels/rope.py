@@ -20,16 +20,39 @@ from __future__ import annotations
 import torch
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, L, H, D]`` by ``cos, sin [B or 1, L, 1, D // 2]`` (broadcast over heads)."""
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_major: bool = False
+) -> torch.Tensor:
+    """Rotate ``x [B, L, H, D]`` by ``cos, sin [B or 1, L, 1, D // 2]`` (broadcast over heads).
+
+    ``head_major``: lay the result out in memory as ``[B, H, L, D]`` (its shape stays ``[B, L, H, D]``; its
+    ``transpose(1, 2)`` is contiguous), the layout PyTorch's SDPA kernels read fastest (``engine.attention``). The
+    rotation writes it directly: the same single pass, the same values bit for bit."""
     xf = x.to(cos.dtype)
     if not _complex_path(xf, cos):
         pairs = xf.unflatten(-1, (-1, 2))
         x0, x1 = pairs[..., 0], pairs[..., 1]
-        return torch.stack((cos * x0 - sin * x1, sin * x0 + cos * x1), dim=-1).flatten(-2).to(x.dtype)
+        out = torch.stack((cos * x0 - sin * x1, sin * x0 + cos * x1), dim=-1).flatten(-2)
+        return (head_major_empty(out).copy_(out) if head_major else out).to(x.dtype)
     pairs = torch.view_as_complex(xf.contiguous().unflatten(-1, (-1, 2)))
-    rotated = pairs * torch.complex(cos, sin)  # the table is per token: L * D / 2 values, not per head
+    table = torch.complex(cos, sin)  # the table is per token: L * D / 2 values, not per head
+    if head_major:
+        rotated = torch.mul(pairs, table, out=head_major_empty(pairs))
+    else:
+        rotated = pairs * table
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
+def head_major_empty(like: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``like``'s dtype and device and of its shape (or ``shape``) ``[B, L, H, ...]``,
+    laid out head-major (``[B, H, L, ...]`` in memory)."""
+    b, n, h, *rest = like.shape if shape is None else shape
+    return torch.empty((b, h, n, *rest), dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def is_head_major(x: torch.Tensor) -> bool:
+    """Whether ``x [B, L, H, D]`` is laid out head-major: ``x.transpose(1, 2)`` is contiguous."""
+    return x.transpose(1, 2).is_contiguous()
 
 
 def _complex_path(xf: torch.Tensor, cos: torch.Tensor) -> bool:

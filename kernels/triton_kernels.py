@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import kv_quant
+from .rope import head_major_empty
 
 
 def _interpreted() -> bool:
@@ -387,7 +388,7 @@ def adaln_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, ep
 @triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, rows, L, H, HALF,
-    sxb, sxl, sxh, scb, scl,
+    sxb, sxl, sxh, scb, scl, sob, sol, soh,
     BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     # one row per (token, head), BLOCK_R rows per program; the tables are per token (heads share them)
@@ -408,12 +409,14 @@ def _rope_kernel(
     # through float32: Triton's interpreter converts 16-bit floats only to and from float32
     xe = xe.to(tl.float32).to(c.dtype)
     xo = xo.to(tl.float32).to(c.dtype)
-    out_base = out_ptr + row.to(tl.int64)[:, None] * 2 * HALF
+    out_base = out_ptr + (b * sob + pos * sol + head * soh)[:, None]
     tl.store(out_base + 2 * j[None, :], (c * xe - s * xo).to(tl.float32).to(out_ty), mask=ok)
     tl.store(out_base + 2 * j[None, :] + 1, (s * xe + c * xo).to(tl.float32).to(out_ty), mask=ok)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_major: bool = False
+) -> torch.Tensor:
     b, n, h, d = x.shape
     half = d // 2
     x = _last_contiguous(x)
@@ -422,7 +425,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     sin = sin.expand(b, n, 1, half).squeeze(2)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    out = torch.empty((b, n, h, d), dtype=x.dtype, device=x.device)
+    out = head_major_empty(x) if head_major else torch.empty((b, n, h, d), dtype=x.dtype, device=x.device)
     rows = b * n * h
     if rows and half:
         block_h = _pow2(half)
@@ -430,6 +433,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         _rope_kernel[(triton.cdiv(rows, block_r),)](
             x, cos, sin, out, rows, n, h, half,
             x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
             BLOCK_R=block_r, BLOCK_H=block_h,
         )  # fmt: skip
     return out

@@ -264,6 +264,48 @@ def flash_attn_vs_sdpa(ctx: Context) -> dict:
     return results
 
 
+ATTENTION_LAYOUT_SHAPES = {  # (q [B, Lq, H, D], kv tokens)
+    "FLUX.1 1024 px joint attention": ((1, 4352, 24, 128), 4352),
+    "Wan-1.3B causal chunk over a 21-frame window": ((1, 4680, 12, 128), 32760),
+}
+
+
+def attention_layout(ctx: Context) -> dict:
+    """SDPA on this device with head-major q/k/v against transposed ``[B, L, H, D]`` views (what
+    ``engine.attention.SDPA_HEAD_MAJOR_DEVICES`` chooses by), and the Triton RoPE kernel writing head-major."""
+    s = ctx.setup
+    gen = torch.Generator(device=s.device).manual_seed(0)
+    results, rows_out = {}, []
+    for name, ((b, lq, h, d), lk) in ATTENTION_LAYOUT_SHAPES.items():
+        if s.smoke:
+            lq, lk, h = min(lq, 256), min(lk, 512), 2
+        q = torch.randn(b, lq, h, d, device=s.device, dtype=s.dtype, generator=gen)
+        k, v = (torch.randn(b, lk, h, d, device=s.device, dtype=s.dtype, generator=gen) for _ in range(2))
+        views = [t.transpose(1, 2) for t in (q, k, v)]
+        head_major = [t.contiguous() for t in views]
+        token_s, _ = median_seconds(ctx, lambda a=views: F.scaled_dot_product_attention(*a))
+        head_s, _ = median_seconds(ctx, lambda a=head_major: F.scaled_dot_product_attention(*a))
+        diff = float(
+            (F.scaled_dot_product_attention(*views) - F.scaled_dot_product_attention(*head_major)).abs().max()
+        )
+        results[name] = {"token_major_views_s": token_s, "head_major_s": head_s, "ratio": token_s / head_s,
+                         "max_abs_diff": diff, "q": [b, lq, h, d], "kv_tokens": lk}  # fmt: skip
+        rows_out.append(row(f"SDPA views / head-major, {name}", f"{token_s / head_s:.3f}x (diff {diff:.1e})"))
+    if s.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from fewstep.kernels import rope as rope_ref
+        from fewstep.kernels import triton_kernels as tk
+
+        x = torch.randn(1, 4096, 24, 128, device=s.device, dtype=s.dtype, generator=gen)
+        angles = torch.randn(1, 4096, 1, 64, device=s.device, generator=gen)
+        out = tk.apply_rope(x, angles.cos(), angles.sin(), True)
+        err = rel_err(out, rope_ref.apply_rope(x, angles.cos(), angles.sin()))
+        results["triton_rope_head_major"] = {"rel_err": err, "head_major": rope_ref.is_head_major(out)}
+        rows_out.append(row("Triton RoPE written head-major equals the reference", f"{err:.1e}", "<= 3.1e-2",
+                            err <= 2**-5 and rope_ref.is_head_major(out)))  # fmt: skip
+    results["summary"] = rows_out
+    return results
+
+
 def schnell_graph_equals_eager(ctx: Context) -> dict:
     from fewstep.engine.compile import COMPILE_FEATURE, attach_compile
 
@@ -993,6 +1035,8 @@ CHECKS = [
           "them through Triton's interpreter"),
     Check("flash_attn_vs_sdpa", "flash-attn backend equals SDPA", flash_attn_vs_sdpa,
           gpu_only="flash-attn runs only on a CUDA GPU (smoke mode runs on the CPU)"),
+    Check("attention_layout", "SDPA: head-major q/k/v against transposed [B, L, H, D] views; Triton RoPE "
+          "written head-major", attention_layout),
     Check("schnell_graph_equals_eager", "CUDA-graph replay equals eager: a FLUX.1-schnell step",
           schnell_graph_equals_eager, gpu_only="CUDA graphs " + NO_GPU),
     Check("schnell_speed", "FLUX.1-schnell 4 steps: eager / compiled / compiled + CUDA graph", schnell_speed),

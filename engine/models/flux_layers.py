@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import cat_tokens
 from ..backends import Backends
 from ..ops import Linear
 from ..rope import RopeFreqs
@@ -162,7 +163,7 @@ def double_stream(block: nn.Module, img, txt, mod_img, mod_txt, freqs: RopeFreqs
 
     q = torch.cat((txt_q, img_q), dim=1)
     k = torch.cat((txt_k, img_k), dim=1)
-    v = torch.cat((txt_v, img_v), dim=1)
+    v = cat_tokens((txt_v, img_v), backends.reads_head_major(txt_v))  # q, k: RoPE writes them head-major
     attn = rope_attention(q, k, v, freqs, txt.shape[1], backends)
     txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
 

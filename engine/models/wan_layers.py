@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import as_head_major
 from ..backends import Backends
 from ..ops import Linear
 from ..rope import RopeFreqs
@@ -67,6 +68,8 @@ class WanCrossAttention(WanSelfAttention):
             b, -1, self.num_heads, context.shape[-1] // self.num_heads
         )
         v = self.v(context).view(b, -1, self.num_heads, context.shape[-1] // self.num_heads)
+        if backends.reads_head_major(k):  # made once per prompt when cached: read head-major by every step
+            k, v = as_head_major(k), as_head_major(v)
         return k, v
 
     def forward(
@@ -99,6 +102,16 @@ def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, frames:
     return torch.addcmul(x.unflatten(1, per_frame), y.float().unflatten(1, per_frame), gate).flatten(1, 2)
 
 
+def scaled_randn(*shape: int) -> torch.Tensor:
+    """The official init of the modulation tables, ``randn(shape) / sqrt(shape[-1])``. Under ``torch.device("meta")``
+    (how the loader builds a model before its weights arrive) only the shape: values would be discarded anyway, and
+    ``randn`` and the division on the meta device import sympy and torch._dynamo (~1 s of a process's cold start)."""
+    empty = torch.empty(shape)
+    if empty.is_meta:
+        return empty
+    return torch.randn(shape) / shape[-1] ** 0.5
+
+
 class WanAttentionBlock(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, num_heads: int, eps: float = 1e-6):
         super().__init__()
@@ -108,7 +121,7 @@ class WanAttentionBlock(nn.Module):
         self.cross_attn = WanCrossAttention(dim, num_heads, eps)
         self.norm2 = WanLayerNorm(dim, eps)
         self.ffn = nn.Sequential(Linear(dim, ffn_dim), nn.GELU(approximate="tanh"), Linear(ffn_dim, dim))
-        self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.modulation = nn.Parameter(scaled_randn(1, 6, dim))
 
     def forward(
         self, x, e, freqs: RopeFreqs, context, frames: int, kv=None, cross_kv=None, *, backends: Backends
@@ -134,7 +147,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = WanLayerNorm(dim, eps)
         self.head = Linear(dim, out_dim * patch_size[0] * patch_size[1] * patch_size[2])
-        self.modulation = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.modulation = nn.Parameter(scaled_randn(1, 2, dim))
 
     def forward(self, x: torch.Tensor, e: torch.Tensor, frames: int, backends: Backends) -> torch.Tensor:
         """``e [B, F, C]``: the per-frame time embedding (before the 6-way projection). Runs in float32, as the

@@ -22,7 +22,7 @@ from ..errors import CheckpointError, InputError
 from ..loader import DUMMY_PREFIX, default_compute_dtype, resolve_device
 from ..preflight.budget import check_fits
 from ..preflight.ledger import LEDGER
-from ..weights import StateDict, check_keys, dummy_init_, read_state_dict, top_level_summary
+from ..weights import StateDict, check_keys, dummy_init_, materialize_, read_state_dict, top_level_summary
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +379,8 @@ def _load_dummy(preset: str, dtype, dev, seed: int, input_name: str) -> FluxAuto
         )
     with torch.device("meta"):
         model = FluxAutoencoder(AE_PRESETS[preset], input_name=input_name)
-    model = model.to_empty(device=dev).to(dtype)
+    materialize_(model, dev)
+    model = model.to(dtype)
     dummy_init_(model, seed)
     return _ready(model)
 

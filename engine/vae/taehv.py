@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
+from .fused_conv import conv_add_relu, conv_relu
 
 IMAGE_CHANNELS = 3
 ENCODER_WIDTH = 64
@@ -111,7 +112,9 @@ class MemBlock(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: Tensor, previous: Tensor) -> Tensor:
-        return (self.conv(torch.cat((x, previous), 1)) + x).relu_()
+        # self.conv's ReLUs and the final one, applied inside the convolutions they follow (fused_conv.py)
+        h = conv_relu(self.conv[2], conv_relu(self.conv[0], torch.cat((x, previous), 1)))
+        return conv_add_relu(self.conv[4], h, x)
 
 
 class TPool(nn.Module):

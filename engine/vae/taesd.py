@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .fused_conv import conv_add_relu, conv_relu
+
 # 64-channel feature maps alive at once at full resolution at the peak, for the memory preflight: a Block keeps
 # its input (the skip), the conv chain's intermediate (its ReLUs are not in place) and the copy the CPU's oneDNN
 # convolution reorders its input into. Measured peak RSS growth on the CPU in fp32 (tests/engine/preflight/test_memory_estimates.py):
@@ -70,7 +72,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pool is not None:
             x = x + self.pool(x)
-        return self.fuse(self.conv(x) + self.skip(x))
+        # self.conv's ReLUs and self.fuse, applied inside the convolutions they follow (fused_conv.py)
+        h = conv_relu(self.conv[2], conv_relu(self.conv[0], x))
+        return conv_add_relu(self.conv[4], h, self.skip(x))
 
 
 def _down(n: int = 64) -> nn.Conv2d:

@@ -14,7 +14,8 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SCRIPT = BENCH / "device_check"
-ORDER = ["matmul_rate", "triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "schnell_speed",
+ORDER = ["matmul_rate", "triton_kernels", "flash_attn_vs_sdpa", "attention_layout", "schnell_graph_equals_eager",
+         "schnell_speed",
          "schnell_mfu", "wan_graph_equals_eager", "wan_fps", "interactive", "wan_sessions", "live"]  # fmt: skip
 GPU_ONLY = {"triton_kernels", "flash_attn_vs_sdpa", "schnell_graph_equals_eager", "wan_graph_equals_eager"}
 CHECK_KEYS = {"name", "title", "status", "seconds", "reason", "error", "traceback", "peak_memory_gib", "results",
@@ -61,6 +62,8 @@ def test_smoke_measurements_are_plausible(smoke):
     report, _ = smoke
     checks = {c["name"]: c["results"] for c in report["checks"]}
     assert checks["matmul_rate"]["tflops"] > 0 and checks["matmul_rate"]["dtype"] == "float32"
+    layouts = {k: v for k, v in checks["attention_layout"].items() if k != "summary"}
+    assert len(layouts) == 2 and all(v["max_abs_diff"] == 0 and v["ratio"] > 0 for v in layouts.values())
     speed = checks["schnell_speed"]
     assert speed["eager_s"] > 0 and speed["compiled_s"] > 0 and speed["sample_latent_s"] > 0
     assert speed["compiled_graph_s"] is None and "CUDA GPU" in speed["compiled_graph_skipped"]

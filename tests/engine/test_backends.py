@@ -141,10 +141,10 @@ def test_the_runs_kernel_mode_reaches_every_forward(monkeypatch):
     def spy(name):
         real = getattr(kernels, name)
 
-        def call(*args, mode="auto", fallbacks=None):
+        def call(*args, mode="auto", fallbacks=None, **layout):
             assert isinstance(fallbacks, kernels.KernelFallbacks)  # the run's record travels with its mode
             seen.append((name, mode))
-            return real(*args, mode="reference")  # the CPU has no Triton driver
+            return real(*args, mode="reference", **layout)  # the CPU has no Triton driver
 
         return call
 

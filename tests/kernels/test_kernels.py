@@ -26,6 +26,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import logging  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -70,6 +71,26 @@ def _assert_matches(kernel, out, ref):
 
 
 # -- each Triton kernel equals its reference -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table_dtype", (torch.float32, torch.float64))
+def test_apply_rope_writes_head_major(tk, dtype, table_dtype):
+    """``head_major=True``: the same values, laid out [B, H, L, D] in memory (its transpose is contiguous), from
+    the Triton kernel and from both paths of the reference (complex multiply, and the real one under compile)."""
+    x = _rand(2, 9, 3, 32, seed=10).to(dtype)[:, 1:7]
+    angles = (3 * _rand(1, 6, 1, 16, seed=11)).to(table_dtype)
+    cos, sin = angles.cos(), angles.sin()
+    token_major = rope.apply_rope(x, cos, sin)
+    assert not rope.is_head_major(token_major)
+    reference = rope.apply_rope(x, cos, sin, True)
+    assert rope.is_head_major(reference) and torch.equal(reference, token_major)  # bit for bit
+    with mock.patch.object(rope, "_complex_path", return_value=False):  # the real formulation
+        real, real_token_major = rope.apply_rope(x, cos, sin, True), rope.apply_rope(x, cos, sin)
+    assert rope.is_head_major(real) and torch.equal(real, real_token_major)
+    triton_out = tk.apply_rope(x, cos, sin, True)
+    assert triton_out.shape == x.shape and triton_out.dtype == x.dtype and rope.is_head_major(triton_out)
+    _assert_matches("apply_rope", triton_out, token_major)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("head_dim", (32, 40, 6))

@@ -59,11 +59,19 @@ class KVCache(nn.Module):
         self.slots = SlotRing(window, frames.full - window.sink_frames, frames.quantized)
         self.sinks = SinkKeys(window, tokens_per_frame, backends) if frames.sink_copies else None
 
+        # Full-precision keys and values are laid out head-major when the run's attention reads them that way
+        # (engine.attention): every chunk reads the whole window, so its reads are then contiguous [B, H, L, D].
+        head_major = backends.reads_head_major(torch.empty(0, dtype=dtype, device=device))
+
         def allocate(
             name: str, frame_count: int, row: tuple[int, ...] = (heads, head_dim), kind=dtype
         ) -> None:
             shape = (batch, frame_count * tokens_per_frame, *row)
-            if storage_of is None:
+            if storage_of is None and head_major and row == (heads, head_dim):
+                tensor = torch.zeros((batch, heads, shape[1], head_dim), dtype=kind, device=device).transpose(
+                    1, 2
+                )
+            elif storage_of is None:
                 tensor = torch.zeros(shape, dtype=kind, device=device)
             else:
                 tensor = storage_of(name, shape, kind)

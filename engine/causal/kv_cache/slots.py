@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ....kernels.kv_quant import QuantizedAttentionInputs
+from ...attention import gather_rows
 from ...backends import DEFAULT_BACKENDS, Backends
 from ...rope import RopeFreqs
 from .bytes import KVFrames, kv_pool_bytes
@@ -222,8 +223,9 @@ class BatchedLayerView:
         heads, head_dim = k.shape[2], k.shape[3]
         keys.index_copy_(0, kv.write_rows, k.reshape(-1, heads, head_dim).to(keys.dtype))
         values.index_copy_(0, kv.write_rows, v.reshape(-1, heads, head_dim).to(values.dtype))
-        k_read = pool.flat_full(f"k{i}").index_select(0, kv.row_slots)
-        v_read = pool.flat_full(f"v{i}").index_select(0, kv.row_slots)
+        head_major = backends.reads_head_major(q)  # the gather writes what the attention reads best
+        k_read = gather_rows(pool.flat_full(f"k{i}"), kv.row_slots, head_major)
+        v_read = gather_rows(pool.flat_full(f"v{i}"), kv.row_slots, head_major)
         quant = None
         if pool.frames.quantized:
             quant = tuple(

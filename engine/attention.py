@@ -58,9 +58,11 @@ SDPA_HEAD_MAJOR_DEVICES = frozenset({"cpu"})
 def reads_head_major(backend: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
     """Whether attention with ``backend`` over tensors like ``x`` (on its device, in its dtype) reads its q, k and v
     fastest laid out head-major: SDPA on :data:`SDPA_HEAD_MAJOR_DEVICES`, never flash-attn."""
-    if backend == "flash-attn" or (backend == "auto" and _flash_qualifies(x, mask)):
+    # the device first: a plain attribute test that torch.compile traces without a break (the flash-attn probe
+    # behind _flash_qualifies is not, and on the CPU flash-attn never qualifies anyway)
+    if backend == "flash-attn" or x.device.type not in SDPA_HEAD_MAJOR_DEVICES:
         return False
-    return x.device.type in SDPA_HEAD_MAJOR_DEVICES
+    return not (backend == "auto" and _flash_qualifies(x, mask))
 
 
 def as_head_major(x: torch.Tensor) -> torch.Tensor:

@@ -4,30 +4,42 @@ Commands: ``generate`` (one text-to-image sample, latent + per-stage timings), `
 chunk), ``queue`` (run a workflow on a ComfyUI server), ``encode`` (a text prompt into a --cond file), ``live`` (drive a session of a live node with a control
 script), ``plan`` (the cost bill of a configuration), ``worker``
 (join a sequence-parallel worker pool), ``demo`` (the showcase on dummy weights). Each command lives in its own
-module and registers its arguments here.
+module and registers its arguments here; a run imports only the module of the command it names (the whole set
+for ``--help`` and for a command line that names none).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import traceback
+from collections.abc import Mapping
 
 from ..engine.errors import FewStepError, InputError
-from . import demo, encode, generate, live, plan, queue, stream, worker
 from .common import did_you_mean
 
-COMMANDS = {
-    "generate": generate,
-    "stream": stream,
-    "encode": encode,
-    "queue": queue,
-    "live": live,
-    "plan": plan,
-    "worker": worker,
-    "demo": demo,
-}
+COMMAND_NAMES = ("generate", "stream", "encode", "queue", "live", "plan", "worker", "demo")
+
+
+class _Commands(Mapping):
+    """Command name -> its module (``fewstep.cli.<name>``), imported when first asked for: each command module
+    imports the parts of the engine it runs, and a command's start-up should not pay for the others'."""
+
+    def __getitem__(self, name: str):
+        if name not in COMMAND_NAMES:
+            raise KeyError(name)
+        return importlib.import_module(f"{__name__}.{name}")
+
+    def __iter__(self):
+        return iter(COMMAND_NAMES)
+
+    def __len__(self) -> int:
+        return len(COMMAND_NAMES)
+
+
+COMMANDS = _Commands()
 
 # Engine argument names whose flag is not simply ``--`` + the name with dashes, per command. Every other engine
 # argument maps to the command's option of that name when it has one (``window_frames`` -> ``--window-frames``).
@@ -130,8 +142,20 @@ def as_flag_error(err: InputError, command: str, flags: dict[str, str]) -> Input
     return err
 
 
+def named_command(argv: list[str]) -> str | None:
+    """The command a command line names (its first word that is not an option: the global options take no value),
+    or None when it names none or asks for the overall help."""
+    for word in argv:
+        if word in ("-h", "--help"):
+            return None
+        if not word.startswith("-"):
+            return word if word in COMMAND_NAMES else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(only=named_command(argv))
     try:
         args = parser.parse_args(argv)
     except InputError as err:  # a value outside an option's choices (Parser)
@@ -157,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``only`` the global options and that one command (the only module imported)."""
     parser = Parser(
         prog="python -m fewstep",
         description=DESCRIPTION,
@@ -166,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     after = global_arguments(defaults=False)
-    for name, module in COMMANDS.items():
+    for name in COMMAND_NAMES if only is None else (only,):
+        module = COMMANDS[name]
         module.add_arguments(
             sub.add_parser(
                 name,

@@ -112,7 +112,7 @@ class MemBlock(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: Tensor, previous: Tensor) -> Tensor:
-        # self.conv's ReLUs and the final one, applied inside the convolutions they follow (fused_conv.py)
+        # self.conv's ReLUs in place, the residual add inside the last convolution, then the ReLU (fused_conv.py)
         h = conv_relu(self.conv[2], conv_relu(self.conv[0], torch.cat((x, previous), 1)))
         return conv_add_relu(self.conv[4], h, x)
 

@@ -14,7 +14,8 @@ from torch import nn
 from .fused_conv import conv_add_relu, conv_relu
 
 # 64-channel feature maps alive at once at full resolution at the peak, for the memory preflight: a Block keeps
-# its input (the skip), the conv chain's intermediate (its ReLUs are not in place) and the copy the CPU's oneDNN
+# its input (the skip), the conv chain's intermediate (measured when its ReLUs were not yet in place: an upper
+# bound now) and the copy the CPU's oneDNN
 # convolution reorders its input into. Measured peak RSS growth on the CPU in fp32 (tests/engine/preflight/test_memory_estimates.py):
 # 3.0 maps for the decoder, 3.1 for the encoder; 4 keeps a margin above both.
 FULL_RESOLUTION_MAPS = 4
@@ -58,7 +59,6 @@ class Block(nn.Module):
             conv(n_in, n_out), nn.ReLU(), conv(n_out, n_out), nn.ReLU(), conv(n_out, n_out)
         )
         self.skip = nn.Conv2d(n_in, n_out, 1, bias=False) if n_in != n_out else nn.Identity()
-        self.fuse = nn.ReLU()
         self.pool = None
         if pooled:
             wide = n_in * 4
@@ -72,7 +72,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pool is not None:
             x = x + self.pool(x)
-        # self.conv's ReLUs and self.fuse, applied inside the convolutions they follow (fused_conv.py)
+        # self.conv's ReLUs in place, the residual add inside the last convolution, then the ReLU (fused_conv.py)
         h = conv_relu(self.conv[2], conv_relu(self.conv[0], x))
         return conv_add_relu(self.conv[4], h, self.skip(x))
 
